@@ -1,0 +1,34 @@
+"""Evaluate a mod densely over (b, h, q_idx, kv_idx) with nested torch.vmap, as torch's math path does.
+
+Both the fp64 reference and the block-mask builder use this, so a mod means the same thing to
+both: vmap gives every index a 0-d value, which is what the traced kernels see too (nested
+indexing such as ``intervals[image_of[kv_idx]][0]`` would mean something else under plain
+broadcasting).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+# innermost first: kv, q, h, b
+_BHQKV_DIMS = ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None), (0, None, None, None))
+
+
+def vmap_bhqkv(fn: Callable, prefix: tuple = ()) -> Callable:
+    """Return ``fn`` vectorised over 1-D index tensors b, h, q_idx, kv_idx -> [B, H, Q, KV].
+
+    ``prefix`` gives the in_dims of leading arguments (for score_mod: ``(0,)``, a [B, H, Q, KV]
+    score tensor peeled one dimension per vmap level).
+    """
+    for dims in _BHQKV_DIMS:
+        fn = torch.vmap(fn, in_dims=prefix + dims, out_dims=0)
+    return fn
+
+
+def index_vectors(B: int, H: int, Q_LEN: int, KV_LEN: int, device, q_start: int = 0, kv_start: int = 0):
+    """int32 index vectors (b, h, q_idx, kv_idx), as the kernels use."""
+    kw = dict(device=device, dtype=torch.int32)
+    return (torch.arange(B, **kw), torch.arange(H, **kw),
+            torch.arange(q_start, q_start + Q_LEN, **kw), torch.arange(kv_start, kv_start + KV_LEN, **kw))

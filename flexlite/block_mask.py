@@ -1,0 +1,605 @@
+"""Block-sparse attention masks: ``BlockMask``, ``create_block_mask``, ``create_mask``, mask combinators.
+
+Same names, arguments and semantics as ``torch.nn.attention.flex_attention``.
+
+Notation used in shapes below:
+
+* ``B, H``: batch and heads of the mask (1 where the mask broadcasts);
+* ``Q_LEN, KV_LEN``: sequence lengths; ``BQ, BKV = BLOCK_SIZE``;
+* ``nQ = cdiv(Q_LEN, BQ)``, ``nKV = cdiv(KV_LEN, BKV)``: number of q / kv blocks.
+
+Block (qb, kb) covers ``q_idx in [qb*BQ, min((qb+1)*BQ, Q_LEN))`` and
+``kv_idx in [kb*BKV, min((kb+1)*BKV, KV_LEN))``. Judged over those in-range positions, a block is
+
+* *empty* if ``mask_mod`` is False everywhere: kernels skip it;
+* *full* if ``mask_mod`` is True everywhere: kernels compute it without calling ``mask_mod``
+  (``full_kv_*`` / ``full_q_*``);
+* *partial* otherwise: kernels compute it and apply ``mask_mod`` (``kv_*`` / ``q_*``).
+
+Divergence from torch: torch pads the ragged last block of each axis with False, so such a block
+is never full; here only in-range positions count (kernels bounds-check ragged blocks anyway), so a
+ragged block that is True everywhere in range is full.
+
+Compressed format (as torch's): ``num_blocks[..., r]`` is how many blocks row ``r`` has, and
+``indices[..., r, :num_blocks[..., r]]`` are their column indices in ascending order (the rest of
+the row is the other columns; kernels read only the prefix). The kv side has one row per q block
+(``kv_num_blocks [B, H, nQ]``, ``kv_indices [B, H, nQ, nKV]``); the q side, used by the backward
+pass, is its transpose (``q_num_blocks [B, H, nKV]``, ``q_indices [B, H, nKV, nQ]``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+import numbers
+import operator
+from typing import Callable, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ._vmap import index_vectors, vmap_bhqkv
+
+__all__ = ["BlockMask", "create_block_mask", "create_mask", "and_masks", "or_masks", "noop_mask"]
+
+_DEFAULT_SPARSE_BLOCK_SIZE = 128
+# create_block_mask evaluates mask_mod on at most this many positions at once (but always on at
+# least one row of q blocks), so a long sequence never needs its dense B x H x Q_LEN x KV_LEN mask.
+_CHUNK_ELEMENTS = 2 ** 24
+
+_MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+# ----------------------------------------------------------------------------------------------
+# mask_mods and combinators
+# ----------------------------------------------------------------------------------------------
+
+def noop_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    """mask_mod that keeps every position: a 0-d True."""
+    return b.new_ones((), dtype=torch.bool)
+
+
+def _mod_name(fn) -> str:
+    return getattr(fn, "__name__", None) or repr(fn)
+
+
+def _combine_masks(caller: str, mask_mods: tuple, op: Callable, empty: Callable) -> _MaskMod:
+    """mask_mod returning ``op``-reduction of ``mask_mods`` (``empty(b)`` when there are none).
+
+    Plain Python over the list of mods (no branch on tensor values), so it stays traceable by
+    torch.fx and vmap.
+    """
+    for i, mod in enumerate(mask_mods):
+        if not callable(mod):
+            raise TypeError(f"{caller}: argument {i} ({mod!r}) is not callable; "
+                            "expected mask_mod(b, h, q_idx, kv_idx) functions")
+
+    def combined(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        results = [mod(b, h, q_idx, kv_idx) for mod in mask_mods]
+        return functools.reduce(op, results) if results else empty(b)
+
+    combined.__name__ = combined.__qualname__ = f"{caller}({', '.join(map(_mod_name, mask_mods))})"
+    return combined
+
+
+def and_masks(*mask_mods: _MaskMod) -> _MaskMod:
+    """mask_mod keeping a position iff every one of ``mask_mods`` keeps it (no mods: keep all)."""
+    return _combine_masks("and_masks", mask_mods, operator.and_,
+                          lambda b: b.new_ones((), dtype=torch.bool))
+
+
+def or_masks(*mask_mods: _MaskMod) -> _MaskMod:
+    """mask_mod keeping a position iff any one of ``mask_mods`` keeps it (no mods: keep none)."""
+    return _combine_masks("or_masks", mask_mods, operator.or_,
+                          lambda b: b.new_zeros((), dtype=torch.bool))
+
+
+def _sliced_mask_mod_error(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    """mask_mod of a sliced BlockMask (as torch): the original's indices no longer line up."""
+    raise RuntimeError(
+        "Cannot use mask_mod from a sliced BlockMask: slicing with [] resets mask_mod, because "
+        "the batch/head/q-block positions of the slice no longer match the original mask_mod. "
+        "Assign one derived from the original BlockMask's mask_mod, e.g. "
+        "sliced.mask_mod = apply_offset(base_mask.mask_mod, offset).")
+
+
+# ----------------------------------------------------------------------------------------------
+# validation helpers
+# ----------------------------------------------------------------------------------------------
+
+def _positional_arity(fn: Callable) -> Optional[int]:
+    """Number of positional parameters without defaults; None if unknown (``*args``, builtins)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return None
+    return sum(1 for p in params
+               if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty)
+
+
+def _check_mask_mod(caller: str, mask_mod) -> None:
+    """TypeError unless ``mask_mod`` is a callable of the 4 arguments (b, h, q_idx, kv_idx)."""
+    if not callable(mask_mod):
+        raise TypeError(f"{caller}: mask_mod must be callable; got {type(mask_mod).__name__}")
+    n = _positional_arity(mask_mod)
+    if n is not None and n != 4:
+        hint = (" (this looks like a score_mod(score, b, h, q_idx, kv_idx); pass it to "
+                "flex_attention as score_mod instead)") if n == 5 else ""
+        raise TypeError(f"{caller}: mask_mod must take (b, h, q_idx, kv_idx); "
+                        f"got a function of {n} arguments{hint}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _check_positive_int(caller: str, name: str, value, allow_none: bool = False) -> int:
+    """``value`` as an int (None -> 1 when allowed); TypeError / ValueError naming ``name``."""
+    if value is None and allow_none:
+        return 1
+    if not _is_int(value):
+        kind = "a positive int or None" if allow_none else "a positive int"
+        raise TypeError(f"{caller}: {name} must be {kind}; got {value!r}")
+    if value <= 0:
+        raise ValueError(f"{caller}: {name} must be positive; got {value}")
+    return int(value)
+
+
+def _normalize_block_size(caller: str, BLOCK_SIZE) -> tuple[int, int]:
+    """int or (q, kv) -> (BQ, BKV), each a positive multiple of 16."""
+    sizes = (BLOCK_SIZE, BLOCK_SIZE) if _is_int(BLOCK_SIZE) else BLOCK_SIZE
+    if not (isinstance(sizes, (tuple, list)) and len(sizes) == 2 and all(map(_is_int, sizes))):
+        raise TypeError(f"{caller}: BLOCK_SIZE must be an int or a (Q_BLOCK_SIZE, KV_BLOCK_SIZE) "
+                        f"tuple of ints; got {BLOCK_SIZE!r}")
+    if any(s <= 0 or s % 16 for s in sizes):
+        raise ValueError(f"{caller}: BLOCK_SIZE must be positive multiples of 16; got {BLOCK_SIZE!r}")
+    return int(sizes[0]), int(sizes[1])
+
+
+def _resolve_device(device) -> torch.device:
+    """None -> "cuda" if available, else "cpu" (torch's default is the current accelerator)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ----------------------------------------------------------------------------------------------
+# block flags <-> compressed (num_blocks, indices)
+# ----------------------------------------------------------------------------------------------
+
+def _block_any(x: Tensor, rows: int, cols: int) -> Tensor:
+    """bool [..., R, C] -> bool [..., cdiv(R, rows), cdiv(C, cols)]: any() over each rows x cols tile.
+
+    The ragged last tile of each axis is padded with False, so only in-range entries count.
+    """
+    R, C = x.shape[-2:]
+    nr, nc = _cdiv(R, rows), _cdiv(C, cols)
+    if (nr * rows, nc * cols) != (R, C):
+        x = F.pad(x, (0, nc * cols - C, 0, nr * rows - R))
+    return x.reshape(*x.shape[:-2], nr, rows, nc, cols).any(dim=-1).any(dim=-2)
+
+
+def _block_all(x: Tensor, rows: int, cols: int) -> Tensor:
+    """As :func:`_block_any` with all(): the ragged tiles count only their in-range entries."""
+    return ~_block_any(~x, rows, cols)
+
+
+def _dense_to_ordered(flags: Tensor) -> tuple[Tensor, Tensor]:
+    """Compress block flags: bool [..., R, C] -> (num_blocks int32 [..., R], indices int32 [..., R, C]).
+
+    ``indices[..., r, :num_blocks[..., r]]`` are the set columns of row r, ascending, followed by
+    the unset ones (a stable descending sort of the flags, as torch).
+    """
+    flags = flags.to(torch.int8)
+    num_blocks = flags.sum(dim=-1, dtype=torch.int32)
+    indices = torch.argsort(flags, dim=-1, descending=True, stable=True)
+    return num_blocks.contiguous(), indices.to(torch.int32).contiguous()
+
+
+def _ordered_to_dense(num_blocks: Tensor, indices: Tensor, n_cols: int) -> Tensor:
+    """Expand compressed blocks: (num_blocks [..., R], indices [..., R, N], n_cols) -> bool [..., R, n_cols].
+
+    Only the first ``num_blocks[..., r]`` entries of each row are read.
+    """
+    n_entries = indices.shape[-1]
+    valid = torch.arange(n_entries, device=indices.device) < num_blocks.unsqueeze(-1)
+    # invalid entries write into an extra sink column, dropped below
+    target = torch.where(valid, indices.long(), n_cols)
+    dense = torch.zeros(*indices.shape[:-1], n_cols + 1, dtype=torch.bool, device=indices.device)
+    return dense.scatter_(-1, target, True)[..., :n_cols]
+
+
+def _transpose_ordered(num_blocks: Tensor, indices: Tensor) -> tuple[Tensor, Tensor]:
+    """kv side (num_blocks [..., nQ], indices [..., nQ, nKV]) -> q side ([..., nKV], [..., nKV, nQ])."""
+    dense = _ordered_to_dense(num_blocks, indices, indices.shape[-1])
+    return _dense_to_ordered(dense.transpose(-2, -1))
+
+
+# ----------------------------------------------------------------------------------------------
+# BlockMask
+# ----------------------------------------------------------------------------------------------
+
+def _check_block_tensor(name: str, t, ndim: int) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"BlockMask.from_kv_blocks: {name} must be a Tensor; got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"BlockMask.from_kv_blocks: {name} must be int32; got {t.dtype}")
+    if t.dim() != ndim:
+        raise ValueError(f"BlockMask.from_kv_blocks: {name} must have {ndim} dimensions "
+                         f"({'[B, H, nQ]' if ndim == 3 else '[B, H, nQ, nKV]'}); got shape "
+                         f"{tuple(t.shape)} (unsqueeze missing batch/head dimensions)")
+
+
+def _check_kv_pair(prefix: str, num_blocks, indices) -> None:
+    _check_block_tensor(f"{prefix}kv_num_blocks", num_blocks, 3)
+    _check_block_tensor(f"{prefix}kv_indices", indices, 4)
+    if num_blocks.shape != indices.shape[:-1]:
+        raise ValueError(f"BlockMask.from_kv_blocks: {prefix}kv_num_blocks shape {tuple(num_blocks.shape)} "
+                         f"must equal {prefix}kv_indices shape without its last dimension "
+                         f"{tuple(indices.shape[:-1])}")
+
+
+def _check_seq_lengths(seq_lengths) -> tuple[int, int]:
+    if not (isinstance(seq_lengths, (tuple, list)) and len(seq_lengths) == 2):
+        raise TypeError(f"BlockMask.from_kv_blocks: seq_lengths must be a (Q_LEN, KV_LEN) tuple; "
+                        f"got {seq_lengths!r}")
+    return tuple(_check_positive_int("BlockMask.from_kv_blocks", f"seq_lengths[{i}]", n)
+                 for i, n in enumerate(seq_lengths))
+
+
+class BlockMask:
+    """Block-sparse attention mask (torch's format; see the module docstring).
+
+    Attributes:
+        seq_lengths: (Q_LEN, KV_LEN).
+        kv_num_blocks: int32 [B, H, nQ], partial blocks per q block row.
+        kv_indices: int32 [B, H, nQ, nKV], their kv block indices (ascending prefix).
+        full_kv_num_blocks, full_kv_indices: the same for full blocks, or None (then there are
+            none: every non-empty block is partial).
+        q_num_blocks: int32 [B, H, nKV]; q_indices: int32 [B, H, nKV, nQ]: transpose of kv_*.
+        full_q_num_blocks, full_q_indices: transpose of full_kv_*, or None.
+        BLOCK_SIZE: (BQ, BKV).
+        mask_mod: the mask_mod(b, h, q_idx, kv_idx) applied inside partial blocks.
+    """
+
+    def __init__(
+        self,
+        seq_lengths: tuple[int, int],
+        kv_num_blocks: Tensor,
+        kv_indices: Tensor,
+        full_kv_num_blocks: Optional[Tensor],
+        full_kv_indices: Optional[Tensor],
+        q_num_blocks: Optional[Tensor],
+        q_indices: Optional[Tensor],
+        full_q_num_blocks: Optional[Tensor],
+        full_q_indices: Optional[Tensor],
+        BLOCK_SIZE: tuple[int, int] = (_DEFAULT_SPARSE_BLOCK_SIZE, _DEFAULT_SPARSE_BLOCK_SIZE),
+        mask_mod: _MaskMod = noop_mask,
+    ) -> None:
+        """Store the tensors as given; prefer :meth:`from_kv_blocks` or :func:`create_block_mask`."""
+        if (full_kv_num_blocks is None) != (full_kv_indices is None):
+            raise ValueError("BlockMask: full_kv_num_blocks and full_kv_indices must be both given or both None")
+        if (full_q_num_blocks is None) != (full_q_indices is None):
+            raise ValueError("BlockMask: full_q_num_blocks and full_q_indices must be both given or both None")
+        self.seq_lengths = tuple(seq_lengths)
+        self.kv_num_blocks = kv_num_blocks
+        self.kv_indices = kv_indices
+        self.full_kv_num_blocks = full_kv_num_blocks
+        self.full_kv_indices = full_kv_indices
+        self.q_num_blocks = q_num_blocks
+        self.q_indices = q_indices
+        self.full_q_num_blocks = full_q_num_blocks
+        self.full_q_indices = full_q_indices
+        self.BLOCK_SIZE = tuple(BLOCK_SIZE)
+        self.mask_mod = mask_mod
+
+    _TENSOR_ATTRS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                     "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+
+    # -- construction ----------------------------------------------------------------------------
+
+    @classmethod
+    def from_kv_blocks(
+        cls,
+        kv_num_blocks: Tensor,
+        kv_indices: Tensor,
+        full_kv_num_blocks: Optional[Tensor] = None,
+        full_kv_indices: Optional[Tensor] = None,
+        BLOCK_SIZE: Union[int, tuple[int, int]] = _DEFAULT_SPARSE_BLOCK_SIZE,
+        mask_mod: Optional[_MaskMod] = None,
+        seq_lengths: Optional[tuple[int, int]] = None,
+    ) -> "BlockMask":
+        """BlockMask from its kv side; the q side (q_*, full_q_*) is computed.
+
+        Args:
+            kv_num_blocks: int32 [B, H, nQ]; kv_indices: int32 [B, H, nQ, nKV] (partial blocks).
+            full_kv_num_blocks, full_kv_indices: same shapes (full blocks), or both None.
+            BLOCK_SIZE: int or (BQ, BKV), positive multiples of 16.
+            mask_mod: applied in partial blocks; None means :func:`noop_mask`.
+            seq_lengths: (Q_LEN, KV_LEN); None means (nQ * BQ, nKV * BKV).
+        """
+        caller = "BlockMask.from_kv_blocks"
+        _check_kv_pair("", kv_num_blocks, kv_indices)
+        if (full_kv_num_blocks is None) != (full_kv_indices is None):
+            raise ValueError(f"{caller}: full_kv_num_blocks and full_kv_indices must be both given or both None")
+        if full_kv_num_blocks is not None:
+            _check_kv_pair("full_", full_kv_num_blocks, full_kv_indices)
+            if full_kv_indices.shape != kv_indices.shape:
+                raise ValueError(f"{caller}: full_kv_indices shape {tuple(full_kv_indices.shape)} must "
+                                 f"equal kv_indices shape {tuple(kv_indices.shape)}")
+        tensors = [t for t in (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices) if t is not None]
+        if len({t.device for t in tensors}) > 1:
+            raise ValueError(f"{caller}: kv_* and full_kv_* tensors must be on one device; "
+                             f"got {[str(t.device) for t in tensors]}")
+        block_size = _normalize_block_size(caller, BLOCK_SIZE)
+        if mask_mod is not None:
+            _check_mask_mod(caller, mask_mod)
+        if seq_lengths is None:
+            seq_lengths = (kv_indices.shape[-2] * block_size[0], kv_indices.shape[-1] * block_size[1])
+        seq_lengths = _check_seq_lengths(seq_lengths)
+
+        q_num_blocks, q_indices = _transpose_ordered(kv_num_blocks, kv_indices)
+        full_q_num_blocks = full_q_indices = None
+        if full_kv_num_blocks is not None:
+            full_q_num_blocks, full_q_indices = _transpose_ordered(full_kv_num_blocks, full_kv_indices)
+        return cls(seq_lengths, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+                   q_num_blocks, q_indices, full_q_num_blocks, full_q_indices,
+                   BLOCK_SIZE=block_size, mask_mod=mask_mod if mask_mod is not None else noop_mask)
+
+    @classmethod
+    def _from_block_flags(cls, partial: Tensor, full: Optional[Tensor], seq_lengths: tuple[int, int],
+                          BLOCK_SIZE: tuple[int, int], mask_mod: _MaskMod) -> "BlockMask":
+        """BlockMask from bool block flags partial / full [B, H, nQ, nKV] (full may be None)."""
+        def both_sides(flags):
+            if flags is None:
+                return (None, None), (None, None)
+            return _dense_to_ordered(flags), _dense_to_ordered(flags.transpose(-2, -1))
+
+        (kv_n, kv_i), (q_n, q_i) = both_sides(partial)
+        (fkv_n, fkv_i), (fq_n, fq_i) = both_sides(full)
+        return cls(seq_lengths, kv_n, kv_i, fkv_n, fkv_i, q_n, q_i, fq_n, fq_i,
+                   BLOCK_SIZE=BLOCK_SIZE, mask_mod=mask_mod)
+
+    # -- views -------------------------------------------------------------------------------------
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """(B, H, Q_LEN, KV_LEN)."""
+        return tuple(self.kv_indices.shape[:-2]) + tuple(self.seq_lengths)
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv_num_blocks.device
+
+    def numel(self) -> int:
+        """B * H * Q_LEN * KV_LEN (positions covered, ignoring sparsity)."""
+        return functools.reduce(operator.mul, self.shape, 1)
+
+    def dense_blocks(self, full: bool) -> Tensor:
+        """bool [B, H, nQ, nKV]: the full blocks (``full=True``; all False if there are none) or the
+        partial blocks (``full=False``)."""
+        n_cols = self.kv_indices.shape[-1]
+        if not full:
+            return _ordered_to_dense(self.kv_num_blocks, self.kv_indices, n_cols)
+        if self.full_kv_num_blocks is None:
+            return torch.zeros(self.kv_indices.shape[:-1] + (n_cols,), dtype=torch.bool, device=self.device)
+        return _ordered_to_dense(self.full_kv_num_blocks, self.full_kv_indices, n_cols)
+
+    def to_dense(self) -> Tensor:
+        """int32 [B, H, nQ, nKV]: 1 where a block is computed (partial or full), else 0 (as torch)."""
+        return (self.dense_blocks(full=False) | self.dense_blocks(full=True)).to(torch.int32)
+
+    def sparsity(self) -> float:
+        """Percentage of blocks that are empty (skipped).
+
+        Counted in blocks; torch counts block areas against Q_LEN * KV_LEN, which differs (and
+        can go negative) when the lengths are not multiples of BLOCK_SIZE.
+        """
+        computed = self.kv_num_blocks.sum()
+        if self.full_kv_num_blocks is not None:
+            computed = computed + self.full_kv_num_blocks.sum()
+        total = self.kv_num_blocks.numel() * self.kv_indices.shape[-1]
+        return 100.0 * (1.0 - computed.item() / total)
+
+    def as_tuple(self, flatten: bool = True) -> tuple:
+        """(Q_LEN, KV_LEN, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+        q_num_blocks, q_indices, full_q_num_blocks, full_q_indices, BQ, BKV, mask_mod);
+        with ``flatten=False`` the lengths and block sizes stay tuples."""
+        seq_lengths = tuple(self.seq_lengths) if flatten else (self.seq_lengths,)
+        block_size = tuple(self.BLOCK_SIZE) if flatten else (self.BLOCK_SIZE,)
+        return (*seq_lengths, *(getattr(self, a) for a in self._TENSOR_ATTRS), *block_size, self.mask_mod)
+
+    def __getitem__(self, index) -> "BlockMask":
+        """Slice over batch, head (and q block) like torch: ints keep their dimension, so the
+        result stays [B', H', nQ', ...]. The q side is recomputed and ``mask_mod`` is reset to one
+        that raises (as torch): assign a mask_mod derived from the original's."""
+        index = index if isinstance(index, tuple) else (index,)
+        padded = (*index, slice(None), slice(None), slice(None))[:3]
+        sizes = self.kv_num_blocks.shape[:3]
+        index = tuple(self._int_to_slice(i, n) for i, n in zip(padded, sizes))
+        full = ((self.full_kv_num_blocks[index], self.full_kv_indices[index])
+                if self.full_kv_num_blocks is not None else (None, None))
+        return BlockMask.from_kv_blocks(self.kv_num_blocks[index], self.kv_indices[index], *full,
+                                        BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=_sliced_mask_mod_error,
+                                        seq_lengths=self.seq_lengths)
+
+    @staticmethod
+    def _int_to_slice(i, n: int):
+        if not _is_int(i):
+            return i
+        if not -n <= i < n:
+            raise IndexError(f"BlockMask index {i} is out of range for a dimension of size {n}")
+        i = i + n if i < 0 else i
+        return slice(i, i + 1)
+
+    def to(self, device: Union[torch.device, str]) -> "BlockMask":
+        """A new BlockMask with every tensor moved to ``device``."""
+        moved = {a: getattr(self, a) for a in self._TENSOR_ATTRS}
+        moved = {a: (t.to(device) if t is not None else None) for a, t in moved.items()}
+        return BlockMask(self.seq_lengths, **moved, BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod)
+
+    # -- printing ------------------------------------------------------------------------------
+
+    _GLYPHS = ("  ", "░░", "██")  # empty, partial (or mixed), full
+
+    def to_string(self, grid_size: Union[int, tuple[int, int]] = (20, 20), limit: int = 4) -> str:
+        """Text picture of the blocks of each (b, h): ``██`` full, ``░░`` partial, blank empty.
+
+        A grid larger than ``grid_size`` (rows, cols; an int for both; -1 or less for no limit) is
+        downsampled: a cell stands for several blocks and shows ██ if all are full, blank if all
+        are empty, ░░ otherwise. At most ``limit`` (b, h) grids are printed, then "...".
+        """
+        full = self.dense_blocks(full=True)
+        nonempty = self.dense_blocks(full=False) | full
+        *batch_dims, n_rows, n_cols = nonempty.shape
+        max_rows, max_cols = (grid_size, grid_size) if _is_int(grid_size) else grid_size
+        row_step = max(1, _cdiv(n_rows, max_rows)) if max_rows > 0 else 1
+        col_step = max(1, _cdiv(n_cols, max_cols)) if max_cols > 0 else 1
+        # 0 empty, 1 some non-empty block, 2 all full (a cell always holds at least one block)
+        codes = (_block_any(nonempty, row_step, col_step).to(torch.int8)
+                 + _block_all(full, row_step, col_step).to(torch.int8))
+
+        grids = []
+        for count, batch_idx in enumerate(itertools.product(*map(range, batch_dims))):
+            if count == limit:
+                grids += ["...", "To print out more, set BlockMask.to_string(limit=N)",
+                          "You can also index (BlockMask[batch, head]) to choose a specific batch or head"]
+                break
+            rows = codes[batch_idx].tolist()
+            grids.append(f"{batch_idx}\n" + "".join(
+                "".join(self._GLYPHS[c] for c in row) + "\n" for row in rows))
+        return "\n".join(grids)
+
+    def __str__(self) -> str:
+        return (f"BlockMask(shape={self.shape}, sparsity={self.sparsity():.2f}%, \n"
+                f"{self.to_string().rstrip(chr(10))}\n)")
+
+    def __repr__(self) -> str:
+        def shape_or_none(t):
+            return t.shape if t is not None else None
+        fields = "".join(f"    {a}={shape_or_none(getattr(self, a))},\n" for a in self._TENSOR_ATTRS)
+        return (f"BlockMask(\n{fields}"
+                f"    BLOCK_SIZE={self.BLOCK_SIZE},\n"
+                f"    shape={self.shape},\n"
+                f"    sparsity={self.sparsity():.2f}%,\n"
+                f"    mask_mod={_mod_name(self.mask_mod)}\n"
+                f")")
+
+
+# ----------------------------------------------------------------------------------------------
+# create_block_mask / create_mask
+# ----------------------------------------------------------------------------------------------
+
+def _as_bool_mask(mask: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """Check a vmapped mask_mod result: bool [B, H, Lq, Lkv]."""
+    if mask.dtype != torch.bool:
+        raise TypeError(f"create_block_mask: mask_mod must return a bool tensor; got {mask.dtype}")
+    if tuple(mask.shape) != shape:
+        raise ValueError("create_block_mask: mask_mod must return one value per (b, h, q_idx, kv_idx); "
+                         f"evaluated over {shape} it gave shape {tuple(mask.shape)}")
+    return mask
+
+
+def _block_flags(mask_mod: _MaskMod, B: int, H: int, Q_LEN: int, KV_LEN: int, device: torch.device,
+                 block_size: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """(any, all): bool [B, H, nQ, nKV], whether mask_mod is True at any / all in-range positions
+    of each block. mask_mod is evaluated a chunk of q block rows at a time (see _CHUNK_ELEMENTS)."""
+    bq, bkv = block_size
+    n_q = _cdiv(Q_LEN, bq)
+    rows_per_chunk = max(1, _CHUNK_ELEMENTS // (B * H * bq * KV_LEN))
+    mask_fn = vmap_bhqkv(mask_mod)
+    any_parts, all_parts = [], []
+    for first_row in range(0, n_q, rows_per_chunk):
+        q_start = first_row * bq
+        q_len = min(rows_per_chunk * bq, Q_LEN - q_start)
+        mask = mask_fn(*index_vectors(B, H, q_len, KV_LEN, device, q_start=q_start))
+        mask = _as_bool_mask(mask, (B, H, q_len, KV_LEN))
+        any_parts.append(_block_any(mask, bq, bkv))
+        all_parts.append(_block_all(mask, bq, bkv))
+    return torch.cat(any_parts, dim=2), torch.cat(all_parts, dim=2)
+
+
+def create_block_mask(
+    mask_mod: _MaskMod,
+    B: Optional[int],
+    H: Optional[int],
+    Q_LEN: int,
+    KV_LEN: int,
+    device=None,
+    BLOCK_SIZE: Union[int, tuple[int, int]] = _DEFAULT_SPARSE_BLOCK_SIZE,
+    _compile: bool = False,
+    separate_full_blocks: bool = True,
+) -> BlockMask:
+    """Build the BlockMask of ``mask_mod`` over [B, H, Q_LEN, KV_LEN].
+
+    Args:
+        mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (0-d int32 tensors in, True = keep).
+        B, H: batch and heads; None means 1 (the mask broadcasts over that dimension).
+        Q_LEN, KV_LEN: sequence lengths.
+        device: where to evaluate mask_mod and keep the result. None means "cuda" if
+            ``torch.cuda.is_available()`` else "cpu" (torch's default is its current accelerator).
+        BLOCK_SIZE: int or (BQ, BKV), positive multiples of 16.
+        _compile: accepted for compatibility with torch's signature; ignored.
+        separate_full_blocks: if False, full blocks are listed as partial ones (full_* are None).
+
+    Returns:
+        BlockMask with kv_num_blocks [B, H, nQ], kv_indices [B, H, nQ, nKV] and the full / q-side
+        counterparts. mask_mod is evaluated in chunks of q block rows (about 2**24 positions), so
+        the dense mask is never materialised: extra memory is O(number of blocks + one chunk).
+    """
+    caller = "create_block_mask"
+    _check_mask_mod(caller, mask_mod)
+    B = _check_positive_int(caller, "B", B, allow_none=True)
+    H = _check_positive_int(caller, "H", H, allow_none=True)
+    Q_LEN = _check_positive_int(caller, "Q_LEN", Q_LEN)
+    KV_LEN = _check_positive_int(caller, "KV_LEN", KV_LEN)
+    block_size = _normalize_block_size(caller, BLOCK_SIZE)
+    device = _resolve_device(device)
+
+    any_blocks, all_blocks = _block_flags(mask_mod, B, H, Q_LEN, KV_LEN, device, block_size)
+    if separate_full_blocks:
+        partial, full = any_blocks & ~all_blocks, all_blocks
+    else:
+        partial, full = any_blocks, None
+    return BlockMask._from_block_flags(partial, full, (Q_LEN, KV_LEN), block_size, mask_mod)
+
+
+def create_mask(
+    mod_fn: Callable,
+    B: Optional[int],
+    H: Optional[int],
+    Q_LEN: int,
+    KV_LEN: int,
+    device=None,
+) -> Tensor:
+    """Dense mask of a mod over all positions: bool [B, H, Q_LEN, KV_LEN] (B, H None -> 1).
+
+    ``mod_fn`` is a mask_mod (4 arguments: its value) or, as torch, a score_mod (5 arguments: True
+    where ``score_mod(0.0, b, h, q_idx, kv_idx)`` is not -inf). Materialises the whole mask: for
+    tests and visualisation. ``device`` defaults as in :func:`create_block_mask`.
+    """
+    caller = "create_mask"
+    if not callable(mod_fn):
+        raise TypeError(f"{caller}: mod_fn must be callable; got {type(mod_fn).__name__}")
+    n_args = _positional_arity(mod_fn) or 4  # unknown arity (*args): treat as a mask_mod
+    if n_args not in (4, 5):
+        raise TypeError(f"{caller}: mod_fn must be a mask_mod(b, h, q_idx, kv_idx) or a "
+                        f"score_mod(score, b, h, q_idx, kv_idx); got a function of {n_args} arguments")
+    B = _check_positive_int(caller, "B", B, allow_none=True)
+    H = _check_positive_int(caller, "H", H, allow_none=True)
+    Q_LEN = _check_positive_int(caller, "Q_LEN", Q_LEN)
+    KV_LEN = _check_positive_int(caller, "KV_LEN", KV_LEN)
+    device = _resolve_device(device)
+    indices = index_vectors(B, H, Q_LEN, KV_LEN, device)
+    if n_args == 4:
+        return vmap_bhqkv(mod_fn)(*indices)
+    scores = torch.zeros(B, H, Q_LEN, KV_LEN, device=device)
+    return ~torch.isneginf(vmap_bhqkv(mod_fn, prefix=(0,))(scores, *indices))

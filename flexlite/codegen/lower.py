@@ -1,0 +1,478 @@
+"""fx graph of a traced mod -> a ``@triton.jit`` function, through one op table.
+
+Every fx node becomes one line ``t_<name> = <expr>``. The table ``OPS`` maps an op key to a small
+format function; ``call_function`` targets (``operator.add``, ``torch.where``, ...) and
+``call_method`` names (``"clamp"``, ``"__getitem__"``, ...) are first normalised to that key, so
+adding an op is one table entry.
+
+Captured tensors become kernel arguments (pointer, then one stride and one size per dimension);
+indexing them with symbolic indices becomes a bounds-masked gather. The generated function's
+parameters are ``(score, b, h, q_idx, kv_idx, <captures>)`` for a score_mod and
+``(b, h, q_idx, kv_idx, <captures>)`` for a mask_mod.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from typing import Callable, Optional
+
+import torch
+import torch.fx as fx
+
+from .trace import TracedMod, UntraceableModError
+
+_TL_DTYPES = {
+    torch.bool: "tl.int1", torch.int8: "tl.int8", torch.uint8: "tl.uint8", torch.int16: "tl.int16",
+    torch.int32: "tl.int32", torch.int64: "tl.int64", torch.float16: "tl.float16",
+    torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32", torch.float64: "tl.float64",
+}
+INT64_INDEX_LIMIT = 2**31 - 1
+
+
+@dataclasses.dataclass
+class Val:
+    """A lowered value: Triton expression text, torch dtype, python value if it is a literal."""
+
+    expr: str
+    dtype: Optional[torch.dtype]
+    literal: object = None
+    is_literal: bool = False
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype is not None and self.dtype.is_floating_point
+
+    @property
+    def is_bool(self) -> bool:
+        return self.dtype == torch.bool
+
+
+@dataclasses.dataclass
+class _View:
+    """A captured tensor indexed on its leading dims so far (nothing is loaded until all are)."""
+
+    param: str
+    tensor: torch.Tensor
+    indices: tuple = ()
+
+
+def literal(value) -> Val:
+    if isinstance(value, bool):
+        return Val(repr(value), torch.bool, value, True)
+    if isinstance(value, int):
+        return Val(repr(value), torch.int64, value, True)
+    if isinstance(value, float):
+        text = repr(value) if math.isfinite(value) else f'float("{value}")'
+        return Val(text, torch.float32, value, True)
+    raise UntraceableModError(f"unsupported constant {value!r} of type {type(value).__name__}")
+
+
+def cast(v: Val, dtype: torch.dtype) -> str:
+    """Text of ``v`` converted to ``dtype`` (bool means != 0, like torch)."""
+    if v.is_literal:
+        py = bool if dtype == torch.bool else float if dtype.is_floating_point else int
+        return literal(py(v.literal)).expr
+    if v.dtype == dtype:
+        return v.expr
+    if dtype == torch.bool:
+        return f"({v.expr} != 0)"
+    return f"{v.expr}.to({_TL_DTYPES[dtype]})"
+
+
+def as_float(v: Val) -> str:
+    return v.expr if v.is_float else cast(v, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# the op table: key -> (args: list[Val], kwargs: dict, node) -> expression text
+
+def _binary(op):
+    return lambda a, kw, n: f"({a[0].expr} {op} {a[1].expr})"
+
+
+def _float_fn(fn):
+    return lambda a, kw, n: f"{fn}({as_float(a[0])})"
+
+
+def _truediv(a, kw, n):
+    x, y = a
+    if not x.is_float and not y.is_float:
+        return f"({as_float(x)} / {as_float(y)})"
+    return f"({x.expr} / {y.expr})"
+
+
+def _floordiv(a, kw, n):
+    x, y = a
+    if x.is_float or y.is_float:
+        return f"tl.floor({x.expr} / {y.expr})"
+    return f"py_floordiv({x.expr}, {y.expr})"
+
+
+def _mod(a, kw, n):
+    x, y = a
+    if x.is_float or y.is_float:
+        return f"({x.expr} - {y.expr} * tl.floor({x.expr} / {y.expr}))"
+    return f"py_mod({x.expr}, {y.expr})"
+
+
+def _fmod(a, kw, n):
+    x, y = a
+    if x.is_float or y.is_float:
+        return f"({x.expr} - {y.expr} * trunc_float({x.expr} / {y.expr}))"
+    return f"({x.expr} % {y.expr})"  # Triton's integer % truncates, like fmod
+
+
+def _div(a, kw, n):
+    mode = kw.get("rounding_mode")
+    if mode is None:
+        return _truediv(a, kw, n)
+    if mode == "floor":
+        return _floordiv(a, kw, n)
+    if mode == "trunc":
+        x, y = a
+        if x.is_float or y.is_float:
+            return f"trunc_float({x.expr} / {y.expr})"
+        return f"({x.expr} // {y.expr})"  # Triton's integer // truncates
+    raise UntraceableModError(f"torch.div rounding_mode={mode!r} is not supported")
+
+
+def _pow(a, kw, n):
+    x, y = a
+    if y.is_literal and float(y.literal).is_integer() and abs(y.literal) <= 8:
+        k = int(y.literal)
+        if k == 0:
+            return f"({x.expr} * 0 + 1)"
+        prod = " * ".join([x.expr] * abs(k))
+        return f"({prod})" if k > 0 else f"(1.0 / ({prod}))"
+    if y.is_literal and y.literal == 0.5:
+        return f"tl.sqrt({as_float(x)})"
+    if x.is_literal:
+        return f"tl.exp2({as_float(y)} * {math.log2(x.literal)!r})" if x.literal > 0 else _unsupported(n)
+    return f"tl.exp2({as_float(y)} * tl.log2({as_float(x)}))"
+
+
+def _minmax(fn):
+    def lower(a, kw, n):
+        x, y = a
+        nan = ", propagate_nan=tl.PropagateNan.ALL" if (x.is_float or y.is_float) else ""
+        return f"{fn}({x.expr}, {y.expr}{nan})"
+    return lower
+
+
+def _clamp(a, kw, n):
+    x = a[0]
+    lo = a[1] if len(a) > 1 else kw.get("min")
+    hi = a[2] if len(a) > 2 else kw.get("max")
+    expr = x
+    if lo is not None and not (lo.is_literal and lo.literal is None):
+        expr = Val(_minmax("tl.maximum")([expr, lo], {}, n), x.dtype)
+    if hi is not None and not (hi.is_literal and hi.literal is None):
+        expr = Val(_minmax("tl.minimum")([expr, hi], {}, n), x.dtype)
+    return expr.expr
+
+
+def _invert(a, kw, n):
+    return f"({a[0].expr} == 0)" if a[0].is_bool else f"(~{a[0].expr})"
+
+
+def _logical(op):
+    return lambda a, kw, n: f"({cast(a[0], torch.bool)} {op} {cast(a[1], torch.bool)})"
+
+
+def _where(a, kw, n):
+    c, x, y = a
+    return f"tl.where({cast(c, torch.bool)}, {x.expr}, {y.expr})"
+
+
+def _to(a, kw, n):
+    dtype = n.meta["dtype"]
+    return cast(a[0], dtype)
+
+
+def _constant(value_of: Callable):
+    def lower(a, kw, n):
+        dtype = n.meta["dtype"]
+        return f"tl.full([], {cast(literal(value_of(a, kw)), dtype)}, {_TL_DTYPES[dtype]})"
+    return lower
+
+
+def _gelu(a, kw, n):
+    x = as_float(a[0])
+    if kw.get("approximate", "none") == "tanh":
+        return f"(0.5 * {x} * (1.0 + tanh(0.7978845608028654 * ({x} + 0.044715 * {x} * {x} * {x}))))"
+    return f"(0.5 * {x} * (1.0 + tl.erf({x} * 0.7071067811865476)))"
+
+
+def _sign(a, kw, n):
+    x = a[0].expr
+    return f"tl.where({x} > 0, 1, tl.where({x} < 0, -1, 0)).to({_TL_DTYPES[n.meta['dtype']]})"
+
+
+def _floor_ceil(fn):
+    return lambda a, kw, n: f"{fn}({a[0].expr})" if a[0].is_float else a[0].expr
+
+
+def _unsupported(n):
+    raise UntraceableModError(f"no lowering for {n.format_node()}")
+
+
+OPS: dict[str, Callable] = {
+    "add": _binary("+"), "sub": _binary("-"), "mul": _binary("*"), "truediv": _truediv,
+    "floordiv": _floordiv, "mod": _mod, "fmod": _fmod, "div": _div, "pow": _pow,
+    "neg": lambda a, kw, n: f"(-{a[0].expr})", "pos": lambda a, kw, n: a[0].expr,
+    "abs": lambda a, kw, n: f"tl.abs({a[0].expr})",
+    "and": _binary("&"), "or": _binary("|"), "xor": _binary("^"), "invert": _invert,
+    "lshift": _binary("<<"), "rshift": _binary(">>"),
+    "eq": _binary("=="), "ne": _binary("!="), "lt": _binary("<"), "le": _binary("<="),
+    "gt": _binary(">"), "ge": _binary(">="),
+    "logical_and": _logical("&"), "logical_or": _logical("|"), "logical_xor": _logical("^"),
+    "logical_not": lambda a, kw, n: f"({cast(a[0], torch.bool)} == 0)",
+    "where": _where, "clamp": _clamp, "clamp_min": lambda a, kw, n: _clamp([a[0], a[1]], {}, n),
+    "clamp_max": lambda a, kw, n: _clamp([a[0]], {"max": a[1]}, n),
+    "minimum": _minmax("tl.minimum"), "maximum": _minmax("tl.maximum"),
+    "exp": _float_fn("tl.exp"), "exp2": _float_fn("tl.exp2"), "log": _float_fn("tl.log"),
+    "log2": _float_fn("tl.log2"), "sqrt": _float_fn("tl.sqrt"), "rsqrt": _float_fn("tl.rsqrt"),
+    "sin": _float_fn("tl.sin"), "cos": _float_fn("tl.cos"), "erf": _float_fn("tl.erf"),
+    "sigmoid": _float_fn("tl.sigmoid"), "tanh": _float_fn("tanh"),
+    "log1p": lambda a, kw, n: f"tl.log(1.0 + {as_float(a[0])})",
+    "expm1": lambda a, kw, n: f"(tl.exp({as_float(a[0])}) - 1.0)",
+    "floor": _floor_ceil("tl.floor"), "ceil": _floor_ceil("tl.ceil"), "sign": _sign,
+    "relu": lambda a, kw, n: f"tl.maximum({a[0].expr}, 0)", "gelu": _gelu,
+    "square": lambda a, kw, n: f"({a[0].expr} * {a[0].expr})",
+    "to": _to,
+    "ones_like": _constant(lambda a, kw: 1), "zeros_like": _constant(lambda a, kw: 0),
+    "full_like": _constant(lambda a, kw: (a[1].literal if len(a) > 1 else kw["fill_value"].literal)),
+    "new_full": _constant(lambda a, kw: (a[2].literal if len(a) > 2 else kw["fill_value"].literal)),
+}
+
+# call_function targets and call_method names -> op key
+_FUNCTIONS = {
+    operator.add: "add", operator.sub: "sub", operator.mul: "mul", operator.truediv: "truediv",
+    operator.floordiv: "floordiv", operator.mod: "mod", operator.pow: "pow", operator.neg: "neg",
+    operator.pos: "pos", abs: "abs", operator.abs: "abs", operator.and_: "and", operator.or_: "or",
+    operator.xor: "xor", operator.invert: "invert", operator.lshift: "lshift",
+    operator.rshift: "rshift", operator.eq: "eq", operator.ne: "ne", operator.lt: "lt",
+    operator.le: "le", operator.gt: "gt", operator.ge: "ge", operator.getitem: "getitem",
+    torch.nn.functional.relu: "relu", torch.nn.functional.gelu: "gelu",
+    torch.special.erf: "erf", torch.special.expit: "sigmoid", torch.special.exp2: "exp2",
+    torch.max: "maximum", torch.min: "minimum", torch.true_divide: "truediv",
+    torch.bitwise_and: "and", torch.bitwise_or: "or", torch.bitwise_xor: "xor",
+    torch.bitwise_not: "invert", torch.greater: "gt", torch.less: "lt",
+    torch.greater_equal: "ge", torch.less_equal: "le", torch.not_equal: "ne", torch.multiply: "mul",
+    torch.subtract: "sub", torch.divide: "div", torch.negative: "neg",
+}
+for _name in ("add", "sub", "mul", "div", "remainder", "fmod", "pow", "neg", "abs", "where", "clamp",
+              "clamp_min", "clamp_max", "clip", "minimum", "maximum", "exp", "exp2", "log", "log2", "sqrt",
+              "rsqrt", "sin", "cos", "erf", "sigmoid", "tanh", "log1p", "expm1", "floor", "ceil", "sign",
+              "relu", "square", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or",
+              "logical_xor", "logical_not", "ones_like", "zeros_like", "full_like", "floor_divide"):
+    _FUNCTIONS[getattr(torch, _name)] = _name
+_ALIASES = {"remainder": "mod", "clip": "clamp", "floor_divide": "floordiv", "__getitem__": "getitem",
+            "__and__": "and", "__or__": "or", "__xor__": "xor", "__invert__": "invert", "bitwise_not": "invert",
+            "float": "to", "int": "to", "long": "to", "bool": "to", "half": "to", "bfloat16": "to",
+            "double": "to", "type": "to", "new_ones": "ones_like", "new_zeros": "zeros_like",
+            "masked_fill": None, "true_divide": "truediv"}
+
+
+def op_key(node: fx.Node) -> Optional[str]:
+    if node.op == "call_function":
+        return _ALIASES.get(_FUNCTIONS.get(node.target), _FUNCTIONS.get(node.target))
+    if node.op == "call_method":
+        name = _ALIASES.get(node.target, node.target)
+        return name if name == "getitem" or name in OPS else None
+    return None
+
+
+def _target_name(node: fx.Node) -> str:
+    t = node.target
+    if node.op == "call_method":
+        return f"Tensor.{t}"
+    return getattr(t, "__qualname__", None) or getattr(t, "__name__", None) or str(t)
+
+
+# ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class LoweredMod:
+    """A mod as Triton source: ``source`` defines ``@triton.jit def <fn_name>(<inputs>, <params>)``."""
+
+    fn_name: str
+    source: str
+    params: list  # kernel parameter names for the captured tensors, in order
+    tensors: list  # captured tensors, in order (one per pointer parameter)
+
+    def kernel_args(self) -> list:
+        """Runtime values for ``params``: per tensor its pointer, strides, sizes."""
+        out = []
+        for t in self.tensors:
+            out.append(t)
+            out.extend(t.stride())
+            out.extend(t.shape)
+        return out
+
+
+class _Lowerer:
+    def __init__(self, traced: TracedMod, prefix: str):
+        self.traced = traced
+        self.prefix = prefix
+        self.lines: list[str] = []
+        self.params: list[str] = []
+        self.tensors: list[torch.Tensor] = []
+        self.views: dict[str, _View] = {}
+        self.env: dict[fx.Node, object] = {}
+
+    def fail(self, node: fx.Node, why: str):
+        raise UntraceableModError(f"{self.traced.kind} {self.traced.name!r}: {why} (at `{node.format_node()}`)")
+
+    # -- captured tensors
+    def capture(self, node: fx.Node) -> _View:
+        if node.target not in self.views:
+            tensor = self.traced.captured[node.target]
+            param = f"{self.prefix}c{len(self.tensors)}"
+            self.params += [param] + [f"{param}_s{d}" for d in range(tensor.dim())] + \
+                           [f"{param}_n{d}" for d in range(tensor.dim())]
+            self.tensors.append(tensor)
+            self.views[node.target] = _View(param, tensor)
+        return self.views[node.target]
+
+    def index(self, node: fx.Node, view: _View, index) -> object:
+        items = index if isinstance(index, tuple) else (index,)
+        for item in items:
+            if not isinstance(item, Val):
+                self.fail(node, f"captured tensors can only be indexed by integers and index values, "
+                                f"not {type(item).__name__} (no slicing, None or ...)")
+            if item.is_float or item.is_bool:
+                self.fail(node, "a captured tensor is indexed by a float or bool value; index with integers")
+        view = _View(view.param, view.tensor, view.indices + items)
+        if len(view.indices) > view.tensor.dim():
+            self.fail(node, f"too many indices for a captured tensor of {view.tensor.dim()} dims")
+        return self.load(node, view) if len(view.indices) == view.tensor.dim() else view
+
+    def load(self, node: fx.Node, view: _View) -> Val:
+        p = view.param
+        wide = view.tensor.numel() > INT64_INDEX_LIMIT
+        offsets, masks = [], []
+        for d, ix in enumerate(view.indices):
+            if ix.is_literal:
+                if not -view.tensor.shape[d] <= ix.literal < view.tensor.shape[d]:
+                    self.fail(node, f"constant index {ix.literal} is out of range for dim {d} of size "
+                                    f"{view.tensor.shape[d]}")
+                text = f"({ix.literal} + {p}_n{d})" if ix.literal < 0 else repr(ix.literal)
+            else:
+                # python-style negative indices wrap; anything still out of range reads 0
+                raw = ix.expr + (".to(tl.int64)" if wide else "")
+                text = f"t_{node.name}_i{d}"
+                self.lines.append(f"{text} = {raw}")
+                self.lines.append(f"{text} = tl.where({text} < 0, {text} + {p}_n{d}, {text})")
+                masks.append(f"({text} >= 0) & ({text} < {p}_n{d})")
+            offsets.append(f"{text} * {p}_s{d}")
+        ptr = " + ".join([p] + offsets)
+        mask = f", mask={' & '.join(masks)}, other=0" if masks else ""
+        return self.emit(node, f"tl.load({ptr}{mask})", view.tensor.dtype)
+
+    # -- values
+    def arg(self, node: fx.Node, a):
+        if isinstance(a, fx.Node):
+            v = self.env[a]
+            return v
+        if isinstance(a, (tuple, list)):
+            return tuple(self.arg(node, x) for x in a)
+        if isinstance(a, (bool, int, float)):
+            return literal(a)
+        if a is None or isinstance(a, (torch.dtype, str, slice, type(Ellipsis), torch.device)):
+            return a if a is not None else literal_none()
+        self.fail(node, f"unsupported argument {a!r}")
+
+    def value(self, node: fx.Node, v) -> Val:
+        if isinstance(v, _View):
+            if v.tensor.dim() == len(v.indices):
+                return self.load(node, v)
+            self.fail(node, f"a captured tensor of shape {tuple(v.tensor.shape)} is used with "
+                            f"{len(v.indices)} indices; index every dimension")
+        return v
+
+    def emit(self, node: fx.Node, expr: str, dtype) -> Val:
+        name = f"t_{node.name}"
+        self.lines.append(f"{name} = {expr}")
+        return Val(name, dtype)
+
+    def run(self) -> tuple[list[str], Val]:
+        result = None
+        for node in self.traced.graph_module.graph.nodes:
+            if node.op == "placeholder":
+                self.env[node] = Val(node.target, node.meta["dtype"])
+            elif node.op == "get_attr":
+                view = self.capture(node)
+                self.env[node] = self.load(node, view) if view.tensor.dim() == 0 else view
+            elif node.op in ("call_function", "call_method"):
+                self.env[node] = self.call(node)
+            elif node.op == "output":
+                out = node.args[0]
+                result = self.value(node, self.arg(node, out))
+            else:
+                self.fail(node, f"unsupported fx node kind {node.op}")
+        return self.lines, result
+
+    def call(self, node: fx.Node):
+        key = op_key(node)
+        if key is None:
+            self.fail(node, f"no lowering for {_target_name(node)}; supported ops: {', '.join(sorted(OPS))}")
+        args = [self.arg(node, a) for a in node.args]
+        kwargs = {k: self.arg(node, v) for k, v in node.kwargs.items()}
+        if key == "getitem":
+            base, index = args
+            if not isinstance(base, _View):
+                self.fail(node, "only captured tensors can be indexed")
+            return self.index(node, base, index)
+        if key in ("ones_like", "zeros_like", "full_like", "new_full"):  # only the first arg's dtype matters
+            return self.emit(node, OPS[key](args, kwargs, node), node.meta["dtype"])
+        args = [self.value(node, a) if isinstance(a, (Val, _View)) else a for a in args]
+        kwargs = {k: self.value(node, v) if isinstance(v, (Val, _View)) else v for k, v in kwargs.items()}
+        return self.emit(node, OPS[key](args, kwargs, node), node.meta.get("dtype"))
+
+
+def _uses_score(gm: fx.GraphModule) -> bool:
+    """Whether the mod's output depends on ``score`` (else it must be broadcast to the score tile)."""
+    stack, seen = [n for n in gm.graph.nodes if n.op == "output"], set()
+    while stack:
+        node = stack.pop()
+        if node.op == "placeholder" and node.target == "score":
+            return True
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    return False
+
+
+def literal_none() -> Val:
+    return Val("None", None, None, True)
+
+
+def lower_mod(traced: TracedMod, fn_name: str, prefix: str) -> LoweredMod:
+    """Lower a traced mod to ``@triton.jit def fn_name(...)``; captured params are named ``prefix``c<i>."""
+    low = _Lowerer(traced, prefix)
+    lines, result = low.run()
+    if traced.kind == "score_mod":
+        out = cast(result, torch.float32)
+        if not _uses_score(traced.graph_module):
+            out = f"{out} + tl.zeros_like(score)"  # broadcast a mod that ignores the score to its tile
+    else:
+        out = cast(result, torch.bool)
+    inputs = list(traced.arg_names)
+    header = f"def {fn_name}({', '.join(inputs + low.params)}):"
+    doc = f'    """{traced.kind} {traced.name!r}, traced and lowered by flexlite."""'
+    body = [f"    {line}" for line in lines] + [f"    return {out}"]
+    source = "\n".join(["@triton.jit", header, doc] + body) + "\n"
+    return LoweredMod(fn_name=fn_name, source=source, params=low.params, tensors=low.tensors)
+
+
+def identity_score_mod() -> LoweredMod:
+    src = "@triton.jit\ndef score_mod(score, b, h, q_idx, kv_idx):\n    return score\n"
+    return LoweredMod("score_mod", src, [], [])
+
+
+def noop_mask_mod() -> LoweredMod:
+    src = "@triton.jit\ndef mask_mod(b, h, q_idx, kv_idx):\n    return True\n"
+    return LoweredMod("mask_mod", src, [], [])

@@ -1,0 +1,52 @@
+"""Jinja environment: render a kernel template with lowered mods spliced in.
+
+Templates know nothing about tracing: they receive each mod as ready Triton source plus the names of
+its captured-tensor parameters.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import jinja2
+
+from .lower import LoweredMod
+
+TEMPLATE_DIR = Path(__file__).parent / "templates"
+
+
+@functools.lru_cache(maxsize=None)
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+
+
+def load_template(name: str) -> jinja2.Template:
+    return _environment().get_template(name)
+
+
+def _param_list(names: list) -> str:
+    """``"a, b, "`` (trailing comma so it splices before more arguments) or ``""``."""
+    return "".join(f"{n}, " for n in names)
+
+
+def render(template: str, score_mod: LoweredMod, mask_mod: LoweredMod, *, interpret: bool,
+           score_mod_name: str = "none", mask_mod_name: str = "none") -> str:
+    """Render ``template`` (e.g. ``"fwd.py.jinja"``) into kernel source text."""
+    return load_template(template).render(
+        template_name=template,
+        interpret=interpret,
+        score_mod_source=score_mod.source,
+        mask_mod_source=mask_mod.source,
+        score_mod_name=score_mod_name,
+        mask_mod_name=mask_mod_name,
+        score_args=_param_list(score_mod.params),
+        mask_args=_param_list(mask_mod.params),
+        mod_params=_param_list(score_mod.params + mask_mod.params),
+    )

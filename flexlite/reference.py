@@ -1,0 +1,84 @@
+"""Dense fp64 attention with mods applied through vmap: THE reference for tests, examples, benchmarks.
+
+Semantics (the same as torch's FlexAttention and as flexlite's kernels):
+
+* ``score = (q @ k^T) * scale``, then ``score_mod(score, b, h, q_idx, kv_idx)``;
+* a position is kept if its block is a *full* block of ``block_mask``, or its block is a *partial*
+  block and ``block_mask.mask_mod(b, h, q_idx, kv_idx)`` is True; everything else is -inf;
+* softmax over kv; a query row with nothing kept gives output 0 and LSE -inf (never NaN);
+* the LSE is in natural log.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+
+from ._vmap import index_vectors, vmap_bhqkv
+
+
+def _expand_blocks(blocks: torch.Tensor, block_size: tuple[int, int], q_len: int, kv_len: int) -> torch.Tensor:
+    """[B, H, nQ, nKV] block flags -> [B, H, Q_LEN, KV_LEN] element flags."""
+    return (blocks.repeat_interleave(block_size[0], dim=-2)
+                  .repeat_interleave(block_size[1], dim=-1)[..., :q_len, :kv_len])
+
+
+def reference_mask(block_mask, B: int, H: int, device) -> torch.Tensor:
+    """Dense bool [B|1, H|1, Q_LEN, KV_LEN] of the positions ``block_mask`` keeps (kernel semantics)."""
+    q_len, kv_len = block_mask.seq_lengths
+    full = torch.zeros(block_mask.kv_num_blocks.shape + (block_mask.kv_indices.shape[-1],),
+                       dtype=torch.bool, device=device)
+    partial = block_mask.dense_blocks(full=False).to(device)
+    if block_mask.full_kv_num_blocks is not None:
+        full = block_mask.dense_blocks(full=True).to(device)
+    keep = _expand_blocks(full, block_mask.BLOCK_SIZE, q_len, kv_len)
+    partial = _expand_blocks(partial, block_mask.BLOCK_SIZE, q_len, kv_len)
+    if block_mask.mask_mod is not None:
+        mb, mh = block_mask.kv_num_blocks.shape[:2]
+        mask = vmap_bhqkv(block_mask.mask_mod)(*index_vectors(mb, mh, q_len, kv_len, device))
+        partial = partial & mask.to(torch.bool)
+    return keep | partial
+
+
+def attention_reference(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    score_mod: Optional[Callable] = None,
+    block_mask=None,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense attention in fp64.
+
+    Args:
+        query: [B, Hq, Lq, E]; key: [B, Hkv, Lkv, E]; value: [B, Hkv, Lkv, Ev].
+        score_mod, block_mask, scale, enable_gqa: as in :func:`flexlite.flex_attention`.
+
+    Returns:
+        ``(out, lse)``: out [B, Hq, Lq, Ev] fp64, lse [B, Hq, Lq] fp64 (natural log).
+        Differentiable: gradients flow back to the inputs and to tensors captured by score_mod.
+    """
+    B, Hq, Lq, E = query.shape
+    Hkv, Lkv = key.shape[1], key.shape[2]
+    q, k, v = query.double(), key.double(), value.double()
+    if Hq != Hkv:
+        if not enable_gqa:
+            raise ValueError(f"attention_reference: Hq={Hq} != Hkv={Hkv}; pass enable_gqa=True")
+        k = k.repeat_interleave(Hq // Hkv, dim=1)
+        v = v.repeat_interleave(Hq // Hkv, dim=1)
+    scale = 1.0 / math.sqrt(E) if scale is None else scale
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if score_mod is not None:
+        scores = vmap_bhqkv(score_mod, prefix=(0,))(scores, *index_vectors(B, Hq, Lq, Lkv, q.device))
+        scores = scores.double()
+    if block_mask is not None:
+        keep = reference_mask(block_mask, B, Hq, q.device).expand(B, Hq, Lq, Lkv)
+        scores = scores.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    # [Note] fully masked rows: lse is -inf there; subtract 0 instead so p is 0, not NaN.
+    safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    p = torch.exp(scores - safe_lse.unsqueeze(-1))
+    return p @ v, lse

@@ -1,0 +1,138 @@
+"""Kernel source -> importable module of ``@triton.jit`` functions, cached by content hash.
+
+Triton reads a jit function's source from its file, so each rendered kernel is written to
+``<cache dir>/kernels/flexlite_<hash>.py`` (atomically) and imported with importlib, as inductor
+does. That file is also what users open to read a generated kernel.
+
+CPU tensors run the same kernels through Triton's interpreter: a module is imported with
+``TRITON_INTERPRET=1`` for CPU launches and without it for GPU launches, so one process can use both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import os
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import triton
+
+_LOCK = threading.Lock()
+_MODULES: dict = {}
+
+
+def cache_dir() -> Path:
+    """``$FLEXLITE_CACHE_DIR``, else ``$XDG_CACHE_HOME/flexlite``, else ``~/.cache/flexlite``."""
+    root = os.environ.get("FLEXLITE_CACHE_DIR")
+    if root:
+        return Path(root)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "flexlite"
+
+
+def _writable_kernel_dir() -> Path:
+    for d in (cache_dir() / "kernels", Path(tempfile.gettempdir()) / f"flexlite-{os.getuid()}" / "kernels"):
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            if os.access(d, os.W_OK):
+                return d
+        except OSError:
+            continue
+    raise OSError("flexlite: no writable kernel cache directory; set FLEXLITE_CACHE_DIR to a writable folder")
+
+
+def source_hash(source: str) -> str:
+    return hashlib.sha256(f"{triton.__version__}\n{source}".encode()).hexdigest()[:24]
+
+
+def write_source(source: str) -> Path:
+    """Write ``source`` under its hash (atomic rename; an existing intact file is reused)."""
+    path = _writable_kernel_dir() / f"flexlite_{source_hash(source)}.py"
+    try:
+        if path.read_text() == source:
+            return path
+    except OSError:
+        pass
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(source)
+    os.replace(tmp, path)
+    return path
+
+
+@contextlib.contextmanager
+def _interpret_env(interpret: bool):
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+_LANG_SWAP: list = []  # (module, name, jit fn, interpreted fn), built once
+
+
+def _lang_swaps() -> list:
+    if not _LANG_SWAP:
+        import triton.language as tl
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+
+        try:  # the launcher imports gluon lazily, which insists on un-swapped helpers: import it now
+            import triton.experimental.gluon  # noqa: F401
+        except ImportError:
+            pass
+        modules = {tl, tl.core, tl.standard, tl.math}
+        for mod in modules:
+            for name, value in list(vars(mod).items()):
+                if isinstance(value, JITFunction):
+                    _LANG_SWAP.append((mod, name, value, InterpretedFunction(value.fn)))
+    return _LANG_SWAP
+
+
+@contextlib.contextmanager
+def interpreter_scope(interpret: bool):
+    """Context for a launch. For the interpreter, triton.language's own ``@jit`` helpers (``tl.zeros``,
+    ``tl.sum``, ...) must be interpreted too; if triton was imported without ``TRITON_INTERPRET=1``
+    they are compiled-kernel objects, so swap in interpreted twins for the launch."""
+    if not interpret:
+        yield
+        return
+    with _LOCK:
+        swaps = _lang_swaps()
+        for mod, name, _, interp in swaps:
+            setattr(mod, name, interp)
+        try:
+            yield
+        finally:
+            for mod, name, jit_fn, _ in swaps:
+                setattr(mod, name, jit_fn)
+
+
+def load_module(source: str, interpret: bool) -> ModuleType:
+    """Import the kernel module for ``source`` (cached); ``interpret`` selects Triton's interpreter."""
+    key = (source_hash(source), interpret)
+    with _LOCK:
+        module = _MODULES.get(key)
+        if module is not None:
+            return module
+        path = write_source(source)
+        name = f"flexlite_kernels.{path.stem}{'_interp' if interpret else ''}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        with _interpret_env(interpret):
+            spec.loader.exec_module(module)
+        sys.modules[name] = module
+        _MODULES[key] = module
+        if os.environ.get("FLEXLITE_SHOW_KERNELS", "0") not in ("", "0"):
+            print(f"[flexlite] kernel {path}\n{source}", file=sys.stderr)
+        return module

@@ -1,0 +1,470 @@
+"""Tests for flexlite.block_mask: block masks checked exactly against a dense oracle.
+
+The oracle evaluates each mask_mod densely per (b, h) with its own two-level vmap (independent of
+the builder's chunked vmap_bhqkv path) and classifies blocks with explicit loops over block tiles.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.fx
+
+import flexlite.block_mask as bm_mod
+from catalog import CATALOG, USES_BH
+from flexlite.block_mask import (BlockMask, and_masks, create_block_mask, create_mask, noop_mask,
+                                 or_masks)
+
+DEVICE = "cpu"
+SIZES = [(1, 1, 1, 1), (1, 1, 63, 63), (2, 2, 111, 200), (1, 2, 256, 256), (2, 1, 200, 111)]
+BLOCKS = [128, (32, 64), (16, 16)]
+
+
+# ----------------------------------------------------------------------------------------------
+# oracle
+# ----------------------------------------------------------------------------------------------
+
+def keep_all(b, h, q_idx, kv_idx):
+    return q_idx >= 0
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def keep_none(b, h, q_idx, kv_idx):
+    return q_idx < 0
+
+
+def catalog_mask(name, B, H, Lq, Lkv):
+    mask_mod = CATALOG[name](B, H, Lq, Lkv, DEVICE).mask_mod
+    return mask_mod if mask_mod is not None else keep_all
+
+
+def oracle_dense(mask_mod, B, H, Lq, Lkv):
+    """bool [B, H, Lq, Lkv], one (b, h) at a time."""
+    q = torch.arange(Lq, dtype=torch.int32)
+    kv = torch.arange(Lkv, dtype=torch.int32)
+    out = torch.empty(B, H, Lq, Lkv, dtype=torch.bool)
+    for b, h in itertools.product(range(B), range(H)):
+        bt, ht = torch.tensor(b, dtype=torch.int32), torch.tensor(h, dtype=torch.int32)
+
+        def one(qi, ki):
+            return mask_mod(bt, ht, qi, ki)
+        grid = torch.vmap(torch.vmap(one, in_dims=(None, 0)), in_dims=(0, None))
+        out[b, h] = grid(q, kv)
+    return out
+
+
+def oracle_blocks(dense, bq, bkv):
+    """(partial, full) bool [B, H, nQ, nKV] from a dense mask, tile by tile."""
+    B, H, Lq, Lkv = dense.shape
+    nq, nkv = -(-Lq // bq), -(-Lkv // bkv)
+    partial = torch.zeros(B, H, nq, nkv, dtype=torch.bool)
+    full = torch.zeros(B, H, nq, nkv, dtype=torch.bool)
+    for i, j in itertools.product(range(nq), range(nkv)):
+        tile = dense[:, :, i * bq:(i + 1) * bq, j * bkv:(j + 1) * bkv].flatten(2)
+        full[:, :, i, j] = tile.all(-1)
+        partial[:, :, i, j] = tile.any(-1) & ~tile.all(-1)
+    return partial, full
+
+
+def expand_blocks(flags, bq, bkv, Lq, Lkv):
+    return flags.repeat_interleave(bq, -2).repeat_interleave(bkv, -1)[..., :Lq, :Lkv]
+
+
+def check_ordered(num_blocks, indices, flags):
+    """(num_blocks, indices) compress bool flags [..., R, C]: ascending valid prefix, permutation rows."""
+    assert num_blocks.dtype == torch.int32 and indices.dtype == torch.int32
+    assert indices.shape == flags.shape
+    assert torch.equal(num_blocks, flags.sum(-1).to(torch.int32))
+    C = flags.shape[-1]
+    for n, row, want in zip(num_blocks.flatten().tolist(), indices.reshape(-1, C).tolist(),
+                            flags.reshape(-1, C).tolist()):
+        assert row[:n] == [c for c in range(C) if want[c]]
+        assert sorted(row) == list(range(C))
+
+
+def check_block_mask(bm, partial, full):
+    """bm matches oracle block flags on both sides, through every accessor."""
+    assert torch.equal(bm.dense_blocks(full=False), partial)
+    assert torch.equal(bm.dense_blocks(full=True), full)
+    assert torch.equal(bm.to_dense(), (partial | full).to(torch.int32))
+    check_ordered(bm.kv_num_blocks, bm.kv_indices, partial)
+    check_ordered(bm.full_kv_num_blocks, bm.full_kv_indices, full)
+    check_ordered(bm.q_num_blocks, bm.q_indices, partial.transpose(-2, -1))
+    check_ordered(bm.full_q_num_blocks, bm.full_q_indices, full.transpose(-2, -1))
+
+
+def block_tuple(block):
+    return (block, block) if isinstance(block, int) else block
+
+
+# ----------------------------------------------------------------------------------------------
+# create_block_mask vs the oracle
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("block", BLOCKS, ids=str)
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("name", sorted(CATALOG))
+def test_create_block_mask_matches_oracle(name, size, block):
+    B, H, Lq, Lkv = size
+    bq, bkv = block_tuple(block)
+    mask_mod = catalog_mask(name, B, H, Lq, Lkv)
+    bm = create_block_mask(mask_mod, B, H, Lq, Lkv, device=DEVICE, BLOCK_SIZE=block)
+    dense = oracle_dense(mask_mod, B, H, Lq, Lkv)
+    partial, full = oracle_blocks(dense, bq, bkv)
+
+    assert bm.shape == (B, H, Lq, Lkv) and bm.seq_lengths == (Lq, Lkv)
+    assert bm.BLOCK_SIZE == (bq, bkv) and bm.mask_mod is mask_mod
+    check_block_mask(bm, partial, full)
+    # kernel semantics reproduce the element mask: full blocks, plus mask_mod inside partial ones
+    keep = expand_blocks(full, bq, bkv, Lq, Lkv) | (expand_blocks(partial, bq, bkv, Lq, Lkv) & dense)
+    assert torch.equal(keep, dense)
+
+
+@pytest.mark.parametrize("name", sorted(CATALOG))
+def test_broadcast_b_h_none(name):
+    B, H, L = 2, 3, 100
+    mask_mod = catalog_mask(name, B, H, L, L)
+    bm = create_block_mask(mask_mod, None, None, L, L, device=DEVICE, BLOCK_SIZE=32)
+    assert bm.shape == (1, 1, L, L) and bm.kv_indices.shape == (1, 1, 4, 4)
+    partial, full = oracle_blocks(oracle_dense(mask_mod, 1, 1, L, L), 32, 32)
+    check_block_mask(bm, partial, full)
+    if name not in USES_BH:
+        full_bh = create_block_mask(mask_mod, B, H, L, L, device=DEVICE, BLOCK_SIZE=32)
+        assert torch.equal(full_bh.to_dense(), bm.to_dense().expand(B, H, 4, 4))
+
+
+def test_ragged_edge_block_can_be_full():
+    """Only in-range positions count: a ragged edge block that is all True is full (torch: partial)."""
+    bm = create_block_mask(keep_all, 1, 1, 200, 111, device=DEVICE, BLOCK_SIZE=128)
+    assert bm.dense_blocks(full=True).all() and not bm.dense_blocks(full=False).any()
+
+
+def test_separate_full_blocks_false():
+    bm = create_block_mask(causal, 1, 1, 256, 256, device=DEVICE, separate_full_blocks=False)
+    assert bm.full_kv_num_blocks is None and bm.full_q_indices is None
+    assert torch.equal(bm.dense_blocks(full=False), torch.tensor([[[[True, False], [True, True]]]]))
+    assert not bm.dense_blocks(full=True).any()
+
+
+def test_default_device():
+    bm = create_block_mask(causal, 1, 1, 64, 64, BLOCK_SIZE=16)
+    assert bm.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# ----------------------------------------------------------------------------------------------
+# chunked evaluation
+# ----------------------------------------------------------------------------------------------
+
+def counting(mask_mod):
+    calls = []
+
+    def counted(b, h, q_idx, kv_idx):
+        calls.append(1)  # vmap calls the mod once per evaluation (with batched tensors)
+        return mask_mod(b, h, q_idx, kv_idx)
+    return counted, calls
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 2, 3])
+@pytest.mark.parametrize("name", ["document", "per_batch_head", "nested_index", "sliding_window"])
+def test_chunking_gives_identical_results(monkeypatch, name, chunk_rows):
+    B, H, Lq, Lkv, bq, bkv = 2, 2, 200, 150, 32, 16
+    mask_mod = catalog_mask(name, B, H, Lq, Lkv)
+    whole = create_block_mask(mask_mod, B, H, Lq, Lkv, device=DEVICE, BLOCK_SIZE=(bq, bkv))
+    counted, calls = counting(mask_mod)
+    monkeypatch.setattr(bm_mod, "_CHUNK_ELEMENTS", chunk_rows * B * H * bq * Lkv)
+    chunked = create_block_mask(counted, B, H, Lq, Lkv, device=DEVICE, BLOCK_SIZE=(bq, bkv))
+    n_q = -(-Lq // bq)
+    assert len(calls) == -(-n_q // chunk_rows)
+    for a, b in zip(whole.as_tuple()[2:10], chunked.as_tuple()[2:10]):
+        assert torch.equal(a, b)
+
+
+def test_tiny_chunk_constant_still_evaluates_one_block_row(monkeypatch):
+    monkeypatch.setattr(bm_mod, "_CHUNK_ELEMENTS", 1)
+    counted, calls = counting(causal)
+    bm = create_block_mask(counted, 1, 1, 130, 130, device=DEVICE, BLOCK_SIZE=16)
+    assert len(calls) == 9
+    check_block_mask(bm, *oracle_blocks(oracle_dense(causal, 1, 1, 130, 130), 16, 16))
+
+
+def test_default_chunk_is_bounded(monkeypatch):
+    """A long mask is evaluated in pieces of at most _CHUNK_ELEMENTS positions."""
+    shapes = []
+    real = bm_mod.index_vectors
+
+    def spy(B, H, Lq, Lkv, device, q_start=0, kv_start=0):
+        shapes.append((B, H, Lq, Lkv, q_start))
+        return real(B, H, Lq, Lkv, device, q_start=q_start, kv_start=kv_start)
+    monkeypatch.setattr(bm_mod, "index_vectors", spy)
+    create_block_mask(causal, 2, 2, 8192, 4096, device=DEVICE)
+    assert len(shapes) > 1
+    assert all(B * H * Lq * Lkv <= bm_mod._CHUNK_ELEMENTS for B, H, Lq, Lkv, _ in shapes)
+    assert [s[-1] for s in shapes] == list(range(0, 8192, shapes[0][2]))
+
+
+# ----------------------------------------------------------------------------------------------
+# from_kv_blocks, slicing, moving
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["causal", "document", "per_batch_head", "fully_masked_rows"])
+def test_from_kv_blocks_round_trip(name):
+    B, H, Lq, Lkv = 2, 2, 111, 200
+    mask_mod = catalog_mask(name, B, H, Lq, Lkv)
+    bm = create_block_mask(mask_mod, B, H, Lq, Lkv, device=DEVICE, BLOCK_SIZE=(16, 32))
+    again = BlockMask.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
+                                     bm.full_kv_indices, BLOCK_SIZE=bm.BLOCK_SIZE,
+                                     mask_mod=bm.mask_mod, seq_lengths=bm.seq_lengths)
+    for a, b in zip(bm.as_tuple(), again.as_tuple()):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+def test_from_kv_blocks_defaults_and_unordered_tail():
+    # rows list their blocks first; what follows num_blocks is ignored (here: junk repeats)
+    kv_num_blocks = torch.tensor([[[1, 2]]], dtype=torch.int32)
+    kv_indices = torch.tensor([[[[1, 1, 1], [0, 2, 0]]]], dtype=torch.int32)
+    bm = BlockMask.from_kv_blocks(kv_num_blocks, kv_indices)
+    assert bm.BLOCK_SIZE == (128, 128) and bm.seq_lengths == (256, 384) and bm.shape == (1, 1, 256, 384)
+    assert bm.mask_mod is noop_mask
+    assert bm.full_kv_num_blocks is None and bm.full_q_num_blocks is None
+    want = torch.tensor([[[[False, True, False], [True, False, True]]]])
+    assert torch.equal(bm.dense_blocks(full=False), want)
+    assert not bm.dense_blocks(full=True).any()
+    check_ordered(bm.q_num_blocks, bm.q_indices, want.transpose(-2, -1))
+    assert bm.sparsity() == pytest.approx(50.0)
+
+
+GETITEM_INDICES = [1, -1, (slice(None), 2), (1, 2), (slice(0, 2), slice(1, 3)), (0, slice(None), 2),
+                   (slice(None), slice(None), torch.tensor([0, 3])), torch.tensor([1, 0])]
+
+
+@pytest.mark.parametrize("index", GETITEM_INDICES, ids=repr)
+def test_getitem(index):
+    B, H, L = 2, 3, 128
+    mask_mod = catalog_mask("per_batch_head", B, H, L, L)
+    bm = create_block_mask(mask_mod, B, H, L, L, device=DEVICE, BLOCK_SIZE=32)
+    sub = bm[index]
+    tup = index if isinstance(index, tuple) else (index,)
+    dense_index = tuple(slice(i, i + 1 if i != -1 else None) if isinstance(i, int) else i for i in tup)
+    partial = bm.dense_blocks(full=False)[dense_index]
+    full = bm.dense_blocks(full=True)[dense_index]
+    assert sub.kv_num_blocks.dim() == 3 and sub.kv_indices.dim() == 4
+    assert sub.seq_lengths == bm.seq_lengths and sub.BLOCK_SIZE == bm.BLOCK_SIZE
+    check_block_mask(sub, partial, full)
+    with pytest.raises(RuntimeError, match="sliced BlockMask"):
+        sub.mask_mod(*(torch.tensor(0),) * 4)
+
+
+def test_getitem_out_of_range():
+    bm = create_block_mask(causal, 2, 1, 64, 64, device=DEVICE, BLOCK_SIZE=16)
+    with pytest.raises(IndexError, match="out of range"):
+        bm[2]
+
+
+def test_to_device_and_as_tuple():
+    bm = create_block_mask(causal, 1, 2, 64, 64, device=DEVICE, BLOCK_SIZE=16)
+    moved = bm.to("meta")
+    assert moved.device.type == "meta" and bm.device.type == "cpu"
+    assert all(getattr(moved, a).device.type == "meta" for a in BlockMask._TENSOR_ATTRS)
+    back = bm.to(torch.device("cpu"))
+    assert torch.equal(back.kv_indices, bm.kv_indices) and back.mask_mod is causal
+    flat = bm.as_tuple()
+    assert len(flat) == 13 and flat[:2] == (64, 64) and flat[-3:] == (16, 16, causal)
+    assert flat[2] is bm.kv_num_blocks and flat[9] is bm.full_q_indices
+    nested = bm.as_tuple(flatten=False)
+    assert len(nested) == 11 and nested[0] == (64, 64) and nested[-2] == (16, 16)
+    assert bm.numel() == 1 * 2 * 64 * 64
+
+
+# ----------------------------------------------------------------------------------------------
+# sparsity and printing
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mask_mod, L, block, want", [
+    (causal, 256, 128, 25.0),     # blocks: partial, empty / full, partial
+    (causal, 200, 128, 25.0),     # counted in blocks, also for ragged lengths
+    (keep_all, 300, 64, 0.0),
+    (keep_none, 100, 16, 100.0),
+    (causal, 512, 128, 37.5),     # 6 of 16 blocks empty
+])
+def test_sparsity(mask_mod, L, block, want):
+    bm = create_block_mask(mask_mod, 1, 1, L, L, device=DEVICE, BLOCK_SIZE=block)
+    assert bm.sparsity() == pytest.approx(want)
+
+
+def test_str_small_causal_exact():
+    bm = create_block_mask(causal, 1, 1, 256, 256, device=DEVICE, BLOCK_SIZE=128)
+    # block (0,0): diagonal -> partial; (0,1): all kv > q -> empty; (1,0): all kv < q -> full
+    assert bm.to_string() == "(0, 0)\n░░  \n██░░\n"
+    assert str(bm) == "BlockMask(shape=(1, 1, 256, 256), sparsity=25.00%, \n(0, 0)\n░░  \n██░░\n)"
+
+
+def test_to_string_limit():
+    bm = create_block_mask(causal, 1, 3, 256, 256, device=DEVICE, BLOCK_SIZE=128)
+    assert bm.to_string(limit=1) == (
+        "(0, 0)\n░░  \n██░░\n\n...\n"
+        "To print out more, set BlockMask.to_string(limit=N)\n"
+        "You can also index (BlockMask[batch, head]) to choose a specific batch or head")
+    assert bm.to_string().count("██░░") == 3 and "..." not in bm.to_string()
+    assert bm.to_string().startswith("(0, 0)\n") and "\n(0, 2)\n" in bm.to_string()
+
+
+def test_to_string_downsamples_large_masks():
+    bm = create_block_mask(causal, 1, 1, 4096, 4096, device=DEVICE, BLOCK_SIZE=128)  # 32 x 32 blocks
+    lines = bm.to_string().splitlines()
+    # default grid (20, 20): 2 x 2 blocks per cell; a diagonal cell mixes partial/empty/full -> ░
+    assert lines[0] == "(0, 0)" and len(lines) == 1 + 16
+    assert lines[1:] == ["██" * i + "░░" + "  " * (15 - i) for i in range(16)]
+    assert len(bm.to_string(grid_size=8).splitlines()) == 1 + 8
+    assert len(bm.to_string(grid_size=-1).splitlines()) == 1 + 32
+    assert len(bm.to_string(grid_size=(4, 32)).splitlines()[1]) == 64
+
+
+def test_to_string_mixed_full_and_empty_cell_is_partial():
+    def even_kv_blocks(b, h, q_idx, kv_idx):
+        return (kv_idx // 16) % 2 == 0
+    bm = create_block_mask(even_kv_blocks, 1, 1, 64, 64, device=DEVICE, BLOCK_SIZE=16)
+    assert bm.to_string() == "(0, 0)\n" + "██  ██  \n" * 4
+    assert bm.to_string(grid_size=(4, 2)) == "(0, 0)\n" + "░░░░\n" * 4
+
+
+def test_repr_lists_shapes():
+    bm = create_block_mask(causal, 2, 1, 256, 128, device=DEVICE, BLOCK_SIZE=(64, 32))
+    text = repr(bm)
+    assert text.startswith("BlockMask(\n    kv_num_blocks=torch.Size([2, 1, 4]),\n")
+    assert "q_indices=torch.Size([2, 1, 4, 4])" in text
+    assert "BLOCK_SIZE=(64, 32)" in text and "shape=(2, 1, 256, 128)" in text
+    assert text.endswith("mask_mod=causal\n)")
+
+
+# ----------------------------------------------------------------------------------------------
+# create_mask and combinators
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["causal", "document", "nested_index", "per_batch_head"])
+def test_create_mask_matches_oracle(name):
+    B, H, Lq, Lkv = 2, 2, 37, 53
+    mask_mod = catalog_mask(name, B, H, Lq, Lkv)
+    got = create_mask(mask_mod, B, H, Lq, Lkv, device=DEVICE)
+    assert got.dtype == torch.bool and torch.equal(got, oracle_dense(mask_mod, B, H, Lq, Lkv))
+
+
+def test_create_mask_score_mod_and_broadcast():
+    def neg_inf_above_diagonal(score, b, h, q_idx, kv_idx):
+        return torch.where(q_idx >= kv_idx, score, -float("inf"))
+    got = create_mask(neg_inf_above_diagonal, None, None, 20, 30, device=DEVICE)
+    assert got.shape == (1, 1, 20, 30) and got.dtype == torch.bool
+    assert torch.equal(got, oracle_dense(causal, 1, 1, 20, 30))
+    alibi = CATALOG["alibi_causal"](1, 2, 8, 8, DEVICE).score_mod
+    assert create_mask(alibi, 1, 2, 8, 8, device=DEVICE).all()
+
+
+def test_combinators():
+    sliding = catalog_mask("sliding_window", 1, 1, 90, 90)
+    prefix = catalog_mask("prefix_lm", 1, 1, 90, 90)
+    a, p = oracle_dense(sliding, 1, 1, 90, 90), oracle_dense(prefix, 1, 1, 90, 90)
+    assert torch.equal(create_mask(and_masks(sliding, prefix), 1, 1, 90, 90, DEVICE), a & p)
+    assert torch.equal(create_mask(or_masks(sliding, prefix), 1, 1, 90, 90, DEVICE), a | p)
+    assert torch.equal(create_mask(and_masks(sliding), 1, 1, 90, 90, DEVICE), a)
+    assert create_mask(and_masks(), 1, 1, 9, 9, DEVICE).all()
+    assert not create_mask(or_masks(), 1, 1, 9, 9, DEVICE).any()
+    assert create_mask(noop_mask, 2, 1, 9, 9, DEVICE).all()
+    assert and_masks(causal, noop_mask).__name__ == "and_masks(causal, noop_mask)"
+    assert or_masks(causal).__name__ == "or_masks(causal)"
+    bm = create_block_mask(or_masks(causal, keep_none), 1, 1, 256, 256, device=DEVICE)
+    assert str(bm).endswith("░░  \n██░░\n)")
+
+
+@pytest.mark.parametrize("mod", [and_masks(causal, catalog_mask("prefix_lm", 1, 1, 64, 64)),
+                                 or_masks(causal, noop_mask), and_masks(), or_masks(), noop_mask],
+                         ids=lambda m: m.__name__)
+def test_mods_are_fx_traceable(mod):
+    gm = torch.fx.symbolic_trace(mod)
+    assert torch.equal(create_mask(gm, 1, 1, 64, 64, DEVICE), create_mask(mod, 1, 1, 64, 64, DEVICE))
+
+
+# ----------------------------------------------------------------------------------------------
+# validation
+# ----------------------------------------------------------------------------------------------
+
+def three_args(b, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def score_mod(score, b, h, q_idx, kv_idx):
+    return score
+
+
+def int_mask(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx).to(torch.int32)
+
+
+def vector_mask(b, h, q_idx, kv_idx):
+    return torch.stack([q_idx >= kv_idx, q_idx < kv_idx])
+
+
+@pytest.mark.parametrize("args, kwargs, exc, match", [
+    ((5, 1, 1, 8, 8), {}, TypeError, "mask_mod must be callable"),
+    ((three_args, 1, 1, 8, 8), {}, TypeError, "must take (b, h, q_idx, kv_idx); got a function of 3 arguments"),
+    ((score_mod, 1, 1, 8, 8), {}, TypeError, "looks like a score_mod"),
+    ((causal, 0, 1, 8, 8), {}, ValueError, "B must be positive"),
+    ((causal, 1, 1.5, 8, 8), {}, TypeError, "H must be a positive int or None"),
+    ((causal, True, 1, 8, 8), {}, TypeError, "B must be"),
+    ((causal, 1, 1, 0, 8), {}, ValueError, "Q_LEN must be positive"),
+    ((causal, 1, 1, 8, None), {}, TypeError, "KV_LEN must be a positive int"),
+    ((causal, 1, 1, 8, 8), {"BLOCK_SIZE": 100}, ValueError, "BLOCK_SIZE must be positive multiples of 16"),
+    ((causal, 1, 1, 8, 8), {"BLOCK_SIZE": 0}, ValueError, "BLOCK_SIZE"),
+    ((causal, 1, 1, 8, 8), {"BLOCK_SIZE": (32, -16)}, ValueError, "BLOCK_SIZE"),
+    ((causal, 1, 1, 8, 8), {"BLOCK_SIZE": (32,)}, TypeError, "BLOCK_SIZE must be an int or"),
+    ((causal, 1, 1, 8, 8), {"BLOCK_SIZE": "128"}, TypeError, "BLOCK_SIZE"),
+    ((int_mask, 1, 1, 8, 8), {}, TypeError, "must return a bool tensor"),
+    ((vector_mask, 1, 1, 8, 8), {}, ValueError, "one value per (b, h, q_idx, kv_idx)"),
+])
+def test_create_block_mask_errors(args, kwargs, exc, match):
+    with pytest.raises(exc, match=match.replace("(", r"\(").replace(")", r"\)")):
+        create_block_mask(*args, device=DEVICE, **kwargs)
+
+
+def _kv(nb_dtype=torch.int32, idx_dtype=torch.int32, nb_shape=(1, 1, 2), idx_shape=(1, 1, 2, 3)):
+    return torch.zeros(nb_shape, dtype=nb_dtype), torch.zeros(idx_shape, dtype=idx_dtype)
+
+
+@pytest.mark.parametrize("args, kwargs, exc, match", [
+    (([1], _kv()[1]), {}, TypeError, "kv_num_blocks must be a Tensor"),
+    (_kv(nb_dtype=torch.int64), {}, TypeError, "kv_num_blocks must be int32"),
+    (_kv(idx_dtype=torch.int64), {}, TypeError, "kv_indices must be int32"),
+    (_kv(nb_shape=(2,), idx_shape=(2, 3)), {}, ValueError, "kv_num_blocks must have 3 dimensions"),
+    (_kv(idx_shape=(1, 2, 3)), {}, ValueError, "kv_indices must have 4 dimensions"),
+    (_kv(nb_shape=(1, 1, 3)), {}, ValueError, "kv_num_blocks shape (1, 1, 3) must equal"),
+    (_kv(), {"full_kv_num_blocks": _kv()[0]}, ValueError, "both given or both None"),
+    (_kv(), {"full_kv_num_blocks": _kv()[0], "full_kv_indices": _kv()[1].long()}, TypeError,
+     "full_kv_indices must be int32"),
+    (_kv(), dict(zip(("full_kv_num_blocks", "full_kv_indices"), _kv(nb_shape=(1, 1, 2), idx_shape=(1, 1, 2, 4)))),
+     ValueError, "full_kv_indices shape"),
+    (_kv(), {"BLOCK_SIZE": 8}, ValueError, "BLOCK_SIZE"),
+    (_kv(), {"mask_mod": "causal"}, TypeError, "mask_mod must be callable"),
+    (_kv(), {"mask_mod": score_mod}, TypeError, "looks like a score_mod"),
+    (_kv(), {"seq_lengths": (0, 10)}, ValueError, "seq_lengths[0] must be positive"),
+    (_kv(), {"seq_lengths": 10}, TypeError, "seq_lengths must be a (Q_LEN, KV_LEN) tuple"),
+])
+def test_from_kv_blocks_errors(args, kwargs, exc, match):
+    escaped = "".join("\\" + c if c in "()[]" else c for c in match)
+    with pytest.raises(exc, match=escaped):
+        BlockMask.from_kv_blocks(*args, **kwargs)
+
+
+@pytest.mark.parametrize("call, exc, match", [
+    (lambda: and_masks(causal, 3), TypeError, "and_masks: argument 1 (3) is not callable"),
+    (lambda: or_masks("x"), TypeError, "or_masks: argument 0 ('x') is not callable"),
+    (lambda: create_mask(three_args, 1, 1, 4, 4, DEVICE), TypeError, "got a function of 3 arguments"),
+    (lambda: create_mask(None, 1, 1, 4, 4, DEVICE), TypeError, "mod_fn must be callable"),
+    (lambda: create_mask(causal, 1, 1, -4, 4, DEVICE), ValueError, "Q_LEN must be positive"),
+])
+def test_other_errors(call, exc, match):
+    escaped = "".join("\\" + c if c in "()[]" else c for c in match)
+    with pytest.raises(exc, match=escaped):
+        call()
