@@ -130,3 +130,24 @@ CATALOG = {
 
 # masks whose value depends on b or h (their block masks are built with real B, H; others with 1, 1)
 USES_BH = {"per_batch_head"}
+
+
+def composed(B, H, Lq, Lkv, device):
+    """Mods that call other mods, combined with and_masks / or_masks; a score_mod calling a helper."""
+    from flexlite import and_masks, or_masks
+
+    def window(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx <= 24
+
+    def prefix(b, h, q_idx, kv_idx):
+        return kv_idx < 16
+
+    def bias(q_idx, kv_idx):
+        return torch.where(q_idx > kv_idx, -0.5, 0.25)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score * 0.5 + bias(q_idx, kv_idx)
+    return Case(score_mod=score_mod, mask_mod=and_masks(_causal, or_masks(window, prefix)))
+
+
+CATALOG["composed"] = composed

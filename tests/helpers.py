@@ -1,0 +1,40 @@
+"""Tolerances and an assertion helper shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+
+# (atol, rtol) against the fp64 reference, per input dtype
+TOLERANCES = {
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (4e-3, 4e-3),
+    torch.bfloat16: (2.5e-2, 2.5e-2),
+}
+LSE_TOLERANCES = {torch.float32: (2e-5, 2e-5), torch.float16: (1e-3, 1e-3), torch.bfloat16: (1e-2, 1e-2)}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float, name: str = "output"):
+    """Like torch.testing.assert_close (infinities must match exactly), reporting the first bad index
+    and any NaN."""
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    a, e = actual.double().cpu(), expected.double().cpu()
+    nan = torch.isnan(a) & ~torch.isnan(e)
+    assert not nan.any(), f"{name}: NaN at {nan.nonzero()[:5].tolist()} ({int(nan.sum())} in all)"
+    both_inf = torch.isinf(a) & torch.isinf(e) & (torch.sign(a) == torch.sign(e))
+    bad = ~both_inf & ~((a - e).abs() <= atol + rtol * e.abs())
+    if bad.any():
+        first = bad.nonzero()[0].tolist()
+        idx = tuple(first)
+        diff = (a - e).abs()[~both_inf]
+        raise AssertionError(
+            f"{name}: {int(bad.sum())} of {a.numel()} elements differ; first at {first}: got {a[idx].item()}, "
+            f"expected {e[idx].item()}; max abs diff {diff.max().item():.3g} (atol {atol}, rtol {rtol})")
+
+
+def rand_qkv(B, Hq, Hkv, Lq, Lkv, D, Dv=None, dtype=torch.float32, device="cpu", seed=0):
+    """Random q [B,Hq,Lq,D], k [B,Hkv,Lkv,D], v [B,Hkv,Lkv,Dv] (fresh values, never zeros)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, Lq, D, generator=g)
+    k = torch.randn(B, Hkv, Lkv, D, generator=g)
+    v = torch.randn(B, Hkv, Lkv, Dv or D, generator=g)
+    return [t.to(dtype=dtype, device=device) for t in (q, k, v)]

@@ -1,0 +1,118 @@
+"""flex_attention forward vs the fp64 reference: catalog mods x shapes x dtypes, and API behaviour."""
+
+import pytest
+import torch
+
+from catalog import CATALOG, USES_BH
+from flexlite import attention_reference, create_block_mask, flex_attention
+from helpers import LSE_TOLERANCES, TOLERANCES, assert_close, rand_qkv
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (B, Hq, Hkv, Lq, Lkv, D)
+SHAPES = [
+    pytest.param((1, 1, 1, 1, 1, 32), id="B1-H1-L1-D32"),
+    pytest.param((2, 2, 2, 63, 63, 64), id="B2-H2-L63-D64"),
+    pytest.param((1, 2, 2, 111, 200, 80), id="B1-H2-Lq111-Lkv200-D80"),
+    pytest.param((1, 4, 2, 200, 111, 128), id="B1-H4-Hkv2-Lq200-Lkv111-D128-gqa"),
+    pytest.param((2, 2, 1, 256, 256, 32), id="B2-H2-Hkv1-L256-D32-mqa"),
+]
+
+
+def run_case(name, shape, dtype, block_size=128, kernel_options=None):
+    B, Hq, Hkv, Lq, Lkv, D = shape
+    case = CATALOG[name](B, Hq, Lq, Lkv, "cpu")
+    q, k, v = rand_qkv(B, Hq, Hkv, Lq, Lkv, D, dtype=dtype, seed=hash((name, shape)) % 1000)
+    bm = None
+    if case.mask_mod is not None:
+        mb, mh = (B, Hq) if name in USES_BH else (None, None)
+        bm = create_block_mask(case.mask_mod, mb, mh, Lq, Lkv, device="cpu", BLOCK_SIZE=block_size)
+    out, lse = flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm, enable_gqa=Hq != Hkv,
+                              return_lse=True, kernel_options=kernel_options)
+    ref_out, ref_lse = attention_reference(q, k, v, score_mod=case.score_mod, block_mask=bm, enable_gqa=Hq != Hkv)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert_close(out, ref_out, *TOLERANCES[dtype], name=f"{name} out")
+    assert_close(lse, ref_lse, *LSE_TOLERANCES[dtype], name=f"{name} lse")
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("name", sorted(CATALOG))
+def test_catalog(name, shape, dtype):
+    run_case(name, shape, dtype)
+
+
+@pytest.mark.parametrize("block_size", [(32, 64), (16, 16), (256, 128), (48, 80)], ids=str)
+@pytest.mark.parametrize("name", ["causal", "document", "sliding_window", "per_batch_head"])
+def test_block_sizes(name, block_size):
+    run_case(name, (2, 2, 2, 200, 137, 64), torch.float32, block_size=block_size)
+
+
+@pytest.mark.parametrize("opts", [dict(BLOCK_M=16, BLOCK_N=32), dict(BLOCK_M=64, BLOCK_N=16, num_warps=8),
+                                  dict(BLOCK_M=128, BLOCK_N=128, num_stages=2, PRESCALE_QK=True)], ids=str)
+def test_kernel_options_pin_tiles(opts):
+    run_case("alibi_causal", (1, 2, 2, 111, 200, 64), torch.float16, kernel_options=opts)
+
+
+@pytest.mark.parametrize("d, dv", [(16, 16), (48, 48), (96, 96), (256, 256), (64, 32), (24, 80), (1, 8)], ids=str)
+def test_head_dims(d, dv):
+    q, k, v = rand_qkv(1, 2, 2, 70, 90, d, dv, dtype=torch.float16)
+    bm = create_block_mask(CATALOG["causal"](1, 2, 70, 90, "cpu").mask_mod, None, None, 70, 90, device="cpu")
+    out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True)
+    ref_out, ref_lse = attention_reference(q, k, v, block_mask=bm)
+    assert out.shape == (1, 2, 70, dv)
+    assert_close(out, ref_out, *TOLERANCES[torch.float16])
+    assert_close(lse, ref_lse, *LSE_TOLERANCES[torch.float16], name="lse")
+
+
+def test_non_contiguous_inputs():
+    # [B, L, H, D] storage viewed as [B, H, L, D], plus a strided slice of the head dim
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 77, 3, 64, generator=g).transpose(1, 2)
+    k = torch.randn(2, 90, 3, 128, generator=g).transpose(1, 2)[..., ::2]
+    v = torch.randn(2, 3, 64, 90, generator=g).transpose(-1, -2)
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    case = CATALOG["alibi_causal"](2, 3, 77, 90, "cpu")
+    bm = create_block_mask(case.mask_mod, None, None, 77, 90, device="cpu")
+    out = flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm)
+    ref_out, _ = attention_reference(q, k, v, score_mod=case.score_mod, block_mask=bm)
+    assert_close(out, ref_out, *TOLERANCES[torch.float32])
+
+
+def test_scale_and_default_scale():
+    q, k, v = rand_qkv(1, 1, 1, 40, 50, 32)
+    for scale in (None, 0.3, 2):
+        out = flex_attention(q, k, v, scale=scale)
+        ref, _ = attention_reference(q, k, v, scale=scale)
+        assert_close(out, ref, *TOLERANCES[torch.float32], name=f"scale={scale}")
+
+
+def test_fully_masked_rows_are_zero_with_lse_minus_inf():
+    q, k, v = rand_qkv(1, 2, 2, 100, 100, 32)
+    case = CATALOG["fully_masked_rows"](1, 2, 100, 100, "cpu")
+    bm = create_block_mask(case.mask_mod, None, None, 100, 100, device="cpu", BLOCK_SIZE=32)
+    out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True)
+    rows = torch.arange(100) % 3 == 1
+    assert torch.equal(out[:, :, rows], torch.zeros_like(out[:, :, rows]))
+    assert torch.isneginf(lse[:, :, rows]).all()
+    assert not torch.isnan(out).any() and not torch.isnan(lse[:, :, ~rows]).any()
+
+
+def test_everything_masked_and_empty_sequences():
+    q, k, v = rand_qkv(1, 1, 1, 64, 64, 16)
+
+    def nothing(b, h, q_idx, kv_idx):
+        return q_idx < 0
+    bm = create_block_mask(nothing, None, None, 64, 64, device="cpu")
+    out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+    out, lse = flex_attention(q, k[:, :, :0], v[:, :, :0], return_lse=True)
+    assert out.shape == (1, 1, 64, 16) and torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+    out = flex_attention(q[:, :, :0], k, v)
+    assert out.shape == (1, 1, 0, 16)
+
+
+def test_returns_only_out_by_default():
+    q, k, v = rand_qkv(1, 1, 1, 16, 16, 16)
+    out = flex_attention(q, k, v)
+    assert isinstance(out, torch.Tensor) and out.shape == q.shape
