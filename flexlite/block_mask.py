@@ -30,7 +30,6 @@ pass, is its transpose (``q_num_blocks [B, H, nKV]``, ``q_indices [B, H, nKV, nQ
 from __future__ import annotations
 
 import functools
-import inspect
 import itertools
 import numbers
 import operator
@@ -41,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._vmap import index_vectors, vmap_bhqkv
+from .codegen.trace import check_arity, positional_arity
 
 __all__ = ["BlockMask", "create_block_mask", "create_mask", "and_masks", "or_masks", "noop_mask"]
 
@@ -109,28 +109,9 @@ def _sliced_mask_mod_error(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) 
 # validation helpers
 # ----------------------------------------------------------------------------------------------
 
-def _positional_arity(fn: Callable) -> Optional[int]:
-    """Number of positional parameters without defaults; None if unknown (``*args``, builtins)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return None
-    if any(p.kind is p.VAR_POSITIONAL for p in params):
-        return None
-    return sum(1 for p in params
-               if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty)
-
-
 def _check_mask_mod(caller: str, mask_mod) -> None:
     """TypeError unless ``mask_mod`` is a callable of the 4 arguments (b, h, q_idx, kv_idx)."""
-    if not callable(mask_mod):
-        raise TypeError(f"{caller}: mask_mod must be callable; got {type(mask_mod).__name__}")
-    n = _positional_arity(mask_mod)
-    if n is not None and n != 4:
-        hint = (" (this looks like a score_mod(score, b, h, q_idx, kv_idx); pass it to "
-                "flex_attention as score_mod instead)") if n == 5 else ""
-        raise TypeError(f"{caller}: mask_mod must take (b, h, q_idx, kv_idx); "
-                        f"got a function of {n} arguments{hint}")
+    check_arity(mask_mod, "mask_mod", caller=caller)
 
 
 def _is_int(x) -> bool:
@@ -589,7 +570,7 @@ def create_mask(
     caller = "create_mask"
     if not callable(mod_fn):
         raise TypeError(f"{caller}: mod_fn must be callable; got {type(mod_fn).__name__}")
-    n_args = _positional_arity(mod_fn) or 4  # unknown arity (*args): treat as a mask_mod
+    n_args = (positional_arity(mod_fn) or (4,))[0]  # unknown arity (*args): treat as a mask_mod
     if n_args not in (4, 5):
         raise TypeError(f"{caller}: mod_fn must be a mask_mod(b, h, q_idx, kv_idx) or a "
                         f"score_mod(score, b, h, q_idx, kv_idx); got a function of {n_args} arguments")

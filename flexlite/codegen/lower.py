@@ -462,7 +462,7 @@ def lower_mod(traced: TracedMod, fn_name: str, prefix: str) -> LoweredMod:
         out = cast(result, torch.bool)
     inputs = list(traced.arg_names)
     header = f"def {fn_name}({', '.join(inputs + low.params)}):"
-    doc = f'    """{traced.kind} {traced.name!r}, traced and lowered by flexlite."""'
+    doc = f"    # {traced.kind} {traced.name}, traced and lowered by flexlite"
     body = [f"    {line}" for line in lines] + [f"    return {out}"]
     source = "\n".join(["@triton.jit", header, doc] + body) + "\n"
     return LoweredMod(fn_name=fn_name, source=source, params=low.params, tensors=low.tensors)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import operator
+import re
 import types
 import weakref
 from typing import Callable, Optional
@@ -51,31 +52,37 @@ def mod_name(fn: Callable) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
-def check_arity(fn: Callable, kind: str, argname: Optional[str] = None) -> None:
-    """Raise TypeError unless ``fn`` is callable with exactly the positional arguments of ``kind``."""
+def positional_arity(fn: Callable) -> Optional[tuple]:
+    """(required, total) positional parameters of ``fn``; None if unknown (``*args``, builtins)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return sum(p.default is p.empty for p in positional), len(positional)
+
+
+def check_arity(fn: Callable, kind: str, argname: Optional[str] = None, caller: str = "flex_attention") -> None:
+    """TypeError unless ``fn`` is callable with exactly the positional arguments of ``kind``."""
     argname = argname or kind
     expected = SCORE_MOD_ARGS if kind == "score_mod" else MASK_MOD_ARGS
     if not callable(fn):
-        raise TypeError(f"{argname} must be a callable {kind}{expected}; got {type(fn).__name__}")
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
+        raise TypeError(f"{caller}: {argname} must be callable; got {type(fn).__name__}")
+    arity = positional_arity(fn)
+    if arity is None or arity[0] <= len(expected) <= arity[1]:
         return
-    params = list(sig.parameters.values())
-    if any(p.kind == p.VAR_POSITIONAL for p in params):
-        return
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    required = [p for p in positional if p.default is p.empty]
-    if len(required) <= len(expected) <= len(positional):
-        return
+    n = arity[0]
     hint = ""
-    if kind == "mask_mod" and len(required) == 5:
-        hint = " It looks like a score_mod: pass it as score_mod=, not as a mask."
-    elif kind == "score_mod" and len(required) == 4:
-        hint = " It looks like a mask_mod: build a BlockMask with create_block_mask(mask_mod, ...) instead."
-    raise TypeError(
-        f"{argname} {mod_name(fn)!r} must take {len(expected)} arguments {expected}; "
-        f"it takes {len(required)}.{hint}")
+    if kind == "mask_mod" and n == 5:
+        hint = (" (this looks like a score_mod(score, b, h, q_idx, kv_idx); pass it to flex_attention as "
+                "score_mod instead)")
+    elif kind == "score_mod" and n == 4:
+        hint = (" (this looks like a mask_mod(b, h, q_idx, kv_idx); build a BlockMask with "
+                "create_block_mask(mask_mod, ...) and pass block_mask= instead)")
+    raise TypeError(f"{caller}: {argname} {mod_name(fn)!r} must take ({', '.join(expected)}); "
+                    f"got a function of {n} arguments{hint}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,7 +195,7 @@ def trace_mod(fn: Callable, kind: str) -> TracedMod:
 
 
 def _trace(fn: Callable, kind: str) -> TracedMod:
-    name = mod_name(fn)
+    name = re.sub(r"[^\w(), .<>-]", "_", mod_name(fn))  # it goes into generated source comments
     arg_names = SCORE_MOD_ARGS if kind == "score_mod" else MASK_MOD_ARGS
     # trace through a wrapper with fixed parameter names, so *args mods and odd names work too
     wrapper = _fixed_signature(fn, arg_names)

@@ -1,0 +1,222 @@
+"""Tracing and lowering: every op of the table against the reference, captures, caching, errors."""
+
+import math
+import operator
+
+import pytest
+import torch
+
+import flexlite
+from flexlite import UntraceableModError, attention_reference, create_block_mask, flex_attention
+from flexlite.codegen import trace as trace_module
+from flexlite.codegen.trace import trace_mod
+from flexlite.runtime import compile as compile_module
+from helpers import TOLERANCES, assert_close, rand_qkv
+
+B, H, LQ, LKV, D = 1, 2, 37, 45, 16
+_t = torch.linspace(-2.0, 2.0, 8)
+_i = torch.tensor([3, -1, 4, 1, -5, 9, 2, -6], dtype=torch.int32)
+_table = torch.randn(4, 2 * 64, generator=torch.Generator().manual_seed(5))
+_long = torch.arange(LKV, dtype=torch.int64) % 5
+_bool = torch.arange(LKV) % 3 == 0
+_half = torch.randn(H, dtype=torch.float16)
+_scalar = torch.tensor(0.75)
+
+SCORE_MODS = {
+    "add_sub_mul_div": lambda s, b, h, q, kv: (s + 1) * 2 - s / 3 + q / (kv + 1),
+    "int_truediv": lambda s, b, h, q, kv: s + q / 7,
+    "floordiv_mod_negative": lambda s, b, h, q, kv: s + ((q - kv) // 5) * 0.1 + ((q - kv) % 7) * 0.05,
+    "float_floordiv_mod": lambda s, b, h, q, kv: s + (s * 3) // 1.5 + (s * 3) % 1.5,
+    "div_rounding": lambda s, b, h, q, kv: s + torch.div(q - kv, 4, rounding_mode="floor") * 0.1
+    + torch.div(q - kv, 4, rounding_mode="trunc") * 0.2 + torch.div(s, 0.7, rounding_mode="trunc") * 0.3,
+    "remainder_fmod": lambda s, b, h, q, kv: s + torch.remainder(q - kv, 3) * 0.1 + torch.fmod(q - kv, 3) * 0.2,
+    "pow": lambda s, b, h, q, kv: s + s ** 2 * 0.1 + (kv + 1.0) ** -1 + torch.abs(s) ** 0.5 + 2.0 ** s,
+    "neg_abs": lambda s, b, h, q, kv: -s + (q - kv).abs() * 0.01 + abs(s),
+    "where_cmp": lambda s, b, h, q, kv: torch.where((q > kv) | (q == kv + 3), s, s * 0.5)
+    + torch.where(q != kv, 0.1, 0.0) + torch.where(q <= kv, 0.2, -0.2),
+    "clamp_min_max": lambda s, b, h, q, kv: s.clamp(-0.5, 0.5) + torch.clamp(s, min=0.0) + s.clamp_max(0.3)
+    + torch.minimum(s, s * 0.5) + torch.maximum(q - kv, q * 0) * 0.01 + s.clamp_min(-0.1),
+    "math_fns": lambda s, b, h, q, kv: torch.exp(s * 0.1) + torch.exp2(s * 0.1) + torch.log(s.abs() + 1)
+    + torch.log2(s.abs() + 1) + torch.tanh(s) + torch.sigmoid(s) + torch.sqrt(s.abs()) + torch.rsqrt(s.abs() + 1)
+    + torch.sin(s) + torch.cos(s) + torch.erf(s),
+    "methods": lambda s, b, h, q, kv: s.exp().log() + s.tanh() + s.sigmoid() + s.abs().sqrt() + s.neg(),
+    "more_math": lambda s, b, h, q, kv: torch.floor(s) + torch.ceil(s) + torch.sign(s) + torch.log1p(s.abs())
+    + torch.expm1(s * 0.1) + torch.square(s) + torch.relu(s),
+    "gelu": lambda s, b, h, q, kv: torch.nn.functional.gelu(s) + torch.nn.functional.gelu(s, approximate="tanh"),
+    "casts": lambda s, b, h, q, kv: s + q.float() * 0.01 + (s * 4).int().float() + (s > 0).to(torch.float32)
+    + s.half().float() + kv.long() * 0.01 + (q % 2).bool() * 0.5,
+    # (no s.bfloat16() here: the interpreter rounds fp32 -> bf16 toward zero, the GPU to nearest)
+    "bitwise_ints": lambda s, b, h, q, kv: s + ((q & 3) | (kv ^ 5)) * 0.01 + (~q) * 0.001 + (q >> 1) * 0.01
+    + (kv << 1) * 0.001,
+    "b_and_h": lambda s, b, h, q, kv: s * (h + 1) + b,
+    "captured_1d_int_negative_index": lambda s, b, h, q, kv: s + _i[(q - kv) % 8 - 4] * 0.1,
+    "captured_2d_table": lambda s, b, h, q, kv: s + _table[h, q - kv + 64],
+    "captured_mixed_dtypes": lambda s, b, h, q, kv: s + _long[kv] * 0.1 + _bool[kv] * 0.2 + _half[h],
+    "captured_scalar_tensor": lambda s, b, h, q, kv: s * _scalar,
+    "constant_index": lambda s, b, h, q, kv: s + _t[3] + _table[1][2] + _t[-1],
+    "ignores_score": lambda s, b, h, q, kv: (q - kv) * 0.01,
+    "ones_like": lambda s, b, h, q, kv: s * torch.ones_like(s) + torch.zeros_like(s) + torch.full_like(s, 0.5),
+    "logical": lambda s, b, h, q, kv: s + torch.logical_and(q > kv, kv > 2) * 1.0
+    + torch.logical_or(q < 3, kv < 3) * 0.5 + torch.logical_not(q > kv) * 0.25 + torch.logical_xor(q > 1, kv > 1) * 0.1,
+    "torch_functions": lambda s, b, h, q, kv: torch.add(s, 1) + torch.mul(s, 2) + torch.sub(s, q) + torch.div(s, 3)
+    + torch.neg(s) + torch.abs(s),
+}
+
+MASK_MODS = {
+    "and_or_xor_invert": lambda b, h, q, kv: ((q >= kv) & ~(q - kv > 20)) | ((q ^ kv) == 0),
+    "captured_bool": lambda b, h, q, kv: _bool[kv] | (q == kv),
+    "nested_captured": lambda b, h, q, kv: _long[_long[kv]] <= q % 5,
+    "int_division": lambda b, h, q, kv: (q // 8) == (kv // 8),
+    "returns_new_ones": lambda b, h, q, kv: b.new_ones((), dtype=torch.bool),
+    "per_head": lambda b, h, q, kv: (q - kv).abs() <= 4 * (h + 1),
+}
+
+
+def _check(score_mod=None, mask_mod=None, mask_bh=(None, None)):
+    q, k, v = rand_qkv(B, H, H, LQ, LKV, D, seed=7)
+    bm = None if mask_mod is None else create_block_mask(mask_mod, *mask_bh, LQ, LKV, device="cpu", BLOCK_SIZE=16)
+    out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, return_lse=True)
+    ref_out, ref_lse = attention_reference(q, k, v, score_mod=score_mod, block_mask=bm)
+    assert_close(out, ref_out, 1e-4, 1e-4)
+    assert_close(lse, ref_lse, 1e-4, 1e-4, name="lse")
+
+
+@pytest.mark.parametrize("name", sorted(SCORE_MODS))
+def test_score_mod_ops(name):
+    fn = SCORE_MODS[name]
+    fn.__name__ = name
+    _check(score_mod=fn)
+
+
+@pytest.mark.parametrize("name", sorted(MASK_MODS))
+def test_mask_mod_ops(name):
+    fn = MASK_MODS[name]
+    fn.__name__ = name
+    _check(mask_mod=fn, mask_bh=(B, H))
+
+
+def test_dtypes_follow_torch_promotion():
+    slopes = torch.ones(4, dtype=torch.float64)
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + (q_idx - kv_idx) + slopes[h] * (q_idx // 2)
+
+    gm = trace_mod(mod, "score_mod").graph_module
+    dtypes = {n.name: n.meta["dtype"] for n in gm.graph.nodes}
+    assert dtypes["sub"] == torch.int32 and dtypes["floordiv"] == torch.int32
+    assert dtypes["add"] == torch.float32 and dtypes["output"] == torch.float64
+
+
+def test_trace_once_and_retrace_on_rebinding(monkeypatch):
+    calls = []
+    real = trace_module._trace
+    monkeypatch.setattr(trace_module, "_trace", lambda fn, kind: calls.append(fn) or real(fn, kind))
+    bias = torch.zeros(LKV)
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + bias[kv_idx]
+
+    q, k, v = rand_qkv(B, H, H, LQ, LKV, D)
+    flex_attention(q, k, v, score_mod=mod)
+    flex_attention(q, k, v, score_mod=mod)
+    assert len(calls) == 1
+    bias = torch.ones(LKV)  # rebinding the closure variable must be seen
+    out = flex_attention(q, k, v, score_mod=mod)
+    assert len(calls) == 2
+    assert_close(out, attention_reference(q, k, v, score_mod=mod)[0], *TOLERANCES[torch.float32])
+
+
+def test_captured_values_and_lengths_reuse_the_kernel():
+    bias = torch.randn(256)
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + bias[kv_idx]
+
+    src = flexlite.kernel_source(mod, device="cpu")
+    q, k, v = rand_qkv(B, H, H, LQ, LKV, D)
+    flex_attention(q, k, v, score_mod=mod)
+    n_modules = len(compile_module._MODULES)
+    bias.mul_(3.0)  # new values, same tensor: no new kernel, new result
+    out = flex_attention(q, k, v, score_mod=mod)
+    assert_close(out, attention_reference(q, k, v, score_mod=mod)[0], *TOLERANCES[torch.float32])
+    q2, k2, v2 = rand_qkv(2, H, H, 100, 130, D)  # new lengths and batch: same kernel
+    out = flex_attention(q2, k2, v2, score_mod=mod)
+    assert_close(out, attention_reference(q2, k2, v2, score_mod=mod)[0], *TOLERANCES[torch.float32])
+    assert len(compile_module._MODULES) == n_modules
+    assert flexlite.kernel_source(mod, device="cpu") == src
+
+
+def test_kernel_source_and_file():
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 20.0 * torch.tanh(score / 20.0)
+
+    src = flexlite.kernel_source(softcap, device="cpu")
+    assert "def score_mod(score, b, h, q_idx, kv_idx" in src and "def flex_fwd_kernel" in src
+    assert "Sub notation" in src
+    path = flexlite.kernel_path(softcap, device="cpu")
+    assert open(path).read() == src
+
+
+def test_show_kernels_env_prints_source(tmp_path):
+    import subprocess
+    import sys
+    code = ("import torch, flexlite\n"
+            "q = torch.randn(1, 1, 16, 16)\n"
+            "flexlite.flex_attention(q, q, q, score_mod=lambda s, b, h, q_idx, kv_idx: s * 2)\n")
+    env = dict(__import__("os").environ, FLEXLITE_SHOW_KERNELS="1", FLEXLITE_CACHE_DIR=str(tmp_path))
+    env.pop("TRITON_INTERPRET", None)  # also covers a process that imported triton without the interpreter
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "def flex_fwd_kernel" in res.stderr and str(tmp_path) in res.stderr
+
+
+# ------------------------------------------------------------------------------------------ errors
+
+def test_data_dependent_if_says_use_where():
+    def bad(score, b, h, q_idx, kv_idx):
+        if q_idx > kv_idx:
+            return score
+        return score * 2
+
+    q, k, v = rand_qkv(1, 1, 1, 16, 16, 16)
+    with pytest.raises(UntraceableModError, match=r"torch\.where") as e:
+        flex_attention(q, k, v, score_mod=bad)
+    assert isinstance(e.value, NotImplementedError) and "'bad'" in str(e.value)
+
+
+def test_op_without_lowering_is_named():
+    def bad(score, b, h, q_idx, kv_idx):
+        return torch.sinh(score)
+
+    q, k, v = rand_qkv(1, 1, 1, 16, 16, 16)
+    with pytest.raises(UntraceableModError, match="sinh") as e:
+        flex_attention(q, k, v, score_mod=bad)
+    assert "'bad'" in str(e.value)
+
+
+def test_item_is_untraceable():
+    def bad(b, h, q_idx, kv_idx):
+        return q_idx < int(kv_idx)
+
+    with pytest.raises(UntraceableModError, match="bad"):
+        trace_mod(bad, "mask_mod")
+
+
+@pytest.mark.parametrize("mod, match", [
+    (lambda s, b, h, q, kv: s + _table[h], "index every dimension"),
+    (lambda s, b, h, q, kv: s + _t[kv:].sum(), "slice"),
+    (lambda s, b, h, q, kv: s + _t[s], "float or bool"),
+    (lambda s, b, h, q, kv: s + _t[20], "out of bounds"),
+], ids=["partial_index", "slice", "float_index", "constant_out_of_range"])
+def test_bad_captured_indexing(mod, match):
+    q, k, v = rand_qkv(1, 1, 1, 16, 16, 16)
+    with pytest.raises(UntraceableModError, match=match):
+        flex_attention(q, k, v, score_mod=mod)
+
+
+def test_operator_table_covers_every_operator_target():
+    from flexlite.codegen.lower import _FUNCTIONS, OPS
+    for fn in (operator.add, operator.floordiv, operator.mod, operator.invert, operator.and_, torch.where,
+               torch.exp2, torch.tanh, torch.nn.functional.gelu):
+        assert _FUNCTIONS[fn] in OPS or _FUNCTIONS[fn] in ("remainder", "floor_divide", "clip")
+    assert math.isfinite(1.0)

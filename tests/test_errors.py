@@ -1,0 +1,93 @@
+"""Every bad input to flex_attention: a typed error naming the argument and the fix, before any launch."""
+
+import pytest
+import torch
+
+from flexlite import create_block_mask, flex_attention
+from flexlite.runtime import launch
+from helpers import rand_qkv
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def qkv(**kw):
+    args = dict(B=2, Hq=4, Hkv=4, Lq=32, Lkv=48, D=16)
+    args.update(kw)
+    return rand_qkv(**args)
+
+
+@pytest.fixture(autouse=True)
+def no_launch(monkeypatch):
+    """Validation must happen before any kernel work."""
+    def fail(*a, **k):
+        raise AssertionError("a kernel was launched for bad input")
+    monkeypatch.setattr(launch, "launch_forward", fail)
+
+
+def _3d():
+    q, k, v = qkv()
+    return (q[0], k, v), {}
+
+
+CASES = {
+    "query_not_4d": (lambda: ((qkv()[0][0],) + tuple(qkv()[1:]), {}), ValueError, "query must be 4-D"),
+    "key_not_tensor": (lambda: ((qkv()[0], [1, 2], qkv()[2]), {}), TypeError, "key must be a torch.Tensor"),
+    "batch_mismatch": (lambda: ((qkv()[0], *qkv(B=3)[1:]), {}), ValueError, "batch sizes differ"),
+    "head_dim_mismatch": (lambda: ((qkv()[0], qkv(D=32)[1], qkv()[2]), {}), ValueError,
+                          "query and key head_dim differ"),
+    "kv_len_mismatch": (lambda: ((*qkv()[:2], qkv(Lkv=40)[2]), {}), ValueError, "key has sequence length 48 but value has 40"),
+    "kv_heads_mismatch": (lambda: ((*qkv()[:2], qkv(Hkv=2)[2]), {}), ValueError, "key has 4 heads but value has 2"),
+    "gqa_not_divisible": (lambda: (qkv(Hq=6, Hkv=4), {"enable_gqa": True}), ValueError, "multiple of key/value heads"),
+    "gqa_not_enabled": (lambda: (qkv(Hq=8, Hkv=4), {}), ValueError, "enable_gqa=True"),
+    "dtype_mismatch": (lambda: ((qkv()[0], qkv()[1].half(), qkv()[2]), {}), TypeError, "key dtype torch.float16"),
+    "dtype_unsupported": (lambda: ([t.double() for t in qkv()], {}), TypeError, "float16, bfloat16 or float32"),
+    "int_dtype": (lambda: ([t.int() for t in qkv()], {}), TypeError, "not supported"),
+    "head_dim_too_large": (lambda: (qkv(D=512), {}), ValueError, "head_dim 512 is out of range"),
+    "head_dim_zero": (lambda: (qkv(D=0), {}), ValueError, "head_dim 0 is out of range"),
+    "score_mod_arity": (lambda: (qkv(), {"score_mod": lambda s, b, h: s}), TypeError,
+                        r"must take \(score, b, h, q_idx, kv_idx\); got a function of 3"),
+    "mask_mod_as_score_mod": (lambda: (qkv(), {"score_mod": causal}), TypeError, "looks like a mask_mod"),
+    "score_mod_not_callable": (lambda: (qkv(), {"score_mod": 3}), TypeError, "score_mod must be callable"),
+    "block_mask_wrong_lengths": (lambda: (qkv(), {"block_mask": create_block_mask(causal, None, None, 64, 64, "cpu")}),
+                                 ValueError, r"built for Q_LEN=64, KV_LEN=64.*create_block_mask\(mask_mod, B, H, 32, 48"),
+    "block_mask_wrong_batch": (lambda: (qkv(), {"block_mask": create_block_mask(causal, 3, None, 32, 48, "cpu")}),
+                               ValueError, "block_mask has batch size 3"),
+    "block_mask_wrong_heads": (lambda: (qkv(), {"block_mask": create_block_mask(causal, None, 3, 32, 48, "cpu")}),
+                               ValueError, "block_mask has 3 heads"),
+    "block_mask_not_blockmask": (lambda: (qkv(), {"block_mask": torch.ones(32, 48, dtype=torch.bool)}), TypeError,
+                                 "block_mask must be a flexlite BlockMask"),
+    "scale_not_number": (lambda: (qkv(), {"scale": torch.tensor(0.5)}), TypeError, "scale must be a Python float"),
+    "kernel_options_unknown": (lambda: (qkv(), {"kernel_options": {"BLOCK_Q": 64}}), ValueError,
+                               r"unknown kernel_options \['BLOCK_Q'\]"),
+    "kernel_options_not_dict": (lambda: (qkv(), {"kernel_options": [("BLOCK_M", 64)]}), TypeError,
+                                "kernel_options must be a dict"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_input(name):
+    make, exc, match = CASES[name]
+    args, kwargs = make()
+    with pytest.raises(exc, match=match):
+        flex_attention(*args, **kwargs)
+
+
+def test_bad_tile_options_are_rejected(monkeypatch):
+    monkeypatch.undo()  # this one gets as far as choosing tiles, which happens before the launch
+    q, k, v = qkv()
+    for opts, match in (({"BLOCK_M": 48}, "power of two"), ({"BLOCK_N": 256}, "divides the block mask"),
+                        ({"BLOCK_M": 8}, ">= 16")):
+        with pytest.raises(ValueError, match=match):
+            flex_attention(q, k, v, kernel_options=opts)
+
+
+def test_captured_tensor_on_wrong_device_is_named(monkeypatch):
+    monkeypatch.undo()
+    bias = torch.zeros(48, device="meta")
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + bias[kv_idx]
+    with pytest.raises(ValueError, match="captured by a mod is on meta"):
+        flex_attention(*qkv(), score_mod=mod)
