@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+# tests run on CPU through Triton's interpreter; FLEXLITE_TEST_DEVICE=cuda runs them on a GPU
+DEVICE = os.environ.get("FLEXLITE_TEST_DEVICE", "cpu")
 
 # (atol, rtol) against the fp64 reference, per input dtype
 TOLERANCES = {
@@ -31,7 +36,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol
             f"expected {e[idx].item()}; max abs diff {diff.max().item():.3g} (atol {atol}, rtol {rtol})")
 
 
-def rand_qkv(B, Hq, Hkv, Lq, Lkv, D, Dv=None, dtype=torch.float32, device="cpu", seed=0):
+def rand_qkv(B, Hq, Hkv, Lq, Lkv, D, Dv=None, dtype=torch.float32, device=DEVICE, seed=0):
     """Random q [B,Hq,Lq,D], k [B,Hkv,Lkv,D], v [B,Hkv,Lkv,Dv] (fresh values, never zeros)."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, Hq, Lq, D, generator=g)

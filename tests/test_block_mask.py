@@ -17,7 +17,7 @@ from catalog import CATALOG, USES_BH
 from flexlite.block_mask import (BlockMask, and_masks, create_block_mask, create_mask, noop_mask,
                                  or_masks)
 
-DEVICE = "cpu"
+from helpers import DEVICE
 SIZES = [(1, 1, 1, 1), (1, 1, 63, 63), (2, 2, 111, 200), (1, 2, 256, 256), (2, 1, 200, 111)]
 BLOCKS = [128, (32, 64), (16, 16)]
 

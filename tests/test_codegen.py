@@ -11,16 +11,16 @@ from flexlite import UntraceableModError, attention_reference, create_block_mask
 from flexlite.codegen import trace as trace_module
 from flexlite.codegen.trace import trace_mod
 from flexlite.runtime import compile as compile_module
-from helpers import TOLERANCES, assert_close, rand_qkv
+from helpers import DEVICE, TOLERANCES, assert_close, rand_qkv
 
 B, H, LQ, LKV, D = 1, 2, 37, 45, 16
-_t = torch.linspace(-2.0, 2.0, 8)
-_i = torch.tensor([3, -1, 4, 1, -5, 9, 2, -6], dtype=torch.int32)
-_table = torch.randn(4, 2 * 64, generator=torch.Generator().manual_seed(5))
-_long = torch.arange(LKV, dtype=torch.int64) % 5
-_bool = torch.arange(LKV) % 3 == 0
-_half = torch.randn(H, dtype=torch.float16)
-_scalar = torch.tensor(0.75)
+_t = torch.linspace(-2.0, 2.0, 8).to(DEVICE)
+_i = torch.tensor([3, -1, 4, 1, -5, 9, 2, -6], dtype=torch.int32).to(DEVICE)
+_table = torch.randn(4, 2 * 64, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+_long = (torch.arange(LKV, dtype=torch.int64) % 5).to(DEVICE)
+_bool = (torch.arange(LKV) % 3 == 0).to(DEVICE)
+_half = torch.randn(H, dtype=torch.float16).to(DEVICE)
+_scalar = torch.tensor(0.75).to(DEVICE)
 
 SCORE_MODS = {
     "add_sub_mul_div": lambda s, b, h, q, kv: (s + 1) * 2 - s / 3 + q / (kv + 1),
@@ -74,7 +74,7 @@ MASK_MODS = {
 
 def _check(score_mod=None, mask_mod=None, mask_bh=(None, None)):
     q, k, v = rand_qkv(B, H, H, LQ, LKV, D, seed=7)
-    bm = None if mask_mod is None else create_block_mask(mask_mod, *mask_bh, LQ, LKV, device="cpu", BLOCK_SIZE=16)
+    bm = None if mask_mod is None else create_block_mask(mask_mod, *mask_bh, LQ, LKV, device=DEVICE, BLOCK_SIZE=16)
     out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, return_lse=True)
     ref_out, ref_lse = attention_reference(q, k, v, score_mod=score_mod, block_mask=bm)
     assert_close(out, ref_out, 1e-4, 1e-4)
@@ -96,7 +96,7 @@ def test_mask_mod_ops(name):
 
 
 def test_dtypes_follow_torch_promotion():
-    slopes = torch.ones(4, dtype=torch.float64)
+    slopes = torch.ones(4, dtype=torch.float64, device=DEVICE)
 
     def mod(score, b, h, q_idx, kv_idx):
         return score + (q_idx - kv_idx) + slopes[h] * (q_idx // 2)
@@ -111,7 +111,7 @@ def test_trace_once_and_retrace_on_rebinding(monkeypatch):
     calls = []
     real = trace_module._trace
     monkeypatch.setattr(trace_module, "_trace", lambda fn, kind: calls.append(fn) or real(fn, kind))
-    bias = torch.zeros(LKV)
+    bias = torch.zeros(LKV, device=DEVICE)
 
     def mod(score, b, h, q_idx, kv_idx):
         return score + bias[kv_idx]
@@ -120,19 +120,19 @@ def test_trace_once_and_retrace_on_rebinding(monkeypatch):
     flex_attention(q, k, v, score_mod=mod)
     flex_attention(q, k, v, score_mod=mod)
     assert len(calls) == 1
-    bias = torch.ones(LKV)  # rebinding the closure variable must be seen
+    bias = torch.ones(LKV, device=DEVICE)  # rebinding the closure variable must be seen
     out = flex_attention(q, k, v, score_mod=mod)
     assert len(calls) == 2
     assert_close(out, attention_reference(q, k, v, score_mod=mod)[0], *TOLERANCES[torch.float32])
 
 
 def test_captured_values_and_lengths_reuse_the_kernel():
-    bias = torch.randn(256)
+    bias = torch.randn(256, device=DEVICE)
 
     def mod(score, b, h, q_idx, kv_idx):
         return score + bias[kv_idx]
 
-    src = flexlite.kernel_source(mod, device="cpu")
+    src = flexlite.kernel_source(mod, device=DEVICE)
     q, k, v = rand_qkv(B, H, H, LQ, LKV, D)
     flex_attention(q, k, v, score_mod=mod)
     n_modules = len(compile_module._MODULES)
@@ -143,17 +143,17 @@ def test_captured_values_and_lengths_reuse_the_kernel():
     out = flex_attention(q2, k2, v2, score_mod=mod)
     assert_close(out, attention_reference(q2, k2, v2, score_mod=mod)[0], *TOLERANCES[torch.float32])
     assert len(compile_module._MODULES) == n_modules
-    assert flexlite.kernel_source(mod, device="cpu") == src
+    assert flexlite.kernel_source(mod, device=DEVICE) == src
 
 
 def test_kernel_source_and_file():
     def softcap(score, b, h, q_idx, kv_idx):
         return 20.0 * torch.tanh(score / 20.0)
 
-    src = flexlite.kernel_source(softcap, device="cpu")
+    src = flexlite.kernel_source(softcap, device=DEVICE)
     assert "def score_mod(score, b, h, q_idx, kv_idx" in src and "def flex_fwd_kernel" in src
     assert "Sub notation" in src
-    path = flexlite.kernel_path(softcap, device="cpu")
+    path = flexlite.kernel_path(softcap, device=DEVICE)
     assert open(path).read() == src
 
 

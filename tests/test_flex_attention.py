@@ -5,7 +5,7 @@ import torch
 
 from catalog import CATALOG, USES_BH
 from flexlite import attention_reference, create_block_mask, flex_attention
-from helpers import LSE_TOLERANCES, TOLERANCES, assert_close, rand_qkv
+from helpers import DEVICE, LSE_TOLERANCES, TOLERANCES, assert_close, rand_qkv
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (B, Hq, Hkv, Lq, Lkv, D)
@@ -20,12 +20,12 @@ SHAPES = [
 
 def run_case(name, shape, dtype, block_size=128, kernel_options=None):
     B, Hq, Hkv, Lq, Lkv, D = shape
-    case = CATALOG[name](B, Hq, Lq, Lkv, "cpu")
+    case = CATALOG[name](B, Hq, Lq, Lkv, DEVICE)
     q, k, v = rand_qkv(B, Hq, Hkv, Lq, Lkv, D, dtype=dtype, seed=hash((name, shape)) % 1000)
     bm = None
     if case.mask_mod is not None:
         mb, mh = (B, Hq) if name in USES_BH else (None, None)
-        bm = create_block_mask(case.mask_mod, mb, mh, Lq, Lkv, device="cpu", BLOCK_SIZE=block_size)
+        bm = create_block_mask(case.mask_mod, mb, mh, Lq, Lkv, device=DEVICE, BLOCK_SIZE=block_size)
     out, lse = flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm, enable_gqa=Hq != Hkv,
                               return_lse=True, kernel_options=kernel_options)
     ref_out, ref_lse = attention_reference(q, k, v, score_mod=case.score_mod, block_mask=bm, enable_gqa=Hq != Hkv)
@@ -57,7 +57,7 @@ def test_kernel_options_pin_tiles(opts):
 @pytest.mark.parametrize("d, dv", [(16, 16), (48, 48), (96, 96), (256, 256), (64, 32), (24, 80), (1, 8)], ids=str)
 def test_head_dims(d, dv):
     q, k, v = rand_qkv(1, 2, 2, 70, 90, d, dv, dtype=torch.float16)
-    bm = create_block_mask(CATALOG["causal"](1, 2, 70, 90, "cpu").mask_mod, None, None, 70, 90, device="cpu")
+    bm = create_block_mask(CATALOG["causal"](1, 2, 70, 90, DEVICE).mask_mod, None, None, 70, 90, device=DEVICE)
     out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True)
     ref_out, ref_lse = attention_reference(q, k, v, block_mask=bm)
     assert out.shape == (1, 2, 70, dv)
@@ -68,12 +68,12 @@ def test_head_dims(d, dv):
 def test_non_contiguous_inputs():
     # [B, L, H, D] storage viewed as [B, H, L, D], plus a strided slice of the head dim
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 77, 3, 64, generator=g).transpose(1, 2)
-    k = torch.randn(2, 90, 3, 128, generator=g).transpose(1, 2)[..., ::2]
-    v = torch.randn(2, 3, 64, 90, generator=g).transpose(-1, -2)
+    q = torch.randn(2, 77, 3, 64, generator=g).to(DEVICE).transpose(1, 2)
+    k = torch.randn(2, 90, 3, 128, generator=g).to(DEVICE).transpose(1, 2)[..., ::2]
+    v = torch.randn(2, 3, 64, 90, generator=g).to(DEVICE).transpose(-1, -2)
     assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
-    case = CATALOG["alibi_causal"](2, 3, 77, 90, "cpu")
-    bm = create_block_mask(case.mask_mod, None, None, 77, 90, device="cpu")
+    case = CATALOG["alibi_causal"](2, 3, 77, 90, DEVICE)
+    bm = create_block_mask(case.mask_mod, None, None, 77, 90, device=DEVICE)
     out = flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm)
     ref_out, _ = attention_reference(q, k, v, score_mod=case.score_mod, block_mask=bm)
     assert_close(out, ref_out, *TOLERANCES[torch.float32])
@@ -89,10 +89,10 @@ def test_scale_and_default_scale():
 
 def test_fully_masked_rows_are_zero_with_lse_minus_inf():
     q, k, v = rand_qkv(1, 2, 2, 100, 100, 32)
-    case = CATALOG["fully_masked_rows"](1, 2, 100, 100, "cpu")
-    bm = create_block_mask(case.mask_mod, None, None, 100, 100, device="cpu", BLOCK_SIZE=32)
+    case = CATALOG["fully_masked_rows"](1, 2, 100, 100, DEVICE)
+    bm = create_block_mask(case.mask_mod, None, None, 100, 100, device=DEVICE, BLOCK_SIZE=32)
     out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True)
-    rows = torch.arange(100) % 3 == 1
+    rows = (torch.arange(100) % 3 == 1).to(DEVICE)
     assert torch.equal(out[:, :, rows], torch.zeros_like(out[:, :, rows]))
     assert torch.isneginf(lse[:, :, rows]).all()
     assert not torch.isnan(out).any() and not torch.isnan(lse[:, :, ~rows]).any()
@@ -103,7 +103,7 @@ def test_everything_masked_and_empty_sequences():
 
     def nothing(b, h, q_idx, kv_idx):
         return q_idx < 0
-    bm = create_block_mask(nothing, None, None, 64, 64, device="cpu")
+    bm = create_block_mask(nothing, None, None, 64, 64, device=DEVICE)
     out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True)
     assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
     out, lse = flex_attention(q, k[:, :, :0], v[:, :, :0], return_lse=True)

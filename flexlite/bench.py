@@ -1,0 +1,188 @@
+"""Benchmark harness: flexlite vs torch's FlexAttention (torch.compile) vs SDPA, in one process.
+
+For each mask and shape: check flexlite against the fp64 reference on a reduced shape and against
+torch's flex at the full shape, then time with ``triton.testing.do_bench`` medians. Writes
+``benchmarks/results/<gpu>-<date>.json`` and a markdown table. ``python -m flexlite bench --help``.
+
+FLOPs are density-aware: 4·B·H·S²·D·density for the forward (two matmuls of 2·S²·D each), 2.5× that
+for the backward (five matmuls, the dS·K / dSᵀ·Q pair counted with the recompute); density is the
+fraction of non-empty blocks of the 128×128 block mask.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from .api import flex_attention
+from .block_mask import create_block_mask
+from .masks import causal_mask, generate_causal_document_mask, generate_prefix_lm_mask, generate_sliding_window
+from .mods import generate_alibi_bias, generate_tanh_softcap
+from .reference import attention_reference
+
+RESULTS_DIR = Path("benchmarks/results")
+
+
+@dataclasses.dataclass
+class MaskCase:
+    name: str
+    mask_mod: Optional[Callable] = None
+    score_mod: Optional[Callable] = None
+    sdpa_causal: Optional[bool] = None  # SDPA runs only where it computes the same thing
+
+
+def mask_cases(S: int, H: int, device) -> dict:
+    cases = [
+        MaskCase("full", sdpa_causal=False),
+        MaskCase("causal", causal_mask, sdpa_causal=True),
+        MaskCase("sliding_window_1024", generate_sliding_window(1024)),
+        MaskCase("prefix_lm_2048", generate_prefix_lm_mask(2048)),
+        MaskCase("document_8_causal", generate_causal_document_mask([S // 8] * 8, device=device)),
+        MaskCase("alibi_causal", causal_mask, generate_alibi_bias(H, device=device)),
+        MaskCase("softcap30_causal", causal_mask, generate_tanh_softcap(30.0)),
+    ]
+    return {c.name: c for c in cases}
+
+
+def flops(B: int, H: int, S: int, D: int, density: float, pass_: str) -> float:
+    f = 4.0 * B * H * S * S * D * density
+    return f * 2.5 if pass_ == "bwd" else f
+
+
+def _median_ms(fn: Callable) -> float:
+    import triton.testing
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("FLEXLITE_COMMIT", "unknown")
+
+
+def check_against_reference(case: MaskCase, D: int, device, dtype=torch.bfloat16) -> float:
+    """Max abs error of flexlite vs the fp64 reference at B1 H2 S1024 (random inputs)."""
+    B, H, S = 1, 2, 1024
+    g = torch.Generator().manual_seed(0)
+    q, k, v = [torch.randn(B, H, S, D, generator=g).to(device, dtype) for _ in range(3)]
+    small = mask_cases(S, H, device)[case.name]
+    bm = create_block_mask(small.mask_mod, None, None, S, S, device=device) if small.mask_mod else None
+    out = flex_attention(q, k, v, score_mod=small.score_mod, block_mask=bm)
+    ref, _ = attention_reference(q, k, v, score_mod=small.score_mod, block_mask=bm)
+    return float((out.double() - ref).abs().max())
+
+
+def run(masks: list, shapes: list, passes: tuple = ("fwd",), dtype=torch.bfloat16,
+        out_dir: Optional[Path] = RESULTS_DIR, torch_flex: bool = True) -> dict:
+    """Check and time every (mask, shape, pass); write JSON + markdown under ``out_dir`` (None: print only)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    device = torch.device("cuda")
+    rows = []
+    if torch_flex:
+        from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+        from torch.nn.attention.flex_attention import flex_attention as torch_flex_attention
+        compiled_flex = torch.compile(torch_flex_attention, dynamic=False)
+    for (B, H, S, D) in shapes:
+        cases = mask_cases(S, H, device)
+        g = torch.Generator(device=device).manual_seed(0)
+        q, k, v = [torch.randn(B, H, S, D, generator=g, device=device, dtype=dtype) for _ in range(3)]
+        for name in masks:
+            case = cases[name]
+            err = check_against_reference(case, D, device, dtype)
+            bm = create_block_mask(case.mask_mod, None, None, S, S, device=device) if case.mask_mod else None
+            density = 1.0 - (bm.sparsity() / 100.0 if bm is not None else 0.0)
+            t0 = time.perf_counter()
+            out = flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm)
+            torch.cuda.synchronize()
+            first_call_s = time.perf_counter() - t0
+            row_base = dict(mask=name, shape=f"B{B} H{H} S{S} D{D}", dtype=str(dtype).replace("torch.", ""),
+                            density=round(density, 4), max_err_vs_fp64=err)
+            times = {}
+            for pass_ in passes:
+                times[pass_] = {}
+                fl = lambda: flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm)  # noqa: E731
+                times[pass_]["flexlite"] = _median_ms(fl)
+                if torch_flex:
+                    tbm = torch_create_block_mask(case.mask_mod, None, None, S, S, device=device) \
+                        if case.mask_mod else None
+                    tf = lambda: compiled_flex(q, k, v, score_mod=case.score_mod, block_mask=tbm)  # noqa: E731
+                    ref_out = tf()
+                    diff = float((ref_out.float() - out.float()).abs().max())
+                    row_base["max_diff_vs_torch_flex"] = diff
+                    times[pass_]["torch_flex"] = _median_ms(tf)
+                if case.sdpa_causal is not None:
+                    for backend, label in ((SDPBackend.CUDNN_ATTENTION, "sdpa_cudnn"),
+                                           (SDPBackend.FLASH_ATTENTION, "sdpa_flash")):
+                        def sd(backend=backend):
+                            with sdpa_kernel(backend):
+                                return torch.nn.functional.scaled_dot_product_attention(
+                                    q, k, v, is_causal=case.sdpa_causal)
+                        try:
+                            times[pass_][label] = _median_ms(sd)
+                        except RuntimeError:
+                            times[pass_][label] = None
+                f = flops(B, H, S, D, density, pass_)
+                row = dict(row_base, **{"pass": pass_, "flexlite_first_call_s": round(first_call_s, 3)})
+                for impl, ms in times[pass_].items():
+                    row[f"{impl}_ms"] = ms
+                    if ms:
+                        row[f"{impl}_tflops"] = round(f / ms / 1e9, 1)
+                if times[pass_].get("torch_flex"):
+                    row["speedup_vs_torch_flex"] = round(times[pass_]["torch_flex"] / times[pass_]["flexlite"], 3)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    result = {
+        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "triton": __import__("triton").__version__, "commit": _git_commit(),
+        "date": datetime.date.today().isoformat(), "rows": rows,
+    }
+    table = markdown_table(result)
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        stem = f"{result['gpu'].replace(' ', '_')}-{result['date']}"
+        (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))
+        (out_dir / f"{stem}.md").write_text(table)
+    print(table)
+    return result
+
+
+def markdown_table(result: dict) -> str:
+    from tabulate import tabulate
+    cols = ["mask", "shape", "pass", "flexlite_ms", "torch_flex_ms", "speedup_vs_torch_flex", "flexlite_tflops",
+            "torch_flex_tflops", "sdpa_cudnn_tflops", "sdpa_flash_tflops", "max_err_vs_fp64"]
+    body = [[r.get(c, "") for c in cols] for r in result["rows"]]
+    head = (f"GPU: {result['gpu']}, torch {result['torch']}, triton {result['triton']}, commit {result['commit']}, "
+            f"{result['date']}\n\n")
+    return head + tabulate(body, headers=cols, tablefmt="github", floatfmt=".3g") + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m flexlite bench", description=__doc__.splitlines()[0])
+    p.add_argument("--masks", default="all", help="comma-separated names or 'all': " +
+                   ", ".join(mask_cases(8192, 16, "cpu")))
+    p.add_argument("--shapes", default="4x16x8192x128,16x16x8192x64", help="BxHxSxD list")
+    p.add_argument("--passes", default="fwd")
+    p.add_argument("--out", default=str(RESULTS_DIR))
+    p.add_argument("--no-torch-flex", action="store_true")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("python -m flexlite bench needs a CUDA GPU (timings on the interpreter mean nothing)")
+    masks = list(mask_cases(8192, 16, "cpu")) if args.masks == "all" else args.masks.split(",")
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    run(masks, shapes, tuple(args.passes.split(",")), out_dir=Path(args.out), torch_flex=not args.no_torch_flex)
+
+
+if __name__ == "__main__":
+    main()
