@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import os
 from typing import Callable, Optional
 
 import torch
 
-from .codegen.kernel import GeneratedKernel, generate
-from .codegen.trace import check_arity
+from ._vmap import index_vectors, vmap_bhqkv
+from .codegen.kernel import GeneratedKernel, generate, generate_backward
+from .codegen.trace import check_arity, trace_mod
 from .runtime.compile import load_module, write_source
-from .runtime.launch import CONFIG_KEYS, TORCH_PERF_HINTS, forward_config, launch_forward
+from .runtime.launch import (CONFIG_KEYS, TORCH_PERF_HINTS, backward_config, forward_config, launch_backward,
+                             launch_forward)
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -149,25 +153,136 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options):
     _check_captured(kernel, query.device)
     module = load_module(kernel.source, interpret=query.device.type != "cuda")
     num, idx, full_num, full_idx, sparse = _block_tensors(block_mask, Lq, Lkv, query.device)
-    config = forward_config(query, value, sparse, kernel_options or {})
+    options = kernel_options or {}
+    config = forward_config(query, value, sparse, options)
     return launch_forward(module, kernel.mod_args(), query, key, value, num, idx, full_num, full_idx,
-                          sparse, scale, kernel.has_score_mod, config)
+                          sparse, scale, kernel.has_score_mod, config, pinned=any(k in options for k in CONFIG_KEYS))
+
+
+@functools.lru_cache(maxsize=64)
+def _all_full_q_blocks(Lq: int, Lkv: int, device: torch.device):
+    """The q side of :func:`_all_full_blocks`: every q block is full for every kv block."""
+    nq, nkv = -(-Lq // DEFAULT_SPARSE_BLOCK), -(-Lkv // DEFAULT_SPARSE_BLOCK)
+    zeros = torch.zeros((1, 1, nkv), dtype=torch.int32, device=device)
+    idx = torch.arange(nq, dtype=torch.int32, device=device).expand(1, 1, nkv, nq).contiguous()
+    return zeros, idx, torch.full_like(zeros, nq), idx
+
+
+def _q_block_tensors(block_mask, Lq, Lkv, device):
+    if block_mask is None:
+        return _all_full_q_blocks(Lq, Lkv, device)
+    return (block_mask.q_num_blocks, block_mask.q_indices, block_mask.full_q_num_blocks,
+            block_mask.full_q_indices)
+
+
+def _captured_requiring_grad(score_mod) -> tuple:
+    """Tensors captured by score_mod that require grad: extra inputs of FlexAttentionFunction, so that
+    autograd hands them their gradients. (mask_mod's captures get none: masks are not differentiable.)"""
+    if score_mod is None or not torch.is_grad_enabled():
+        return ()
+    return tuple(t for t in trace_mod(score_mod, "score_mod").captured.values() if t.requires_grad)
+
+
+def deterministic_captured_grads() -> bool:
+    """Whether captured-tensor gradients take the deterministic path: ``FLEXLITE_DETERMINISTIC_CAPTURED_GRADS=1``
+    or ``torch.use_deterministic_algorithms(True)``."""
+    flag = os.environ.get("FLEXLITE_DETERMINISTIC_CAPTURED_GRADS", "")
+    return flag not in ("", "0") or torch.are_deterministic_algorithms_enabled()
+
+
+@contextlib.contextmanager
+def _deterministic_algorithms():
+    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
+# score positions per chunk when captured-tensor gradients are computed from the dense dS
+_DS_CHUNK_ELEMENTS = 2 ** 24
+
+
+def _captured_grads_from_ds(score_mod, query, key, scale, ds, captured) -> list:
+    """Deterministic gradients of ``captured`` from dS [B, Hq, Lq, Lkv] (d loss / d score_mod output):
+    score_mod re-runs in torch over the recomputed fp32 scores (vmap, as the reference does), a chunk of
+    query rows at a time, and autograd backpropagates dS; the chunks are summed in order."""
+    B, Hq, Lq, _ = query.shape
+    Lkv = key.shape[2]
+    k = key.detach().float().repeat_interleave(Hq // key.shape[1], dim=1)
+    rows = max(1, _DS_CHUNK_ELEMENTS // max(1, B * Hq * Lkv))
+    mod = vmap_bhqkv(score_mod, prefix=(0,))
+    total = [None] * len(captured)
+    with torch.enable_grad(), _deterministic_algorithms():
+        for start in range(0, Lq, rows):
+            q = query.detach()[:, :, start:start + rows].float()
+            scores = (q @ k.transpose(-1, -2)) * scale
+            out = mod(scores, *index_vectors(B, Hq, q.shape[2], Lkv, query.device, q_start=start))
+            grads = torch.autograd.grad(out, captured, grad_outputs=ds[:, :, start:start + rows].to(out.dtype),
+                                        allow_unused=True)
+            total = [t if g is None else (g if t is None else t + g) for t, g in zip(total, grads)]
+    return [torch.zeros_like(c) if g is None else g.to(c.dtype) for g, c in zip(total, captured)]
+
+
+def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_mask, scale, kernel_options,
+              captured, need_dq: bool, need_captured: tuple):
+    """dq, dk, dv (input dtypes; dq None unless ``need_dq``) and the gradients of ``captured``."""
+    B, Hq, Lq, _ = query.shape
+    Lkv = key.shape[2]
+    want = [t for t, need in zip(captured, need_captured) if need]
+    if (grad_out is None and grad_lse is None) or B * Hq * Lq == 0 or Lkv == 0:
+        return (torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value),
+                [torch.zeros_like(t) for t in captured])
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    interpret = query.device.type != "cuda"
+    deterministic = bool(want) and deterministic_captured_grads()
+    scatter = () if deterministic else tuple(want)
+    mask_mod = block_mask.mask_mod if block_mask is not None else None
+    kernel = generate_backward(score_mod, mask_mod, interpret=interpret, grad_captured=scatter)
+    _check_captured(kernel, query.device)
+    module = load_module(kernel.source, interpret=interpret)
+    *kv_blocks, sparse = _block_tensors(block_mask, Lq, Lkv, query.device)
+    q_blocks = _q_block_tensors(block_mask, Lq, Lkv, query.device)
+    config = backward_config(query, value, sparse, kernel_options or {})
+    buffers = [torch.zeros(t.shape, dtype=torch.float32, device=query.device) for t in scatter]
+    ds = torch.zeros((B, Hq, Lq, Lkv), dtype=torch.float32, device=query.device) if deterministic else None
+    dq, dk, dv = launch_backward(
+        module, kernel.mod_args(), kernel.grad_args(buffers), query, key, value, out, lse, grad_out, grad_lse,
+        tuple(kv_blocks), q_blocks, sparse, scale, kernel.has_score_mod, config, need_dq=need_dq, ds=ds,
+        scatter_captured_grads=bool(scatter))
+    if deterministic:
+        wanted = iter(_captured_grads_from_ds(score_mod, query, key, scale, ds, want))
+    else:
+        wanted = iter(b.to(t.dtype) for b, t in zip(buffers, want))
+    return dq, dk, dv, [next(wanted) if need else None for need in need_captured]
 
 
 class FlexAttentionFunction(torch.autograd.Function):
-    """Forward: the generated block-sparse FlashAttention kernel. Returns (out, lse)."""
+    """Block-sparse FlashAttention from generated kernels. Returns (out, lse).
+
+    Inputs after ``kernel_options`` are the tensors captured by score_mod that require grad (see
+    :func:`_captured_requiring_grad`); the backward returns their gradients.
+    """
 
     @staticmethod
-    def forward(ctx, query, key, value, score_mod, block_mask, scale, kernel_options):
+    def forward(ctx, query, key, value, score_mod, block_mask, scale, kernel_options, *captured):
         out, lse = _forward(query, key, value, score_mod, block_mask, scale, kernel_options)
-        ctx.mark_non_differentiable(lse)
+        ctx.save_for_backward(query, key, value, out, lse, *captured)
+        ctx.score_mod, ctx.block_mask, ctx.scale, ctx.kernel_options = score_mod, block_mask, scale, kernel_options
+        ctx.set_materialize_grads(False)  # an unused out or lse arrives as None: no work for it
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        raise NotImplementedError(
-            "flex_attention: the backward pass is not implemented yet in this flexlite version; run the "
-            "forward under torch.no_grad() or detach the inputs")
+        query, key, value, out, lse, *captured = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        dq, dk, dv, dcaptured = _backward(
+            query, key, value, out, lse, grad_out, grad_lse, ctx.score_mod, ctx.block_mask, ctx.scale,
+            ctx.kernel_options, captured, need_dq=needs[0], need_captured=tuple(needs[7:]))
+        return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
+                None, None, None, None, *dcaptured)
 
 
 def flex_attention(
@@ -201,5 +316,6 @@ def flex_attention(
     _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    out, lse = FlexAttentionFunction.apply(query, key, value, score_mod, block_mask, float(scale), kernel_options)
+    out, lse = FlexAttentionFunction.apply(query, key, value, score_mod, block_mask, float(scale), kernel_options,
+                                           *_captured_requiring_grad(score_mod))
     return (out, lse) if return_lse else out

@@ -68,6 +68,51 @@ def forward_config(q: torch.Tensor, v: torch.Tensor, sparse_block: tuple, kernel
     return TileConfig(**cfg)
 
 
+def fallback_configs(config: TileConfig):
+    """``config``, then cheaper ones: fewer pipeline stages, then narrower then shorter tiles. Mods
+    that gather from captured tensors pipeline those gathers too, which can pass shared memory."""
+    seen = set()
+    bm, bn = config.BLOCK_M, config.BLOCK_N
+    while True:
+        for stages in range(config.num_stages, 0, -1):
+            cfg = TileConfig(bm, bn, config.num_warps, stages)
+            if cfg not in seen:
+                seen.add(cfg)
+                yield cfg
+        if bn > 16:
+            bn //= 2
+        elif bm > 16:
+            bm //= 2
+        else:
+            return
+
+
+_WORKING_CONFIG: dict = {}  # (kernel, constexpr key, wanted config) -> config that fits
+
+
+def run_with_fallback(kernel, grid, args: tuple, constexprs: dict, config: TileConfig, pinned: bool):
+    """Launch ``kernel`` with ``config``; if it does not fit in shared memory, with the first fallback
+    that does (remembered per kernel and constexprs). Pinned configs (kernel_options) never change."""
+    from triton.runtime.errors import OutOfResources
+
+    key = (id(kernel), tuple(sorted(constexprs.items())), config)
+    todo = [_WORKING_CONFIG[key]] if key in _WORKING_CONFIG else fallback_configs(config)
+    error = None
+    for cfg in todo:
+        try:
+            kernel[grid(cfg)](*args, **constexprs, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
+                              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        except OutOfResources as e:  # raised while compiling, before anything runs
+            if pinned:
+                raise ValueError(f"kernel_options {dataclasses.asdict(config)} do not fit this GPU: {e}; pin "
+                                 f"smaller BLOCK_M / BLOCK_N or fewer num_stages") from e
+            error = e
+            continue
+        _WORKING_CONFIG[key] = cfg
+        return cfg
+    raise error
+
+
 def _mask_strides(t: torch.Tensor) -> tuple:
     """Strides of a [ZM, HM, n, ...] block-mask tensor, 0 along broadcast (size-1) batch/head dims."""
     return tuple(0 if t.shape[i] == 1 else t.stride(i) for i in range(3))
@@ -75,7 +120,8 @@ def _mask_strides(t: torch.Tensor) -> tuple:
 
 def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
                    full_kv_num_blocks: Optional[torch.Tensor], full_kv_indices: Optional[torch.Tensor],
-                   sparse_block: tuple, scale: float, has_score_mod: bool, config: TileConfig):
+                   sparse_block: tuple, scale: float, has_score_mod: bool, config: TileConfig,
+                   pinned: bool = False):
     """Run ``module.flex_fwd_kernel``; returns out [B, Hq, Lq, Dv] (q.dtype) and lse [B, Hq, Lq] fp32."""
     B, Hq, Lq, D = q.shape
     Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -90,19 +136,136 @@ def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
         full_kv_num_blocks, full_kv_indices = kv_num_blocks, kv_indices
     kv_num_blocks = kv_num_blocks.contiguous()
     allow_tf32 = q.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
-    grid = (triton.cdiv(Lq, config.BLOCK_M), B * Hq)
-    with interpreter_scope(q.device.type != "cuda"):
-        module.flex_fwd_kernel[grid](
-            q, k, v, out, lse, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+    args = (q, k, v, out, lse, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             *_mask_strides(kv_num_blocks), *_mask_strides(kv_indices),
-            Hq, Hq // Hkv, Lq, Lkv, float(scale),
-            *mod_args,
-            BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N,
-            SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1],
-            D=D, DV=Dv, D_PAD=head_dim_pad(D), DV_PAD=head_dim_pad(Dv),
-            EVEN_M=Lq % config.BLOCK_M == 0, EVEN_N=Lkv % config.BLOCK_N == 0, HAS_FULL_BLOCKS=has_full,
-            HAS_SCORE_MOD=has_score_mod, FP32_PRECISION="tf32" if allow_tf32 else "ieee",
-            num_warps=config.num_warps, num_stages=config.num_stages,
-        )
+            Hq, Hq // Hkv, Lq, Lkv, float(scale), *mod_args)
+    constexprs = dict(
+        SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1],
+        D=D, DV=Dv, D_PAD=head_dim_pad(D), DV_PAD=head_dim_pad(Dv), HAS_FULL_BLOCKS=has_full,
+        HAS_SCORE_MOD=has_score_mod, FP32_PRECISION="tf32" if allow_tf32 else "ieee")
+
+    def grid(cfg):
+        constexprs.update(EVEN_M=Lq % cfg.BLOCK_M == 0, EVEN_N=Lkv % cfg.BLOCK_N == 0)
+        return (triton.cdiv(Lq, cfg.BLOCK_M), B * Hq)
+
+    with interpreter_scope(q.device.type != "cuda"):
+        run_with_fallback(module.flex_fwd_kernel, grid, args, constexprs, config, pinned)
     return out, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# backward
+
+@dataclasses.dataclass(frozen=True)
+class BackwardTileConfig:
+    """dK/dV programs own BLOCK_N1 keys and step over BLOCK_M1 queries; dQ programs own BLOCK_M2
+    queries and step over BLOCK_N2 keys (torch's names, also the kernel_options keys)."""
+
+    BLOCK_M1: int
+    BLOCK_N1: int
+    BLOCK_M2: int
+    BLOCK_N2: int
+    num_warps: int
+    num_stages: int
+
+
+BACKWARD_CONFIG_KEYS = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_warps", "num_stages")
+
+
+def backward_config(q: torch.Tensor, v: torch.Tensor, sparse_block: tuple, kernel_options: dict) -> BackwardTileConfig:
+    """Backward tile sizes: heuristic defaults per head dim, dtype and device, then ``kernel_options`` pins
+    (``BLOCK_M1``, ``BLOCK_N1``, ``BLOCK_M2``, ``BLOCK_N2``, ``num_warps``, ``num_stages``)."""
+    d = max(head_dim_pad(q.shape[-1]), head_dim_pad(v.shape[-1]))
+    if q.device.type != "cuda":
+        # the interpreter's cost is per op, not per element: big tiles, but not far past the length
+        bm = min(128, max(16, triton.next_power_of_2(q.shape[-2])))
+        bn = min(128, max(16, triton.next_power_of_2(v.shape[-2])))
+        m1, n1, m2, n2, warps, stages = bm, bn, bm, bn, 4, 1
+    elif d <= 64:
+        m1, n1, m2, n2, warps, stages = 64, 128, 128, 64, 8, 2
+    elif d <= 128:
+        m1, n1, m2, n2, warps, stages = 32, 64, 64, 32, 4, 2
+    else:
+        m1, n1, m2, n2, warps, stages = 16, 32, 32, 16, 4, 1
+    if q.dtype == torch.float32 and q.device.type == "cuda":
+        m1, n1, m2, n2 = (max(16, x // 2) for x in (m1, n1, m2, n2))
+    cfg = dict(BLOCK_M1=_pow2_divisor(sparse_block[0], m1), BLOCK_N1=_pow2_divisor(sparse_block[1], n1),
+               BLOCK_M2=_pow2_divisor(sparse_block[0], m2), BLOCK_N2=_pow2_divisor(sparse_block[1], n2),
+               num_warps=warps, num_stages=stages)
+    for key in BACKWARD_CONFIG_KEYS:
+        if key in kernel_options:
+            cfg[key] = kernel_options[key]
+    for key, sparse in (("BLOCK_M1", sparse_block[0]), ("BLOCK_N1", sparse_block[1]),
+                        ("BLOCK_M2", sparse_block[0]), ("BLOCK_N2", sparse_block[1])):
+        value = cfg[key]
+        if not isinstance(value, int) or value < 16 or value & (value - 1) or sparse % value:
+            raise ValueError(f"kernel_options[{key!r}]={value!r}: must be a power of two >= 16 that divides the "
+                             f"block mask's BLOCK_SIZE {sparse}")
+    return BackwardTileConfig(**cfg)
+
+
+def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, grad_out,
+                    grad_lse: Optional[torch.Tensor], kv_blocks: tuple, q_blocks: tuple, sparse_block: tuple,
+                    scale: float, has_score_mod: bool, config: BackwardTileConfig, *, need_dq: bool = True,
+                    ds: Optional[torch.Tensor] = None, scatter_captured_grads: bool = False):
+    """Run ``module``'s preprocess, dK/dV and dQ kernels; returns dq (None unless ``need_dq``), dk, dv in
+    the input dtype.
+
+    ``kv_blocks`` / ``q_blocks``: (num_blocks, indices, full_num_blocks, full_indices) of each side (full
+    ones may be None). ``grad_lse``: d loss / d lse [B, Hq, Lq] or None. ``ds``: a zeroed float32
+    [B, Hq, Lq, Lkv] tensor to receive dS (d loss / d score_mod output), or None.
+    ``scatter_captured_grads``: run the module's atomic captured-tensor gradient function.
+    """
+    B, Hq, Lq, D = q.shape
+    Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    interpret = q.device.type != "cuda"
+    allow_tf32 = not interpret and torch.backends.cuda.matmul.allow_tf32
+    precision = "tf32" if allow_tf32 else "ieee"
+    lse = lse.contiguous()
+    delta = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
+    dk = torch.empty((B, Hkv, Lkv, D), dtype=k.dtype, device=q.device)
+    dv = torch.empty((B, Hkv, Lkv, Dv), dtype=v.dtype, device=q.device)
+    dq = torch.empty((B, Hq, Lq, D), dtype=q.dtype, device=q.device) if need_dq else None
+
+    def sides(blocks):
+        num, idx, full_num, full_idx = blocks
+        has_full = full_num is not None
+        if not has_full:
+            full_num, full_idx = num, idx
+        return [t.contiguous() for t in (num, idx, full_num, full_idx)], has_full
+
+    (q_num, q_idx, full_q_num, full_q_idx), has_full = sides(q_blocks)
+    (kv_num, kv_idx, full_kv_num, full_kv_idx), _ = sides(kv_blocks)
+    pre_block = min(64, max(16, triton.next_power_of_2(Lq)))
+    common = dict(D=D, DV=Dv, D_PAD=head_dim_pad(D), DV_PAD=head_dim_pad(Dv), HAS_FULL_BLOCKS=has_full,
+                  HAS_SCORE_MOD=has_score_mod, FP32_PRECISION=precision, SPARSE_Q_BLOCK=sparse_block[0],
+                  SPARSE_KV_BLOCK=sparse_block[1], num_warps=config.num_warps, num_stages=config.num_stages)
+    with interpreter_scope(interpret):
+        module.flex_bwd_preprocess_kernel[(triton.cdiv(Lq, pre_block), B * Hq)](
+            out, grad_out, grad_lse.contiguous() if grad_lse is not None else lse, delta,
+            *out.stride(), *grad_out.stride(), Hq, Lq,
+            BLOCK_M=pre_block, DV=Dv, DV_PAD=head_dim_pad(Dv), HAS_DLSE=grad_lse is not None,
+        )
+        module.flex_bwd_dkdv_kernel[(triton.cdiv(Lkv, config.BLOCK_N1), B * Hkv)](
+            q, k, v, grad_out, lse, delta, dk, dv, ds if ds is not None else delta,
+            q_num, q_idx, full_q_num, full_q_idx,
+            *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
+            *_mask_strides(q_num), *_mask_strides(q_idx),
+            Hq, Hkv, Hq // Hkv, Lq, Lkv, float(scale),
+            *mod_args, *grad_args,
+            BLOCK_M=config.BLOCK_M1, BLOCK_N=config.BLOCK_N1,
+            EVEN_M=Lq % config.BLOCK_M1 == 0, EVEN_N=Lkv % config.BLOCK_N1 == 0,
+            WRITE_DS=ds is not None, SCATTER_CAPTURED_GRADS=scatter_captured_grads, **common,
+        )
+        if need_dq:
+            module.flex_bwd_dq_kernel[(triton.cdiv(Lq, config.BLOCK_M2), B * Hq)](
+                q, k, v, grad_out, lse, delta, dq, kv_num, kv_idx, full_kv_num, full_kv_idx,
+                *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dq.stride(),
+                *_mask_strides(kv_num), *_mask_strides(kv_idx),
+                Hq, Hq // Hkv, Lq, Lkv, float(scale),
+                *mod_args, *grad_args,
+                BLOCK_M=config.BLOCK_M2, BLOCK_N=config.BLOCK_N2,
+                EVEN_M=Lq % config.BLOCK_M2 == 0, EVEN_N=Lkv % config.BLOCK_N2 == 0, **common,
+            )
+    return dq, dk, dv

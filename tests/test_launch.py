@@ -1,0 +1,51 @@
+"""Tile choice and the shared-memory fallback of the launcher (a fake kernel stands in for a GPU)."""
+
+import pytest
+import torch
+from triton.runtime.errors import OutOfResources
+
+from flexlite.runtime.launch import TileConfig, fallback_configs, forward_config, run_with_fallback
+
+
+class FakeKernel:
+    """Raises OutOfResources (as Triton does while compiling) when a config needs too much memory."""
+
+    def __init__(self, limit):
+        self.limit, self.launched = limit, []
+
+    def __getitem__(self, grid):
+        def launch(*args, BLOCK_M, BLOCK_N, num_warps, num_stages, **constexprs):
+            need = BLOCK_M * BLOCK_N * num_stages
+            if need > self.limit:
+                raise OutOfResources(need, self.limit, "shared memory")
+            self.launched.append((grid, BLOCK_M, BLOCK_N, num_stages))
+        return launch
+
+
+def test_fallback_order_stages_then_tiles():
+    cfgs = list(fallback_configs(TileConfig(64, 32, 4, 3)))
+    assert cfgs[:4] == [TileConfig(64, 32, 4, 3), TileConfig(64, 32, 4, 2), TileConfig(64, 32, 4, 1),
+                        TileConfig(64, 16, 4, 3)]
+    assert cfgs[-1] == TileConfig(16, 16, 4, 1) and len(cfgs) == len(set(cfgs))
+
+
+def test_run_with_fallback_finds_a_fitting_config_and_remembers_it():
+    kernel = FakeKernel(limit=128 * 64)
+    grid = lambda cfg: (cfg.BLOCK_M, 1)  # noqa: E731
+    cfg = run_with_fallback(kernel, grid, (), {"D": 64}, TileConfig(128, 128, 4, 3), pinned=False)
+    assert cfg == TileConfig(128, 64, 4, 1) and kernel.launched == [((128, 1), 128, 64, 1)]
+    kernel.limit = 0  # a remembered config is used directly, without retrying the others
+    with pytest.raises(OutOfResources):
+        run_with_fallback(kernel, grid, (), {"D": 64}, TileConfig(128, 128, 4, 3), pinned=False)
+
+
+def test_pinned_config_that_does_not_fit_is_a_clear_error():
+    with pytest.raises(ValueError, match="do not fit this GPU"):
+        run_with_fallback(FakeKernel(limit=1), lambda c: (1,), (), {"D": 32}, TileConfig(64, 64, 4, 2), pinned=True)
+
+
+def test_forward_config_respects_block_mask_block_size():
+    q = torch.empty(1, 1, 1000, 64)
+    cfg = forward_config(q, q, (48, 80), {})
+    assert 48 % cfg.BLOCK_M == 0 and 80 % cfg.BLOCK_N == 0
+    assert forward_config(q, q, (128, 128), {"BLOCK_M": 32, "num_warps": 2}) == TileConfig(32, 128, 2, 1)
