@@ -21,6 +21,7 @@ from typing import Callable, Optional
 import torch
 import torch.fx as fx
 
+from .. import ops  # noqa: F401 - registers flexlite's own ops (torch.ops.flexlite.*)
 from .trace import TracedMod, UntraceableModError
 
 _TL_DTYPES = {
@@ -235,7 +236,7 @@ OPS: dict[str, Callable] = {
     "exp": _float_fn("tl.exp"), "exp2": _float_fn("tl.exp2"), "log": _float_fn("tl.log"),
     "log2": _float_fn("tl.log2"), "sqrt": _float_fn("tl.sqrt"), "rsqrt": _float_fn("tl.rsqrt"),
     "sin": _float_fn("tl.sin"), "cos": _float_fn("tl.cos"), "erf": _float_fn("tl.erf"),
-    "sigmoid": _float_fn("tl.sigmoid"), "tanh": _float_fn("tanh"),
+    "sigmoid": _float_fn("tl.sigmoid"), "tanh": _float_fn("tanh"), "tanh_approx": _float_fn("tanh_approx"),
     "log1p": lambda a, kw, n: f"tl.log(1.0 + {as_float(a[0])})",
     "expm1": lambda a, kw, n: f"(tl.exp({as_float(a[0])}) - 1.0)",
     "floor": _floor_ceil("tl.floor"), "ceil": _floor_ceil("tl.ceil"), "sign": _sign,
@@ -262,6 +263,7 @@ _FUNCTIONS = {
     torch.bitwise_not: "invert", torch.greater: "gt", torch.less: "lt",
     torch.greater_equal: "ge", torch.less_equal: "le", torch.not_equal: "ne", torch.multiply: "mul",
     torch.subtract: "sub", torch.divide: "div", torch.negative: "neg",
+    torch.ops.flexlite.tanh_approx.default: "tanh_approx", torch.ops.flexlite.tanh_approx: "tanh_approx",
 }
 for _name in ("add", "sub", "mul", "div", "remainder", "fmod", "pow", "neg", "abs", "where", "clamp",
               "clamp_min", "clamp_max", "clip", "minimum", "maximum", "exp", "exp2", "log", "log2", "sqrt",
@@ -273,7 +275,7 @@ _ALIASES = {"remainder": "mod", "clip": "clamp", "floor_divide": "floordiv", "__
             "__and__": "and", "__or__": "or", "__xor__": "xor", "__invert__": "invert", "bitwise_not": "invert",
             "float": "to", "int": "to", "long": "to", "bool": "to", "half": "to", "bfloat16": "to",
             "double": "to", "type": "to", "new_ones": "ones_like", "new_zeros": "zeros_like",
-            "masked_fill": None, "true_divide": "truediv"}
+            "masked_fill": None, "true_divide": "truediv", "index_put_": "index_put"}
 
 
 def op_key(node: fx.Node) -> Optional[str]:
@@ -281,7 +283,7 @@ def op_key(node: fx.Node) -> Optional[str]:
         return _ALIASES.get(_FUNCTIONS.get(node.target), _FUNCTIONS.get(node.target))
     if node.op == "call_method":
         name = _ALIASES.get(node.target, node.target)
-        return name if name == "getitem" or name in OPS else None
+        return name if name in ("getitem", "index_put") or name in OPS else None
     return None
 
 
@@ -351,6 +353,12 @@ class _Lowerer:
         return self.load(node, view) if len(view.indices) == view.tensor.dim() else view
 
     def load(self, node: fx.Node, view: _View) -> Val:
+        ptr, masks = self.address(node, view)
+        mask = f", mask={' & '.join(masks)}, other=0" if masks else ""
+        return self.emit(node, f"tl.load({ptr}{mask})", view.tensor.dtype)
+
+    def address(self, node: fx.Node, view: _View) -> tuple[str, list]:
+        """Pointer expression of a fully indexed captured tensor, and its in-range masks."""
         p = view.param
         wide = view.tensor.numel() > INT64_INDEX_LIMIT
         offsets, masks = [], []
@@ -368,9 +376,29 @@ class _Lowerer:
                 self.lines.append(f"{text} = tl.where({text} < 0, {text} + {p}_n{d}, {text})")
                 masks.append(f"({text} >= 0) & ({text} < {p}_n{d})")
             offsets.append(f"{text} * {p}_s{d}")
-        ptr = " + ".join([p] + offsets)
-        mask = f", mask={' & '.join(masks)}, other=0" if masks else ""
-        return self.emit(node, f"tl.load({ptr}{mask})", view.tensor.dtype)
+        return " + ".join([p] + offsets), masks
+
+    def scatter_add(self, node: fx.Node) -> Val:
+        """``buf.index_put_(indices, value, accumulate=True)`` into a captured tensor: an atomic add at the
+        gathered address; out-of-range indices add nothing (the backward pass writes the gradients of
+        captured tensors this way). Indices that depend on b and h only (scalars in every kernel) name
+        one element per tile: the tile is summed first, one atomic instead of one per element."""
+        base, index, value = node.args[:3]
+        accumulate = node.kwargs.get("accumulate", node.args[3] if len(node.args) > 3 else False)
+        if not (isinstance(base, fx.Node) and base.op == "get_attr") or accumulate is not True:
+            self.fail(node, "index_put_ is supported only with accumulate=True, into a captured tensor")
+        index = index if isinstance(index, tuple) else (index,)
+        view = self.capture(base)
+        if len(index) != view.tensor.dim():
+            self.fail(node, f"index_put_ into a captured tensor of {view.tensor.dim()} dims needs as many indices")
+        ptr, masks = self.address(node, _View(view.param, view.tensor, self.arg(node, index)))
+        v = as_float(self.value(node, self.arg(node, value)))
+        mask = f", mask={' & '.join(masks)}" if masks else ""
+        if _tile_uniform([i for i in index if isinstance(i, fx.Node)]):
+            return self.emit(node, f"tl.atomic_add({ptr}, tl.sum({v}){mask}, sem=\"relaxed\")", torch.float32)
+        p, v_tile = f"t_{node.name}_p", f"t_{node.name}_v"
+        self.lines.append(f"{p}, {v_tile} = tl.broadcast({ptr}, {v})")
+        return self.emit(node, f"tl.atomic_add({p}, {v_tile}{mask}, sem=\"relaxed\")", torch.float32)
 
     # -- values
     def arg(self, node: fx.Node, a):
@@ -421,6 +449,8 @@ class _Lowerer:
             self.fail(node, f"no lowering for {_target_name(node)}; supported ops: {', '.join(sorted(OPS))}")
         args = [self.arg(node, a) for a in node.args]
         kwargs = {k: self.arg(node, v) for k, v in node.kwargs.items()}
+        if key == "index_put":
+            return self.scatter_add(node)
         if key == "getitem":
             base, index = args
             if not isinstance(base, _View):
@@ -431,6 +461,20 @@ class _Lowerer:
         args = [self.value(node, a) if isinstance(a, (Val, _View)) else a for a in args]
         kwargs = {k: self.value(node, v) if isinstance(v, (Val, _View)) else v for k, v in kwargs.items()}
         return self.emit(node, OPS[key](args, kwargs, node), node.meta.get("dtype"))
+
+
+def _tile_uniform(nodes: list) -> bool:
+    """Whether values computed from ``nodes`` are the same across a tile: they read no mod input but
+    ``b`` and ``h``, which are scalars in every kernel (score, q_idx and kv_idx are tiles)."""
+    stack, seen = list(nodes), set()
+    while stack:
+        node = stack.pop()
+        if node.op == "placeholder" and node.target not in ("b", "h"):
+            return False
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    return True
 
 
 def _uses_score(gm: fx.GraphModule) -> bool:
