@@ -52,6 +52,9 @@ def mod_name(fn: Callable) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
+_ARITY_OK: "weakref.WeakKeyDictionary[Callable, str]" = weakref.WeakKeyDictionary()
+
+
 def positional_arity(fn: Callable) -> Optional[tuple]:
     """(required, total) positional parameters of ``fn``; None if unknown (``*args``, builtins)."""
     try:
@@ -66,12 +69,18 @@ def positional_arity(fn: Callable) -> Optional[tuple]:
 
 def check_arity(fn: Callable, kind: str, argname: Optional[str] = None, caller: str = "flex_attention") -> None:
     """TypeError unless ``fn`` is callable with exactly the positional arguments of ``kind``."""
+    if _ARITY_OK.get(fn) == kind:  # inspect.signature costs ~10 us; calls repeat with the same mods
+        return
     argname = argname or kind
     expected = SCORE_MOD_ARGS if kind == "score_mod" else MASK_MOD_ARGS
     if not callable(fn):
         raise TypeError(f"{caller}: {argname} must be callable; got {type(fn).__name__}")
     arity = positional_arity(fn)
     if arity is None or arity[0] <= len(expected) <= arity[1]:
+        try:
+            _ARITY_OK[fn] = kind
+        except TypeError:  # not weakly referenceable
+            pass
         return
     n = arity[0]
     hint = ""
