@@ -14,8 +14,8 @@ from ._vmap import index_vectors, vmap_bhqkv
 from .codegen.kernel import GeneratedKernel, generate, generate_backward
 from .codegen.trace import check_arity, trace_mod
 from .runtime.compile import load_module, write_source
-from .runtime.launch import (CONFIG_KEYS, TORCH_PERF_HINTS, backward_config, forward_config, launch_backward,
-                             launch_forward)
+from .runtime.launch import (BACKWARD_CONFIG_KEYS, CONFIG_KEYS, TORCH_PERF_HINTS, backward_config, forward_config,
+                             launch_backward, launch_forward)
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -154,7 +154,8 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options):
     module = load_module(kernel.source, interpret=query.device.type != "cuda")
     num, idx, full_num, full_idx, sparse = _block_tensors(block_mask, Lq, Lkv, query.device)
     options = kernel_options or {}
-    config = forward_config(query, value, sparse, options)
+    config = forward_config(query, value, sparse, options, masked=block_mask is not None,
+                            gathers=bool(kernel.captured))
     return launch_forward(module, kernel.mod_args(), query, key, value, num, idx, full_num, full_idx,
                           sparse, scale, kernel.has_score_mod, config, pinned=any(k in options for k in CONFIG_KEYS))
 
@@ -183,7 +184,7 @@ def _captured_requiring_grad(score_mod) -> tuple:
     return tuple(t for t in trace_mod(score_mod, "score_mod").captured.values() if t.requires_grad)
 
 
-def deterministic_captured_grads() -> bool:
+def _deterministic_captured_grads() -> bool:
     """Whether captured-tensor gradients take the deterministic path: ``FLEXLITE_DETERMINISTIC_CAPTURED_GRADS=1``
     or ``torch.use_deterministic_algorithms(True)``."""
     flag = os.environ.get("FLEXLITE_DETERMINISTIC_CAPTURED_GRADS", "")
@@ -192,7 +193,8 @@ def deterministic_captured_grads() -> bool:
 
 @contextlib.contextmanager
 def _deterministic_algorithms():
-    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         yield
@@ -237,7 +239,7 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     interpret = query.device.type != "cuda"
-    deterministic = bool(want) and deterministic_captured_grads()
+    deterministic = bool(want) and _deterministic_captured_grads()
     scatter = () if deterministic else tuple(want)
     mask_mod = block_mask.mask_mod if block_mask is not None else None
     kernel = generate_backward(score_mod, mask_mod, interpret=interpret, grad_captured=scatter)
@@ -245,13 +247,14 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
     module = load_module(kernel.source, interpret=interpret)
     *kv_blocks, sparse = _block_tensors(block_mask, Lq, Lkv, query.device)
     q_blocks = _q_block_tensors(block_mask, Lq, Lkv, query.device)
-    config = backward_config(query, value, sparse, kernel_options or {})
+    options = kernel_options or {}
+    config = backward_config(query, value, sparse, options)
     buffers = [torch.zeros(t.shape, dtype=torch.float32, device=query.device) for t in scatter]
     ds = torch.zeros((B, Hq, Lq, Lkv), dtype=torch.float32, device=query.device) if deterministic else None
     dq, dk, dv = launch_backward(
         module, kernel.mod_args(), kernel.grad_args(buffers), query, key, value, out, lse, grad_out, grad_lse,
         tuple(kv_blocks), q_blocks, sparse, scale, kernel.has_score_mod, config, need_dq=need_dq, ds=ds,
-        scatter_captured_grads=bool(scatter))
+        scatter_captured_grads=bool(scatter), pinned=any(k in options for k in BACKWARD_CONFIG_KEYS))
     if deterministic:
         wanted = iter(_captured_grads_from_ds(score_mod, query, key, scale, ds, want))
     else:
@@ -312,6 +315,17 @@ def flex_attention(
     Returns:
         out [B, Hq, Lq, Ev] in the input dtype, and ``lse`` if ``return_lse``. A query row that every
         position is masked for gives out 0 and LSE -inf.
+
+    Gradients: differentiable w.r.t. query, key, value (any subset), through ``out`` and ``lse``, and
+    w.r.t. tensors captured by ``score_mod`` that require grad (a learnable bias table, ALiBi slopes,
+    ...). score_mod's derivative is derived from its traced graph (``flexlite.codegen.grad``); an op
+    with no derivative rule raises :class:`UntraceableModError` at backward time. Tensors captured by
+    ``mask_mod`` get no gradient (a mask is piecewise constant). Captured-tensor gradients are
+    accumulated with float32 atomics by default, which is fast but not bit-reproducible on GPUs; with
+    ``FLEXLITE_DETERMINISTIC_CAPTURED_GRADS=1`` or ``torch.use_deterministic_algorithms(True)`` the
+    backward kernel writes dS [B, Hq, Lq, Lkv] in float32 instead (4 bytes per score: 64 MiB for
+    B*Hq = 16 heads of 2048 x 512) and torch re-runs score_mod over chunks of about 2**24 scores to
+    backpropagate it, in a fixed order.
     """
     _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options)
     if scale is None:

@@ -38,8 +38,14 @@ def head_dim_pad(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def forward_config(q: torch.Tensor, v: torch.Tensor, sparse_block: tuple, kernel_options: dict) -> TileConfig:
-    """Tile sizes: heuristic defaults per head dim, dtype and device, then ``kernel_options`` pins."""
+def forward_config(q: torch.Tensor, v: torch.Tensor, sparse_block: tuple, kernel_options: dict,
+                   masked: bool = True, gathers: bool = False) -> TileConfig:
+    """Tile sizes: heuristic defaults, then ``kernel_options`` pins.
+
+    The defaults come from benchmarks/probe_fwd.py on an H200 (see benchmarks/NOTES.md): per head dim;
+    ``masked`` (some blocks are partial) favours 2 pipeline stages at D128, ``gathers`` (the mods read
+    captured tensors) 8 warps, which keeps the extra index math from spilling.
+    """
     d = max(head_dim_pad(q.shape[-1]), head_dim_pad(v.shape[-1]))
     if q.device.type != "cuda":
         # the interpreter's cost is per op, not per element: big tiles, but not far past the length
@@ -49,7 +55,7 @@ def forward_config(q: torch.Tensor, v: torch.Tensor, sparse_block: tuple, kernel
     elif d <= 64:
         bm, bn, warps, stages = 128, 128, 4, 3
     elif d <= 128:
-        bm, bn, warps, stages = 128, 64, 4, 3
+        bm, bn, warps, stages = (128, 64, 8, 3) if gathers else (128, 64, 4, 2) if masked else (128, 64, 4, 3)
     else:
         bm, bn, warps, stages = 64, 32, 4, 2
     if q.dtype == torch.float32 and q.device.type == "cuda":
@@ -208,7 +214,7 @@ def backward_config(q: torch.Tensor, v: torch.Tensor, sparse_block: tuple, kerne
 def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, grad_out,
                     grad_lse: Optional[torch.Tensor], kv_blocks: tuple, q_blocks: tuple, sparse_block: tuple,
                     scale: float, has_score_mod: bool, config: BackwardTileConfig, *, need_dq: bool = True,
-                    ds: Optional[torch.Tensor] = None, scatter_captured_grads: bool = False):
+                    ds: Optional[torch.Tensor] = None, scatter_captured_grads: bool = False, pinned: bool = False):
     """Run ``module``'s preprocess, dK/dV and dQ kernels; returns dq (None unless ``need_dq``), dk, dv in
     the input dtype.
 
@@ -221,51 +227,56 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
     Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[-1]
     interpret = q.device.type != "cuda"
     allow_tf32 = not interpret and torch.backends.cuda.matmul.allow_tf32
-    precision = "tf32" if allow_tf32 else "ieee"
     lse = lse.contiguous()
     delta = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
     dk = torch.empty((B, Hkv, Lkv, D), dtype=k.dtype, device=q.device)
     dv = torch.empty((B, Hkv, Lkv, Dv), dtype=v.dtype, device=q.device)
     dq = torch.empty((B, Hq, Lq, D), dtype=q.dtype, device=q.device) if need_dq else None
 
-    def sides(blocks):
+    def contiguous(blocks):
         num, idx, full_num, full_idx = blocks
-        has_full = full_num is not None
-        if not has_full:
+        if full_num is None:
             full_num, full_idx = num, idx
-        return [t.contiguous() for t in (num, idx, full_num, full_idx)], has_full
+        return [t.contiguous() for t in (num, idx, full_num, full_idx)]
 
-    (q_num, q_idx, full_q_num, full_q_idx), has_full = sides(q_blocks)
-    (kv_num, kv_idx, full_kv_num, full_kv_idx), _ = sides(kv_blocks)
+    q_num, q_idx, full_q_num, full_q_idx = contiguous(q_blocks)
+    kv_num, kv_idx, full_kv_num, full_kv_idx = contiguous(kv_blocks)
+    constexprs = dict(
+        SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1], D=D, DV=Dv, D_PAD=head_dim_pad(D),
+        DV_PAD=head_dim_pad(Dv), HAS_FULL_BLOCKS=q_blocks[2] is not None, HAS_SCORE_MOD=has_score_mod,
+        FP32_PRECISION="tf32" if allow_tf32 else "ieee")
+    dkdv_args = (q, k, v, grad_out, lse, delta, dk, dv, ds if ds is not None else delta,
+                 q_num, q_idx, full_q_num, full_q_idx,
+                 *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
+                 *_mask_strides(q_num), *_mask_strides(q_idx),
+                 Hq, Hkv, Hq // Hkv, Lq, Lkv, float(scale), *mod_args, *grad_args)
+    dkdv_constexprs = dict(constexprs, WRITE_DS=ds is not None, SCATTER_CAPTURED_GRADS=scatter_captured_grads)
+
+    def dkdv_grid(cfg):  # programs own BLOCK_N keys
+        dkdv_constexprs.update(EVEN_M=Lq % cfg.BLOCK_M == 0, EVEN_N=Lkv % cfg.BLOCK_N == 0)
+        return (triton.cdiv(Lkv, cfg.BLOCK_N), B * Hkv)
+
+    dq_args = (q, k, v, grad_out, lse, delta, dq, kv_num, kv_idx, full_kv_num, full_kv_idx,
+               *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *(dq.stride() if need_dq else q.stride()),
+               *_mask_strides(kv_num), *_mask_strides(kv_idx),
+               Hq, Hq // Hkv, Lq, Lkv, float(scale), *mod_args, *grad_args)
+    dq_constexprs = dict(constexprs)
+
+    def dq_grid(cfg):  # programs own BLOCK_M queries
+        dq_constexprs.update(EVEN_M=Lq % cfg.BLOCK_M == 0, EVEN_N=Lkv % cfg.BLOCK_N == 0)
+        return (triton.cdiv(Lq, cfg.BLOCK_M), B * Hq)
+
     pre_block = min(64, max(16, triton.next_power_of_2(Lq)))
-    common = dict(D=D, DV=Dv, D_PAD=head_dim_pad(D), DV_PAD=head_dim_pad(Dv), HAS_FULL_BLOCKS=has_full,
-                  HAS_SCORE_MOD=has_score_mod, FP32_PRECISION=precision, SPARSE_Q_BLOCK=sparse_block[0],
-                  SPARSE_KV_BLOCK=sparse_block[1], num_warps=config.num_warps, num_stages=config.num_stages)
     with interpreter_scope(interpret):
         module.flex_bwd_preprocess_kernel[(triton.cdiv(Lq, pre_block), B * Hq)](
             out, grad_out, grad_lse.contiguous() if grad_lse is not None else lse, delta,
             *out.stride(), *grad_out.stride(), Hq, Lq,
             BLOCK_M=pre_block, DV=Dv, DV_PAD=head_dim_pad(Dv), HAS_DLSE=grad_lse is not None,
         )
-        module.flex_bwd_dkdv_kernel[(triton.cdiv(Lkv, config.BLOCK_N1), B * Hkv)](
-            q, k, v, grad_out, lse, delta, dk, dv, ds if ds is not None else delta,
-            q_num, q_idx, full_q_num, full_q_idx,
-            *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
-            *_mask_strides(q_num), *_mask_strides(q_idx),
-            Hq, Hkv, Hq // Hkv, Lq, Lkv, float(scale),
-            *mod_args, *grad_args,
-            BLOCK_M=config.BLOCK_M1, BLOCK_N=config.BLOCK_N1,
-            EVEN_M=Lq % config.BLOCK_M1 == 0, EVEN_N=Lkv % config.BLOCK_N1 == 0,
-            WRITE_DS=ds is not None, SCATTER_CAPTURED_GRADS=scatter_captured_grads, **common,
-        )
+        run_with_fallback(module.flex_bwd_dkdv_kernel, dkdv_grid, dkdv_args, dkdv_constexprs,
+                          TileConfig(config.BLOCK_M1, config.BLOCK_N1, config.num_warps, config.num_stages), pinned)
         if need_dq:
-            module.flex_bwd_dq_kernel[(triton.cdiv(Lq, config.BLOCK_M2), B * Hq)](
-                q, k, v, grad_out, lse, delta, dq, kv_num, kv_idx, full_kv_num, full_kv_idx,
-                *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dq.stride(),
-                *_mask_strides(kv_num), *_mask_strides(kv_idx),
-                Hq, Hq // Hkv, Lq, Lkv, float(scale),
-                *mod_args, *grad_args,
-                BLOCK_M=config.BLOCK_M2, BLOCK_N=config.BLOCK_N2,
-                EVEN_M=Lq % config.BLOCK_M2 == 0, EVEN_N=Lkv % config.BLOCK_N2 == 0, **common,
-            )
+            run_with_fallback(module.flex_bwd_dq_kernel, dq_grid, dq_args, dq_constexprs,
+                              TileConfig(config.BLOCK_M2, config.BLOCK_N2, config.num_warps, config.num_stages),
+                              pinned)
     return dq, dk, dv
