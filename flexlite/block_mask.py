@@ -492,7 +492,35 @@ def _as_bool_mask(mask: Tensor, shape: tuple[int, ...]) -> Tensor:
 def _block_flags(mask_mod: _MaskMod, B: int, H: int, Q_LEN: int, KV_LEN: int, device: torch.device,
                  block_size: tuple[int, int]) -> tuple[Tensor, Tensor]:
     """(any, all): bool [B, H, nQ, nKV], whether mask_mod is True at any / all in-range positions
-    of each block. mask_mod is evaluated a chunk of q block rows at a time (see _CHUNK_ELEMENTS)."""
+    of each block. On CUDA a generated Triton kernel evaluates the mask block by block; elsewhere
+    mask_mod is vmapped over a chunk of q block rows at a time (see _CHUNK_ELEMENTS)."""
+    if device.type == "cuda":
+        return _block_flags_kernel(mask_mod, B, H, Q_LEN, KV_LEN, device, block_size)
+    return _block_flags_vmap(mask_mod, B, H, Q_LEN, KV_LEN, device, block_size)
+
+
+def _block_flags_kernel(mask_mod: _MaskMod, B: int, H: int, Q_LEN: int, KV_LEN: int, device: torch.device,
+                        block_size: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """:func:`_block_flags` by the generated block-mask kernel (the same codegen as the attention
+    kernels): O(number of blocks) memory. On CPU it runs through Triton's interpreter (tests)."""
+    from .codegen.kernel import generate
+    from .runtime.compile import load_module
+    from .runtime.launch_mask import launch_block_mask
+
+    interpret = device.type != "cuda"
+    kernel = generate("block_mask.py.jinja", None, mask_mod, interpret=interpret)
+    if kernel.mask_mod.result_dtype not in (None, torch.bool):
+        raise TypeError(f"create_block_mask: mask_mod must return a bool tensor; got {kernel.mask_mod.result_dtype}")
+    for t in kernel.captured:
+        if t.device != device:
+            raise ValueError(f"create_block_mask: a tensor captured by mask_mod is on {t.device}, not {device}; "
+                             f"create it on {device}")
+    module = load_module(kernel.source, interpret=interpret)
+    return launch_block_mask(module, kernel.mod_args(), B, H, Q_LEN, KV_LEN, block_size, device)
+
+
+def _block_flags_vmap(mask_mod: _MaskMod, B: int, H: int, Q_LEN: int, KV_LEN: int, device: torch.device,
+                      block_size: tuple[int, int]) -> tuple[Tensor, Tensor]:
     bq, bkv = block_size
     n_q = _cdiv(Q_LEN, bq)
     rows_per_chunk = max(1, _CHUNK_ELEMENTS // (B * H * bq * KV_LEN))
@@ -533,8 +561,9 @@ def create_block_mask(
 
     Returns:
         BlockMask with kv_num_blocks [B, H, nQ], kv_indices [B, H, nQ, nKV] and the full / q-side
-        counterparts. mask_mod is evaluated in chunks of q block rows (about 2**24 positions), so
-        the dense mask is never materialised: extra memory is O(number of blocks + one chunk).
+        counterparts. The dense mask is never materialised: on CUDA a generated Triton kernel
+        evaluates mask_mod block by block (extra memory O(number of blocks)); elsewhere mask_mod is
+        vmapped over chunks of q block rows (about 2**24 positions; O(number of blocks + one chunk)).
     """
     caller = "create_block_mask"
     _check_mask_mod(caller, mask_mod)

@@ -304,6 +304,7 @@ class LoweredMod:
     source: str
     params: list  # kernel parameter names for the captured tensors, in order
     tensors: list  # captured tensors, in order (one per pointer parameter)
+    result_dtype: Optional[torch.dtype] = None  # torch dtype of the mod's value before the final cast
 
     def kernel_args(self) -> list:
         """Runtime values for ``params``: per tensor its pointer, strides, sizes."""
@@ -509,7 +510,8 @@ def lower_mod(traced: TracedMod, fn_name: str, prefix: str) -> LoweredMod:
     doc = f"    # {traced.kind} {traced.name}, traced and lowered by flexlite"
     body = [f"    {line}" for line in lines] + [f"    return {out}"]
     source = "\n".join(["@triton.jit", header, doc] + body) + "\n"
-    return LoweredMod(fn_name=fn_name, source=source, params=low.params, tensors=low.tensors)
+    return LoweredMod(fn_name=fn_name, source=source, params=low.params, tensors=low.tensors,
+                      result_dtype=result.dtype)
 
 
 def identity_score_mod() -> LoweredMod:

@@ -1,0 +1,25 @@
+"""Launch of the generated block-mask kernel (templates/block_mask.py.jinja)."""
+
+from __future__ import annotations
+
+import torch
+
+from .compile import interpreter_scope
+from .launch import _pow2_divisor
+
+
+def launch_block_mask(module, mod_args: list, B: int, H: int, Q_LEN: int, KV_LEN: int, block_size: tuple,
+                      device: torch.device) -> tuple:
+    """(any, all): bool [B, H, nQ, nKV] — whether the mask is True at any / at all in-range positions of
+    each block. Memory: two int8 flags per block."""
+    n_q, n_kv = -(-Q_LEN // block_size[0]), -(-KV_LEN // block_size[1])
+    any_flags = torch.empty((B, H, n_q, n_kv), dtype=torch.int8, device=device)
+    all_flags = torch.empty_like(any_flags)
+    # one program per block; 64x64 tiles keep registers modest on a GPU, the interpreter wants few steps
+    cap = 64 if device.type == "cuda" else max(block_size)
+    tile_m, tile_n = _pow2_divisor(block_size[0], cap), _pow2_divisor(block_size[1], cap)
+    with interpreter_scope(device.type != "cuda"):
+        module.flex_block_mask_kernel[(n_q, n_kv, B * H)](
+            any_flags, all_flags, H, Q_LEN, KV_LEN, *mod_args,
+            SPARSE_Q=block_size[0], SPARSE_KV=block_size[1], TILE_M=tile_m, TILE_N=tile_n, num_warps=4)
+    return any_flags.bool(), all_flags.bool()
