@@ -14,8 +14,9 @@ from ._vmap import index_vectors, vmap_bhqkv
 from .codegen.kernel import GeneratedKernel, generate, generate_backward
 from .codegen.trace import check_arity, trace_mod
 from .runtime.compile import load_module, write_source
-from .runtime.launch import (BACKWARD_CONFIG_KEYS, CONFIG_KEYS, TORCH_PERF_HINTS, backward_config, forward_config,
-                             launch_backward, launch_forward)
+from .runtime.autotune import autotune_enabled
+from .runtime.launch import (BACKWARD_CONFIG_KEYS, CONFIG_KEYS, FLEXLITE_OPTIONS, TORCH_PERF_HINTS,
+                             backward_config, forward_config, launch_backward, launch_forward)
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -65,9 +66,10 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
     if kernel_options is not None:
         if not isinstance(kernel_options, dict):
             _fail(f"kernel_options must be a dict, got {type(kernel_options).__name__}", TypeError)
-        unknown = set(kernel_options) - set(CONFIG_KEYS) - TORCH_PERF_HINTS
+        unknown = set(kernel_options) - set(CONFIG_KEYS) - TORCH_PERF_HINTS - FLEXLITE_OPTIONS
         if unknown:
-            _fail(f"unknown kernel_options {sorted(unknown)}; flexlite understands {list(CONFIG_KEYS)} "
+            _fail(f"unknown kernel_options {sorted(unknown)}; flexlite understands "
+                  f"{list(CONFIG_KEYS) + sorted(FLEXLITE_OPTIONS)} "
                   f"(torch's performance hints {sorted(TORCH_PERF_HINTS)} are accepted and ignored)")
     if block_mask is not None:
         _validate_block_mask(block_mask, query, key)
@@ -157,7 +159,8 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options):
     config = forward_config(query, value, sparse, options, masked=block_mask is not None,
                             gathers=bool(kernel.captured))
     return launch_forward(module, kernel.mod_args(), query, key, value, num, idx, full_num, full_idx,
-                          sparse, scale, kernel.has_score_mod, config, pinned=any(k in options for k in CONFIG_KEYS))
+                          sparse, scale, kernel.has_score_mod, config, pinned=any(k in options for k in CONFIG_KEYS),
+                          tune=autotune_enabled(options))
 
 
 @functools.lru_cache(maxsize=64)

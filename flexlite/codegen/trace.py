@@ -69,8 +69,11 @@ def positional_arity(fn: Callable) -> Optional[tuple]:
 
 def check_arity(fn: Callable, kind: str, argname: Optional[str] = None, caller: str = "flex_attention") -> None:
     """TypeError unless ``fn`` is callable with exactly the positional arguments of ``kind``."""
-    if _ARITY_OK.get(fn) == kind:  # inspect.signature costs ~10 us; calls repeat with the same mods
-        return
+    try:
+        if _ARITY_OK.get(fn) == kind:  # inspect.signature costs ~10 us; calls repeat with the same mods
+            return
+    except TypeError:  # not weakly referenceable (or not even callable): check below
+        pass
     argname = argname or kind
     expected = SCORE_MOD_ARGS if kind == "score_mod" else MASK_MOD_ARGS
     if not callable(fn):

@@ -4,17 +4,22 @@ runtime values of its captured-tensor parameters come in from the codegen pipeli
 from __future__ import annotations
 
 import dataclasses
+import math
+from pathlib import Path
 from typing import Optional
 
 import torch
 import triton
 
+from . import autotune
+from .autotune import length_bucket
 from .compile import interpreter_scope
 
 # kernel_options keys of torch's FlexAttention that only tune performance there; accepted, no effect
 TORCH_PERF_HINTS = frozenset({
     "PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "OUTPUT_LOGSUMEXP", "OUTPUT_MAX",
     "FORCE_USE_FLEX_ATTENTION", "USE_TMA", "WRITE_DQ", "BACKEND", "fwd_num_warps", "fwd_num_stages"})
+FLEXLITE_OPTIONS = frozenset({"AUTOTUNE"})
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 
 
@@ -127,8 +132,9 @@ def _mask_strides(t: torch.Tensor) -> tuple:
 def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
                    full_kv_num_blocks: Optional[torch.Tensor], full_kv_indices: Optional[torch.Tensor],
                    sparse_block: tuple, scale: float, has_score_mod: bool, config: TileConfig,
-                   pinned: bool = False):
-    """Run ``module.flex_fwd_kernel``; returns out [B, Hq, Lq, Dv] (q.dtype) and lse [B, Hq, Lq] fp32."""
+                   pinned: bool = False, tune: bool = False):
+    """Run ``module.flex_fwd_kernel``; returns out [B, Hq, Lq, Dv] (q.dtype) and lse [B, Hq, Lq] fp32.
+    ``tune``: autotune the tile config (CUDA, not pinned) instead of taking ``config`` as it is."""
     B, Hq, Lq, D = q.shape
     Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[-1]
     out = torch.empty((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)
@@ -155,9 +161,51 @@ def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
         constexprs.update(EVEN_M=Lq % cfg.BLOCK_M == 0, EVEN_N=Lkv % cfg.BLOCK_N == 0)
         return (triton.cdiv(Lq, cfg.BLOCK_M), B * Hq)
 
+    if tune and q.device.type == "cuda" and not pinned:
+        key = (f"fwd|{Path(module.__file__).stem}|{q.dtype}|D{D}|DV{Dv}|{sparse_block}|full={has_full}|"
+               f"L{length_bucket(Lq)}x{length_bucket(Lkv)}")
+        candidates = [c for c in forward_candidates(q, v, sparse_block) if c != config]
+        config = _autotune(module.flex_fwd_kernel, grid, args, constexprs, [config] + candidates, key)
     with interpreter_scope(q.device.type != "cuda"):
         run_with_fallback(module.flex_fwd_kernel, grid, args, constexprs, config, pinned)
     return out, lse
+
+
+def forward_candidates(q: torch.Tensor, v: torch.Tensor, sparse_block: tuple) -> list:
+    """The forward's autotuning space per head dim (from benchmarks/probe_fwd.py sweeps)."""
+    d = max(head_dim_pad(q.shape[-1]), head_dim_pad(v.shape[-1]))
+    if d <= 64:
+        space = [(128, 128, 4, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 128, 4, 2)]
+    elif d <= 128:
+        space = [(128, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 32, 4, 3)]
+    else:
+        space = [(64, 32, 4, 2), (64, 64, 4, 1), (32, 32, 4, 2), (64, 32, 8, 2)]
+    if q.dtype == torch.float32:
+        space = [(m, max(16, n // 2), w, s) for m, n, w, s in space]
+    return list(dict.fromkeys(TileConfig(_pow2_divisor(sparse_block[0], m), _pow2_divisor(sparse_block[1], n), w, s)
+                              for m, n, w, s in space))
+
+
+def _autotune(kernel, grid, args: tuple, constexprs: dict, candidates: list, key: str) -> TileConfig:
+    """Time each candidate (outputs are simply rewritten: the forward is a pure function of its inputs)."""
+    import triton.testing
+    from triton.runtime.errors import OutOfResources
+
+    def measure(cfg_dict: dict) -> float:
+        cfg = TileConfig(**cfg_dict)
+
+        def run():
+            kernel[grid(cfg)](*args, **constexprs, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
+                              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        try:
+            run()
+        except OutOfResources:
+            return math.inf
+        return float(triton.testing.do_bench(run, warmup=5, rep=25, return_mode="median"))
+
+    gpu = torch.cuda.get_device_name()
+    best = autotune.tune(gpu, key, [dataclasses.asdict(c) for c in candidates], measure, label=key)
+    return TileConfig(**best)
 
 
 # ---------------------------------------------------------------------------------------------
