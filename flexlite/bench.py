@@ -58,9 +58,18 @@ def flops(B: int, H: int, S: int, D: int, density: float, pass_: str) -> float:
     return f * 2.5 if pass_ == "bwd" else f
 
 
-def _median_ms(fn: Callable) -> float:
+def _median_ms(fn: Callable, grad_to_none=None) -> float:
     import triton.testing
-    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median", grad_to_none=grad_to_none))
+
+
+def _timed(forward: Callable, pass_: str) -> Callable:
+    """What to time for a pass: the forward call, or the backward of one forward's output (graph kept)."""
+    if pass_ == "fwd":
+        return forward
+    out = forward()
+    grad = torch.randn_like(out)
+    return lambda: out.backward(grad, retain_graph=True)
 
 
 def _git_commit() -> str:
@@ -71,21 +80,30 @@ def _git_commit() -> str:
         return os.environ.get("FLEXLITE_COMMIT", "unknown")
 
 
-def check_against_reference(case: MaskCase, D: int, device, dtype=torch.bfloat16) -> float:
-    """Max abs error of flexlite vs the fp64 reference at B1 H2 S1024 (random inputs)."""
+def check_against_reference(case: MaskCase, D: int, device, dtype=torch.bfloat16, backward: bool = False) -> dict:
+    """Max abs errors of flexlite vs the fp64 reference at B1 H2 S1024 (random inputs): out, and with
+    ``backward`` also dq / dk / dv."""
     B, H, S = 1, 2, 1024
     g = torch.Generator().manual_seed(0)
-    q, k, v = [torch.randn(B, H, S, D, generator=g).to(device, dtype) for _ in range(3)]
+    q, k, v = [torch.randn(B, H, S, D, generator=g).to(device, dtype).requires_grad_(backward) for _ in range(3)]
     small = mask_cases(S, H, device)[case.name]
     bm = create_block_mask(small.mask_mod, None, None, S, S, device=device) if small.mask_mod else None
     out = flex_attention(q, k, v, score_mod=small.score_mod, block_mask=bm)
     ref, _ = attention_reference(q, k, v, score_mod=small.score_mod, block_mask=bm)
-    return float((out.double() - ref).abs().max())
+    errors = {"max_err_vs_fp64": float((out.double() - ref).abs().max())}
+    if backward:
+        dout = torch.randn_like(out)
+        got = torch.autograd.grad(out, (q, k, v), dout)
+        want = torch.autograd.grad(ref, (q, k, v), dout.double())
+        for name, a, b in zip(("dq", "dk", "dv"), got, want):
+            errors[f"max_{name}_err_vs_fp64"] = float((a.double() - b.double()).abs().max())
+    return errors
 
 
 def run(masks: list, shapes: list, passes: tuple = ("fwd",), dtype=torch.bfloat16,
-        out_dir: Optional[Path] = RESULTS_DIR, torch_flex: bool = True) -> dict:
-    """Check and time every (mask, shape, pass); write JSON + markdown under ``out_dir`` (None: print only)."""
+        out_dir: Optional[Path] = RESULTS_DIR, torch_flex: bool = True, autotune: bool = False) -> dict:
+    """Check and time every (mask, shape, pass); write JSON + markdown under ``out_dir`` (None: print only).
+    ``autotune`` adds a ``flexlite_tuned`` column (kernel_options AUTOTUNE)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     device = torch.device("cuda")
@@ -94,53 +112,53 @@ def run(masks: list, shapes: list, passes: tuple = ("fwd",), dtype=torch.bfloat1
         from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
         from torch.nn.attention.flex_attention import flex_attention as torch_flex_attention
         compiled_flex = torch.compile(torch_flex_attention, dynamic=False)
+    backward = "bwd" in passes
     for (B, H, S, D) in shapes:
         cases = mask_cases(S, H, device)
         g = torch.Generator(device=device).manual_seed(0)
-        q, k, v = [torch.randn(B, H, S, D, generator=g, device=device, dtype=dtype) for _ in range(3)]
+        q, k, v = [torch.randn(B, H, S, D, generator=g, device=device, dtype=dtype).requires_grad_(backward)
+                   for _ in range(3)]
         for name in masks:
             case = cases[name]
-            err = check_against_reference(case, D, device, dtype)
+            errors = check_against_reference(case, D, device, dtype, backward=backward)
             bm = create_block_mask(case.mask_mod, None, None, S, S, device=device) if case.mask_mod else None
             density = 1.0 - (bm.sparsity() / 100.0 if bm is not None else 0.0)
             t0 = time.perf_counter()
             out = flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm)
             torch.cuda.synchronize()
             first_call_s = time.perf_counter() - t0
+            impls = {"flexlite": lambda: flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm)}
+            if autotune:
+                impls["flexlite_tuned"] = lambda: flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm,
+                                                                 kernel_options={"AUTOTUNE": True})
             row_base = dict(mask=name, shape=f"B{B} H{H} S{S} D{D}", dtype=str(dtype).replace("torch.", ""),
-                            density=round(density, 4), max_err_vs_fp64=err)
-            times = {}
+                            density=round(density, 4), flexlite_first_call_s=round(first_call_s, 3), **errors)
+            if torch_flex:
+                tbm = torch_create_block_mask(case.mask_mod, None, None, S, S, device=device) if case.mask_mod else None
+                impls["torch_flex"] = lambda: compiled_flex(q, k, v, score_mod=case.score_mod, block_mask=tbm)
+                row_base["max_diff_vs_torch_flex"] = float((impls["torch_flex"]().float() - out.float()).abs().max())
+            if case.sdpa_causal is not None:
+                for backend, label in ((SDPBackend.CUDNN_ATTENTION, "sdpa_cudnn"), (SDPBackend.FLASH_ATTENTION,
+                                                                                    "sdpa_flash")):
+                    def sdpa(backend=backend):
+                        with sdpa_kernel(backend):
+                            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=case.sdpa_causal)
+                    impls[label] = sdpa
             for pass_ in passes:
-                times[pass_] = {}
-                fl = lambda: flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm)  # noqa: E731
-                times[pass_]["flexlite"] = _median_ms(fl)
-                if torch_flex:
-                    tbm = torch_create_block_mask(case.mask_mod, None, None, S, S, device=device) \
-                        if case.mask_mod else None
-                    tf = lambda: compiled_flex(q, k, v, score_mod=case.score_mod, block_mask=tbm)  # noqa: E731
-                    ref_out = tf()
-                    diff = float((ref_out.float() - out.float()).abs().max())
-                    row_base["max_diff_vs_torch_flex"] = diff
-                    times[pass_]["torch_flex"] = _median_ms(tf)
-                if case.sdpa_causal is not None:
-                    for backend, label in ((SDPBackend.CUDNN_ATTENTION, "sdpa_cudnn"),
-                                           (SDPBackend.FLASH_ATTENTION, "sdpa_flash")):
-                        def sd(backend=backend):
-                            with sdpa_kernel(backend):
-                                return torch.nn.functional.scaled_dot_product_attention(
-                                    q, k, v, is_causal=case.sdpa_causal)
-                        try:
-                            times[pass_][label] = _median_ms(sd)
-                        except RuntimeError:
-                            times[pass_][label] = None
+                row = dict(row_base, **{"pass": pass_})
                 f = flops(B, H, S, D, density, pass_)
-                row = dict(row_base, **{"pass": pass_, "flexlite_first_call_s": round(first_call_s, 3)})
-                for impl, ms in times[pass_].items():
-                    row[f"{impl}_ms"] = ms
-                    if ms:
-                        row[f"{impl}_tflops"] = round(f / ms / 1e9, 1)
-                if times[pass_].get("torch_flex"):
-                    row["speedup_vs_torch_flex"] = round(times[pass_]["torch_flex"] / times[pass_]["flexlite"], 3)
+                for impl, forward in impls.items():
+                    try:
+                        ms = _median_ms(_timed(forward, pass_), grad_to_none=[q, k, v] if backward else None)
+                    except RuntimeError as e:  # e.g. an SDPA backend not available for this shape
+                        row[f"{impl}_error"] = str(e).splitlines()[0][:120]
+                        continue
+                    row[f"{impl}_ms"] = round(ms, 4)
+                    row[f"{impl}_tflops"] = round(f / ms / 1e9, 1)
+                if "torch_flex_ms" in row:
+                    row["speedup_vs_torch_flex"] = round(row["torch_flex_ms"] / row["flexlite_ms"], 3)
+                    if "flexlite_tuned_ms" in row:
+                        row["tuned_speedup_vs_torch_flex"] = round(row["torch_flex_ms"] / row["flexlite_tuned_ms"], 3)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     result = {
@@ -160,8 +178,9 @@ def run(masks: list, shapes: list, passes: tuple = ("fwd",), dtype=torch.bfloat1
 
 def markdown_table(result: dict) -> str:
     from tabulate import tabulate
-    cols = ["mask", "shape", "pass", "flexlite_ms", "torch_flex_ms", "speedup_vs_torch_flex", "flexlite_tflops",
-            "torch_flex_tflops", "sdpa_cudnn_tflops", "sdpa_flash_tflops", "max_err_vs_fp64"]
+    cols = ["mask", "shape", "pass", "flexlite_ms", "torch_flex_ms", "speedup_vs_torch_flex",
+            "tuned_speedup_vs_torch_flex", "flexlite_tflops", "torch_flex_tflops", "sdpa_cudnn_tflops",
+            "sdpa_flash_tflops", "max_err_vs_fp64"]
     body = [[r.get(c, "") for c in cols] for r in result["rows"]]
     head = (f"GPU: {result['gpu']}, torch {result['torch']}, triton {result['triton']}, commit {result['commit']}, "
             f"{result['date']}\n\n")
@@ -176,12 +195,14 @@ def main(argv=None):
     p.add_argument("--passes", default="fwd")
     p.add_argument("--out", default=str(RESULTS_DIR))
     p.add_argument("--no-torch-flex", action="store_true")
+    p.add_argument("--autotune", action="store_true", help="also time flexlite with kernel_options AUTOTUNE")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("python -m flexlite bench needs a CUDA GPU (timings on the interpreter mean nothing)")
     masks = list(mask_cases(8192, 16, "cpu")) if args.masks == "all" else args.masks.split(",")
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-    run(masks, shapes, tuple(args.passes.split(",")), out_dir=Path(args.out), torch_flex=not args.no_torch_flex)
+    run(masks, shapes, tuple(args.passes.split(",")), out_dir=Path(args.out), torch_flex=not args.no_torch_flex,
+        autotune=args.autotune)
 
 
 if __name__ == "__main__":
