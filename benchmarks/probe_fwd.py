@@ -1,6 +1,6 @@
-"""GPU probe for forward tuning: per mask and shape, flexlite's time under several tile configs, with
-and without CUDA-graph replay (the difference is host overhead). Prints a table;
-the notes in benchmarks/NOTES.md come from its output."""
+"""GPU probe for forward tuning: per mask and shape, flexlite's CUDA-graph time under several tile configs,
+with pointer loads and with tensor descriptors (USE_TMA); first a correctness check of the TMA path at
+odd sizes against the fp64 reference. Prints tables; benchmarks/NOTES.md records what they showed."""
 
 import sys
 
@@ -8,14 +8,28 @@ import torch
 import triton.testing
 from tabulate import tabulate
 
-from flexlite import create_block_mask, flex_attention
+from flexlite import attention_reference, create_block_mask, flex_attention
 from flexlite.bench import mask_cases
+from flexlite.masks import causal_mask
 
-CONFIGS = [(128, 64, 4, 3), (128, 64, 4, 2), (128, 128, 4, 2), (128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3),
-           (128, 32, 4, 3), (128, 128, 4, 3)]
+CONFIGS = [None, (128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 4, 2), (128, 128, 8, 2), (64, 64, 4, 3),
+           (128, 64, 8, 3)]
+
+
+def check_tma():
+    rows = []
+    for (Lq, Lkv, D) in [(1000, 777, 128), (200, 300, 80), (129, 129, 64), (64, 64, 20), (333, 100, 256)]:
+        q = torch.randn(2, 4, Lq, D, device="cuda", dtype=torch.bfloat16)
+        k, v = [torch.randn(2, 2, Lkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+        bm = create_block_mask(causal_mask, None, None, Lq, Lkv, device="cuda")
+        out = flex_attention(q, k, v, block_mask=bm, enable_gqa=True, kernel_options={"USE_TMA": True})
+        ref, _ = attention_reference(q, k, v, block_mask=bm, enable_gqa=True)
+        rows.append([f"Lq{Lq} Lkv{Lkv} D{D}", f"{(out.double() - ref).abs().max().item():.2e}"])
+    print(tabulate(rows, headers=["TMA check", "max |err| vs fp64 (bf16)"], tablefmt="github"), flush=True)
 
 
 def main():
+    check_tma()
     masks = sys.argv[1].split(",") if len(sys.argv) > 1 else ["full", "causal", "sliding_window_1024",
                                                               "document_8_causal", "softcap30_causal"]
     rows = []
@@ -25,20 +39,21 @@ def main():
         for name in masks:
             case = cases[name]
             bm = create_block_mask(case.mask_mod, None, None, S, S, device="cuda") if case.mask_mod else None
-            fn = lambda: flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm)  # noqa: E731
-            row = [name, f"D{D}", round(triton.testing.do_bench(fn, return_mode="median"), 3),
-                   round(triton.testing.do_bench_cudagraph(fn), 3)]
-            for cfg in CONFIGS:
-                opts = dict(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), cfg))
-                f = lambda: flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm, kernel_options=opts)  # noqa
-                try:
-                    row.append(round(triton.testing.do_bench_cudagraph(f), 3))
-                except Exception as e:  # noqa: BLE001 - a config that does not fit: note it and go on
-                    row.append(type(e).__name__[:12])
+            row = [name, f"D{D}"]
+            for tma in (False, True):
+                for cfg in CONFIGS:
+                    opts = {"USE_TMA": tma}
+                    if cfg:
+                        opts.update(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), cfg))
+                    f = lambda: flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm, kernel_options=opts)  # noqa
+                    try:
+                        row.append(round(triton.testing.do_bench_cudagraph(f), 3))
+                    except Exception as e:  # noqa: BLE001 - a config that does not fit: note it and go on
+                        row.append(type(e).__name__[:12])
             rows.append(row)
             print(row, flush=True)
-    print(tabulate(rows, headers=["mask", "D", "flexlite", "flexlite graph"] + ["x".join(map(str, c)) + " graph"
-                                                                          for c in CONFIGS], tablefmt="github"))
+    heads = [("tma " if t else "") + ("default" if c is None else "x".join(map(str, c))) for t in (0, 1) for c in CONFIGS]
+    print(tabulate(rows, headers=["mask", "D"] + heads, tablefmt="github"))
 
 
 if __name__ == "__main__":

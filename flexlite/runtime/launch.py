@@ -18,8 +18,8 @@ from .compile import interpreter_scope
 # kernel_options keys of torch's FlexAttention that only tune performance there; accepted, no effect
 TORCH_PERF_HINTS = frozenset({
     "PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "OUTPUT_LOGSUMEXP", "OUTPUT_MAX",
-    "FORCE_USE_FLEX_ATTENTION", "USE_TMA", "WRITE_DQ", "BACKEND", "fwd_num_warps", "fwd_num_stages"})
-FLEXLITE_OPTIONS = frozenset({"AUTOTUNE"})
+    "FORCE_USE_FLEX_ATTENTION", "WRITE_DQ", "BACKEND", "fwd_num_warps", "fwd_num_stages"})
+FLEXLITE_OPTIONS = frozenset({"AUTOTUNE", "USE_TMA"})
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 
 
@@ -132,9 +132,10 @@ def _mask_strides(t: torch.Tensor) -> tuple:
 def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
                    full_kv_num_blocks: Optional[torch.Tensor], full_kv_indices: Optional[torch.Tensor],
                    sparse_block: tuple, scale: float, has_score_mod: bool, config: TileConfig,
-                   pinned: bool = False, tune: bool = False):
+                   pinned: bool = False, tune: bool = False, use_tma: bool = False):
     """Run ``module.flex_fwd_kernel``; returns out [B, Hq, Lq, Dv] (q.dtype) and lse [B, Hq, Lq] fp32.
-    ``tune``: autotune the tile config (CUDA, not pinned) instead of taking ``config`` as it is."""
+    ``tune``: autotune the tile config (CUDA, not pinned) instead of taking ``config`` as it is.
+    ``use_tma``: load K / V through tensor descriptors where :func:`tma_ok` allows."""
     B, Hq, Lq, D = q.shape
     Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[-1]
     out = torch.empty((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)
@@ -157,6 +158,10 @@ def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
         D=D, DV=Dv, D_PAD=head_dim_pad(D), DV_PAD=head_dim_pad(Dv), HAS_FULL_BLOCKS=has_full,
         HAS_SCORE_MOD=has_score_mod, FP32_PRECISION="tf32" if allow_tf32 else "ieee")
 
+    constexprs["USE_TMA"] = use_tma and tma_ok(k, v)
+    if constexprs["USE_TMA"]:
+        _ensure_allocator()
+
     def grid(cfg):
         constexprs.update(EVEN_M=Lq % cfg.BLOCK_M == 0, EVEN_N=Lkv % cfg.BLOCK_N == 0)
         return (triton.cdiv(Lq, cfg.BLOCK_M), B * Hq)
@@ -169,6 +174,21 @@ def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
     with interpreter_scope(q.device.type != "cuda"):
         run_with_fallback(module.flex_fwd_kernel, grid, args, constexprs, config, pinned)
     return out, lse
+
+
+def tma_ok(*tensors: torch.Tensor) -> bool:
+    """Tensor descriptors need Hopper or newer, a unit last stride and 16-byte aligned rows and bases."""
+    if not tensors[0].is_cuda or torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+        return False
+    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and
+               all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]) for t in tensors)
+
+
+def _ensure_allocator():
+    """Device-side tensor descriptors need scratch memory from an allocator; install torch's if none is."""
+    from triton.runtime import _allocation
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 
 
 def forward_candidates(q: torch.Tensor, v: torch.Tensor, sparse_block: tuple) -> list:
