@@ -145,7 +145,10 @@ def _resolve_device(device) -> torch.device:
     """None -> "cuda" if available, else "cpu" (torch's default is the current accelerator)."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(device)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda" means the current GPU: name it
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _cdiv(a: int, b: int) -> int:
