@@ -157,7 +157,7 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options):
     num, idx, full_num, full_idx, sparse = _block_tensors(block_mask, Lq, Lkv, query.device)
     options = kernel_options or {}
     config = forward_config(query, value, sparse, options, masked=block_mask is not None,
-                            gathers=bool(kernel.captured))
+                            gathers=bool(kernel.mask_mod.tensors))
     return launch_forward(module, kernel.mod_args(), query, key, value, num, idx, full_num, full_idx,
                           sparse, scale, kernel.has_score_mod, config, pinned=any(k in options for k in CONFIG_KEYS),
                           tune=autotune_enabled(options), use_tma=bool(options.get("USE_TMA", False)))
@@ -187,9 +187,12 @@ def _captured_requiring_grad(score_mod) -> tuple:
     return tuple(t for t in trace_mod(score_mod, "score_mod").captured.values() if t.requires_grad)
 
 
-def _deterministic_captured_grads() -> bool:
-    """Whether captured-tensor gradients take the deterministic path: ``FLEXLITE_DETERMINISTIC_CAPTURED_GRADS=1``
-    or ``torch.use_deterministic_algorithms(True)``."""
+def _deterministic_captured_grads(kernel_options: dict) -> bool:
+    """Whether captured-tensor gradients take the deterministic path: ``kernel_options`` says so
+    (``DETERMINISTIC_CAPTURED_GRADS``), else ``FLEXLITE_DETERMINISTIC_CAPTURED_GRADS=1`` or
+    ``torch.use_deterministic_algorithms(True)``."""
+    if "DETERMINISTIC_CAPTURED_GRADS" in kernel_options:
+        return bool(kernel_options["DETERMINISTIC_CAPTURED_GRADS"])
     flag = os.environ.get("FLEXLITE_DETERMINISTIC_CAPTURED_GRADS", "")
     return flag not in ("", "0") or torch.are_deterministic_algorithms_enabled()
 
@@ -242,7 +245,8 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     interpret = query.device.type != "cuda"
-    deterministic = bool(want) and _deterministic_captured_grads()
+    options = kernel_options or {}
+    deterministic = bool(want) and _deterministic_captured_grads(options)
     scatter = () if deterministic else tuple(want)
     mask_mod = block_mask.mask_mod if block_mask is not None else None
     kernel = generate_backward(score_mod, mask_mod, interpret=interpret, grad_captured=scatter)
@@ -250,7 +254,6 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
     module = load_module(kernel.source, interpret=interpret)
     *kv_blocks, sparse = _block_tensors(block_mask, Lq, Lkv, query.device)
     q_blocks = _q_block_tensors(block_mask, Lq, Lkv, query.device)
-    options = kernel_options or {}
     config = backward_config(query, value, sparse, options)
     buffers = [torch.zeros(t.shape, dtype=torch.float32, device=query.device) for t in scatter]
     ds = torch.zeros((B, Hq, Lq, Lkv), dtype=torch.float32, device=query.device) if deterministic else None
@@ -313,7 +316,9 @@ def flex_attention(
         scale: multiplies ``q @ k^T``; default ``1 / sqrt(E)``.
         enable_gqa: allow Hq to be a multiple of Hkv (query head h uses kv head ``h // (Hq // Hkv)``).
         return_lse: also return the log-sum-exp [B, Hq, Lq] (fp32, natural log).
-        kernel_options: pin tile sizes: ``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``.
+        kernel_options: pin tile sizes: ``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``; for the
+            backward ``BLOCK_M1``, ``BLOCK_N1`` (dK/dV: kv tile, q step), ``BLOCK_M2``, ``BLOCK_N2`` (dQ);
+            ``DETERMINISTIC_CAPTURED_GRADS`` (see Gradients).
 
     Returns:
         out [B, Hq, Lq, Ev] in the input dtype, and ``lse`` if ``return_lse``. A query row that every
@@ -325,7 +330,8 @@ def flex_attention(
     with no derivative rule raises :class:`UntraceableModError` at backward time. Tensors captured by
     ``mask_mod`` get no gradient (a mask is piecewise constant). Captured-tensor gradients are
     accumulated with float32 atomics by default, which is fast but not bit-reproducible on GPUs; with
-    ``FLEXLITE_DETERMINISTIC_CAPTURED_GRADS=1`` or ``torch.use_deterministic_algorithms(True)`` the
+    ``kernel_options={"DETERMINISTIC_CAPTURED_GRADS": True}`` (default: the environment variable
+    ``FLEXLITE_DETERMINISTIC_CAPTURED_GRADS=1`` or ``torch.use_deterministic_algorithms(True)``) the
     backward kernel writes dS [B, Hq, Lq, Lkv] in float32 instead (4 bytes per score: 64 MiB for
     B*Hq = 16 heads of 2048 x 512) and torch re-runs score_mod over chunks of about 2**24 scores to
     backpropagate it, in a fixed order.

@@ -49,8 +49,8 @@ def forward_config(q: torch.Tensor, v: torch.Tensor, sparse_block: tuple, kernel
     """Tile sizes: heuristic defaults, then ``kernel_options`` pins.
 
     The defaults come from benchmarks/probe_fwd.py on an H200 (see benchmarks/NOTES.md): per head dim;
-    ``masked`` (some blocks are partial) favours 2 pipeline stages at D128, ``gathers`` (the mods read
-    captured tensors) smaller 64x64 tiles, which keep the extra index math from spilling.
+    ``masked`` (some blocks are partial) favours 2 pipeline stages at D128, ``gathers`` (mask_mod reads
+    captured tensors, as document masks do) smaller 64x64 tiles, which keep the extra index math from spilling.
     """
     d = max(head_dim_pad(q.shape[-1]), head_dim_pad(v.shape[-1]))
     if q.device.type != "cuda":
