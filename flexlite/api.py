@@ -16,7 +16,8 @@ from .codegen.trace import check_arity, trace_mod
 from .runtime.compile import load_module, write_source
 from .runtime.autotune import autotune_enabled
 from .runtime.launch import (BACKWARD_CONFIG_KEYS, CONFIG_KEYS, FLEXLITE_OPTIONS, TORCH_PERF_HINTS,
-                             backward_config, forward_config, launch_backward, launch_forward)
+                             backward_config, decode_rows, forward_config, launch_backward, launch_decode,
+                             launch_forward)
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -151,11 +152,15 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options):
     if B * Hq * Lq == 0 or Lkv == 0:
         out = query.new_zeros((B, Hq, Lq, value.shape[-1]))
         return out, torch.full((B, Hq, Lq), float("-inf"), dtype=torch.float32, device=query.device)
-    kernel = _generate(score_mod, block_mask, query.device)
+    options = kernel_options or {}
+    num, idx, full_num, full_idx, sparse = _block_tensors(block_mask, Lq, Lkv, query.device)
+    rows = _decode_rows(query, key, num, sparse, options)
+    kernel = _generate(score_mod, block_mask, query.device, "decode.py.jinja" if rows else "fwd.py.jinja")
     _check_captured(kernel, query.device)
     module = load_module(kernel.source, interpret=query.device.type != "cuda")
-    num, idx, full_num, full_idx, sparse = _block_tensors(block_mask, Lq, Lkv, query.device)
-    options = kernel_options or {}
+    if rows:
+        return launch_decode(module, kernel.mod_args(), query, key, value, num, idx, full_num, full_idx, sparse,
+                             scale, kernel.has_score_mod, rows, options.get("DECODE_SPLITS"))
     config = forward_config(query, value, sparse, options, masked=block_mask is not None,
                             gathers=bool(kernel.mask_mod.tensors))
     return launch_forward(module, kernel.mod_args(), query, key, value, num, idx, full_num, full_idx,
@@ -266,6 +271,18 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
     else:
         wanted = iter(b.to(t.dtype) for b, t in zip(buffers, want))
     return dq, dk, dv, [next(wanted) if need else None for need in need_captured]
+
+
+def _decode_rows(query, key, num_blocks, sparse, options) -> int:
+    """Query heads per decode program, or 0 for the regular forward kernel. Short queries (<= 64, all in
+    the block mask's first q block) over any KV use split-KV decoding unless ``kernel_options`` says
+    ``DECODE=False`` (or torch's ``FORCE_USE_FLEX_ATTENTION=True``); ``DECODE=True`` insists."""
+    rows = decode_rows(query, key, sparse, num_blocks.shape[1])
+    wanted = options.get("DECODE", not options.get("FORCE_USE_FLEX_ATTENTION", False))
+    if options.get("DECODE") and not rows:
+        _fail(f"kernel_options DECODE=True needs at most 64 queries, all in the block mask's first q block "
+              f"(query length {query.shape[2]}, BLOCK_SIZE {sparse})")
+    return rows if wanted else 0
 
 
 class FlexAttentionFunction(torch.autograd.Function):

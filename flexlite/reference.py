@@ -26,7 +26,7 @@ def _expand_blocks(blocks: torch.Tensor, block_size: tuple[int, int], q_len: int
 
 
 def reference_mask(block_mask, B: int, H: int, device) -> torch.Tensor:
-    """Dense bool [B|1, H|1, Q_LEN, KV_LEN] of the positions ``block_mask`` keeps (kernel semantics)."""
+    """Dense bool [B, H, Q_LEN, KV_LEN] of the positions ``block_mask`` keeps (kernel semantics)."""
     q_len, kv_len = block_mask.seq_lengths
     full = torch.zeros(block_mask.kv_num_blocks.shape + (block_mask.kv_indices.shape[-1],),
                        dtype=torch.bool, device=device)
@@ -36,8 +36,8 @@ def reference_mask(block_mask, B: int, H: int, device) -> torch.Tensor:
     keep = _expand_blocks(full, block_mask.BLOCK_SIZE, q_len, kv_len)
     partial = _expand_blocks(partial, block_mask.BLOCK_SIZE, q_len, kv_len)
     if block_mask.mask_mod is not None:
-        mb, mh = block_mask.kv_num_blocks.shape[:2]
-        mask = vmap_bhqkv(block_mask.mask_mod)(*index_vectors(mb, mh, q_len, kv_len, device))
+        # the kernels call mask_mod with the real (b, h) even where the block structure broadcasts
+        mask = vmap_bhqkv(block_mask.mask_mod)(*index_vectors(B, H, q_len, kv_len, device))
         partial = partial & mask.to(torch.bool)
     return keep | partial
 

@@ -17,10 +17,11 @@ from .compile import interpreter_scope
 
 # kernel_options keys of torch's FlexAttention that only tune performance there; accepted, no effect
 TORCH_PERF_HINTS = frozenset({
-    "PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "OUTPUT_LOGSUMEXP", "OUTPUT_MAX",
-    "FORCE_USE_FLEX_ATTENTION", "WRITE_DQ", "BACKEND", "fwd_num_warps", "fwd_num_stages"})
-FLEXLITE_OPTIONS = frozenset({"AUTOTUNE", "USE_TMA", "DETERMINISTIC_CAPTURED_GRADS",
-                              "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"})  # the last four: backward tiles
+    "PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "OUTPUT_LOGSUMEXP", "OUTPUT_MAX", "WRITE_DQ",
+    "BACKEND", "fwd_num_warps", "fwd_num_stages"})
+# kernel_options keys with a meaning in flexlite besides the tile config (BLOCK_M1..N2: backward tiles)
+FLEXLITE_OPTIONS = frozenset({"AUTOTUNE", "USE_TMA", "DETERMINISTIC_CAPTURED_GRADS", "DECODE", "DECODE_SPLITS",
+                              "FORCE_USE_FLEX_ATTENTION", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"})
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 
 
@@ -175,6 +176,61 @@ def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
     with interpreter_scope(q.device.type != "cuda"):
         run_with_fallback(module.flex_fwd_kernel, grid, args, constexprs, config, pinned)
     return out, lse
+
+
+def decode_rows(q: torch.Tensor, k: torch.Tensor, sparse_block: tuple, mask_heads: int) -> int:
+    """Query heads one decode program serves (GQA packing), or 0 when the decode kernel does not apply:
+    it needs every query in the block mask's first q block and at most 128 tile rows."""
+    Hq, Lq, Hkv = q.shape[1], q.shape[2], k.shape[1]
+    if Lq > min(64, sparse_block[0]):
+        return 0
+    group = Hq // Hkv
+    return group if mask_heads == 1 and group * Lq <= 128 else 1
+
+
+def launch_decode(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
+                  full_kv_num_blocks: Optional[torch.Tensor], full_kv_indices: Optional[torch.Tensor],
+                  sparse_block: tuple, scale: float, has_score_mod: bool, rows: int, num_splits: Optional[int] = None):
+    """Split-KV decoding (``module.flex_decode_kernel``) and the combine step; returns (out, lse) as
+    :func:`launch_forward` does."""
+    B, Hq, Lq, D = q.shape
+    Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    cuda = q.device.type == "cuda"
+    block_n = _pow2_divisor(sparse_block[1], 64 if cuda else 128)
+    programs = B * Hq // rows
+    if num_splits is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if cuda else 2
+        num_splits = max(1, min(triton.cdiv(Lkv, block_n), triton.cdiv(2 * sms, programs)))
+    out_s = torch.empty((B, Hq, num_splits, Lq, Dv), dtype=torch.float32, device=q.device)
+    lse_s = torch.empty((B, Hq, num_splits, Lq), dtype=torch.float32, device=q.device)
+    has_full = full_kv_num_blocks is not None
+    if not has_full:
+        full_kv_num_blocks, full_kv_indices = kv_num_blocks, kv_indices
+    nb, idx = kv_num_blocks.contiguous(), kv_indices.contiguous()
+    full_nb, full_idx = full_kv_num_blocks.contiguous(), full_kv_indices.contiguous()
+    allow_tf32 = cuda and torch.backends.cuda.matmul.allow_tf32
+    with interpreter_scope(not cuda):
+        module.flex_decode_kernel[(num_splits, programs)](
+            q, k, v, out_s, lse_s, nb, idx, full_nb, full_idx,
+            *q.stride(), *k.stride(), *v.stride(), *_mask_strides(nb)[:2], *_mask_strides(idx)[:2],
+            Hq, Hq // Hkv, Lq, Lkv, float(scale), num_splits, *mod_args,
+            ROWS=rows, BLOCK_M=max(16, triton.next_power_of_2(rows * Lq)), BLOCK_N=block_n,
+            SPARSE_KV_BLOCK=sparse_block[1], D=D, DV=Dv, D_PAD=head_dim_pad(D), DV_PAD=head_dim_pad(Dv),
+            EVEN_N=Lkv % block_n == 0, HAS_FULL_BLOCKS=has_full, HAS_SCORE_MOD=has_score_mod,
+            FP32_PRECISION="tf32" if allow_tf32 else "ieee", num_warps=4, num_stages=2 if cuda else 1)
+    return combine_splits(out_s, lse_s, q.dtype)
+
+
+def combine_splits(out_s: torch.Tensor, lse_s: torch.Tensor, dtype: torch.dtype):
+    """Merge per-split results: out_s [B, H, S, L, Dv] (each normalised), lse_s [B, H, S, L] (base 2)
+    -> out [B, H, L, Dv] in ``dtype``, lse [B, H, L] (natural log; -inf where every split was empty)."""
+    m = lse_s.amax(dim=2, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    w = torch.exp2(lse_s - m)  # [B, H, S, L]; 0 for empty splits
+    denom = w.sum(dim=2)
+    out = (w.unsqueeze(-1) * out_s).sum(dim=2) / torch.where(denom == 0, 1.0, denom).unsqueeze(-1)
+    lse = (m.squeeze(2) + torch.log2(denom)) * math.log(2.0)
+    return out.to(dtype), lse
 
 
 def tma_ok(*tensors: torch.Tensor) -> bool:

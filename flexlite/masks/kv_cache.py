@@ -1,0 +1,31 @@
+"""KV-cache decoding: the queries are the last tokens of the sequence, at positions offset + q_idx."""
+
+from __future__ import annotations
+
+import torch
+
+
+def generate_kv_cache_causal(offset: torch.Tensor):
+    """Causal mask for queries at positions ``offset + q_idx`` of the keys (the tokens already cached).
+
+    ``offset`` is a 0-d integer tensor captured by the mod: advance it in place each step
+    (``offset.fill_(cache_len)``) and the same trace and the same compiled kernel serve every step.
+    Rebuild the (cheap) block mask for the new KV length with ``create_block_mask``.
+    """
+    if not isinstance(offset, torch.Tensor) or offset.dim() != 0 or offset.dtype.is_floating_point:
+        raise TypeError("offset must be a 0-d integer tensor (e.g. torch.tensor(cache_len, device=...))")
+
+    def kv_cache_causal(b, h, q_idx, kv_idx):
+        return q_idx + offset >= kv_idx
+
+    return kv_cache_causal
+
+
+def main():
+    from flexlite import create_block_mask
+    offset = torch.tensor(1000)
+    print(create_block_mask(generate_kv_cache_causal(offset), None, None, 16, 1016, device="cpu", BLOCK_SIZE=16))
+
+
+if __name__ == "__main__":
+    main()

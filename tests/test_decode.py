@@ -1,0 +1,98 @@
+"""Split-KV decoding kernel (short queries over a long KV) vs the fp64 reference, GQA packing, the
+combine step, and the KV-cache pattern that needs no new kernel per step."""
+
+import pytest
+import torch
+
+from catalog import CATALOG, USES_BH
+from flexlite import attention_reference, create_block_mask, flex_attention
+from flexlite.masks.kv_cache import generate_kv_cache_causal
+from flexlite.runtime import compile as compile_module
+from flexlite.runtime.launch import combine_splits
+from helpers import DEVICE, LSE_TOLERANCES, TOLERANCES, assert_close, rand_qkv
+
+# (B, Hq, Hkv, Lq, Lkv, D)
+SHAPES = [
+    pytest.param((2, 8, 2, 1, 300, 64), id="B2-H8-Hkv2-Lq1-Lkv300-D64"),
+    pytest.param((1, 4, 1, 7, 513, 80), id="B1-H4-Hkv1-Lq7-Lkv513-D80-mqa"),
+    pytest.param((1, 2, 2, 64, 200, 128), id="B1-H2-Lq64-Lkv200-D128"),
+    pytest.param((2, 4, 2, 33, 33, 32), id="B2-H4-Hkv2-Lq33-Lkv33-D32"),
+]
+
+
+def _case(name, shape, dtype, splits):
+    B, Hq, Hkv, Lq, Lkv, D = shape
+    case = CATALOG[name](B, Hq, Lq, Lkv, DEVICE)
+    q, k, v = rand_qkv(B, Hq, Hkv, Lq, Lkv, D, dtype=dtype, seed=Lq * 7 + Lkv)
+    bm = None
+    if case.mask_mod is not None:
+        mb, mh = (B, Hq) if name in USES_BH else (None, None)
+        bm = create_block_mask(case.mask_mod, mb, mh, Lq, Lkv, device=DEVICE, BLOCK_SIZE=64)
+    out, lse = flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm, enable_gqa=True, return_lse=True,
+                              kernel_options={"DECODE": True, "DECODE_SPLITS": splits})
+    ref, ref_lse = attention_reference(q, k, v, score_mod=case.score_mod, block_mask=bm, enable_gqa=True)
+    assert_close(out, ref, *TOLERANCES[dtype], name=f"{name} out")
+    assert_close(lse, ref_lse, *LSE_TOLERANCES[dtype], name=f"{name} lse")
+
+
+@pytest.mark.parametrize("splits", [1, 3], ids=lambda s: f"splits{s}")
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("name", sorted(CATALOG))
+def test_catalog_decode(name, shape, splits):
+    _case(name, shape, torch.float32, splits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", ["causal_bottom_right", "alibi_causal", "document"])
+def test_decode_dtypes(name, dtype):
+    _case(name, (2, 8, 2, 3, 700, 64), dtype, 4)
+
+
+def test_short_queries_pick_decode_and_match_the_regular_kernel():
+    q, k, v = rand_qkv(1, 4, 2, 4, 300, 64)
+    bm = create_block_mask(CATALOG["causal_bottom_right"](1, 4, 4, 300, DEVICE).mask_mod, None, None, 4, 300,
+                           device=DEVICE)
+    auto = flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+    regular = flex_attention(q, k, v, block_mask=bm, enable_gqa=True, kernel_options={"DECODE": False})
+    torch_flag = flex_attention(q, k, v, block_mask=bm, enable_gqa=True,
+                                kernel_options={"FORCE_USE_FLEX_ATTENTION": True})
+    assert_close(auto, regular, 1e-5, 1e-5)
+    assert torch.equal(regular, torch_flag)
+
+
+def test_decode_refuses_long_queries():
+    q, k, v = rand_qkv(1, 1, 1, 100, 100, 16)
+    with pytest.raises(ValueError, match="DECODE=True needs at most 64 queries"):
+        flex_attention(q, k, v, kernel_options={"DECODE": True})
+
+
+def test_combine_all_empty_splits_gives_zero_and_minus_inf():
+    out_s = torch.randn(1, 2, 3, 4, 8)
+    lse_s = torch.full((1, 2, 3, 4), float("-inf"))
+    lse_s[0, 0, 1, 2] = 1.5  # one row seen by one split only
+    out, lse = combine_splits(out_s, lse_s, torch.float32)
+    assert torch.equal(out[0, 0, 2], out_s[0, 0, 1, 2])
+    assert (out[0, 1] == 0).all() and torch.isneginf(lse[0, 1]).all()
+    assert lse[0, 0, 2].item() == pytest.approx(1.5 * 0.6931471805599453)
+
+
+def test_kv_cache_steps_reuse_trace_and_kernel():
+    offset = torch.tensor(0, device=DEVICE)
+    mask = generate_kv_cache_causal(offset)
+    B, Hq, Hkv, D = 1, 4, 2, 32
+    n_modules = None
+    for cache_len in (100, 101, 163):
+        offset.fill_(cache_len - 2)
+        q, k, v = rand_qkv(B, Hq, Hkv, 2, cache_len, D, seed=cache_len)
+        bm = create_block_mask(mask, None, None, 2, cache_len, device=DEVICE, BLOCK_SIZE=32)
+        out = flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+        ref, _ = attention_reference(q, k, v, block_mask=bm, enable_gqa=True)
+        assert_close(out, ref, *TOLERANCES[torch.float32], name=f"step {cache_len}")
+        if n_modules is None:
+            n_modules = len(compile_module._MODULES)
+    assert len(compile_module._MODULES) == n_modules
+
+
+def test_kv_cache_offset_must_be_an_int_tensor():
+    with pytest.raises(TypeError, match="0-d integer tensor"):
+        generate_kv_cache_causal(5)
