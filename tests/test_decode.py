@@ -8,7 +8,6 @@ from catalog import CATALOG, USES_BH
 from flexlite import attention_reference, create_block_mask, flex_attention
 from flexlite.masks.kv_cache import generate_kv_cache_causal
 from flexlite.runtime import compile as compile_module
-from flexlite.runtime.launch import combine_splits
 from helpers import DEVICE, LSE_TOLERANCES, TOLERANCES, assert_close, rand_qkv
 
 # (B, Hq, Hkv, Lq, Lkv, D)
@@ -66,14 +65,19 @@ def test_decode_refuses_long_queries():
         flex_attention(q, k, v, kernel_options={"DECODE": True})
 
 
-def test_combine_all_empty_splits_gives_zero_and_minus_inf():
-    out_s = torch.randn(1, 2, 3, 4, 8)
-    lse_s = torch.full((1, 2, 3, 4), float("-inf"))
-    lse_s[0, 0, 1, 2] = 1.5  # one row seen by one split only
-    out, lse = combine_splits(out_s, lse_s, torch.float32)
-    assert torch.equal(out[0, 0, 2], out_s[0, 0, 1, 2])
-    assert (out[0, 1] == 0).all() and torch.isneginf(lse[0, 1]).all()
-    assert lse[0, 0, 2].item() == pytest.approx(1.5 * 0.6931471805599453)
+def test_rows_no_split_sees_are_zero_with_lse_minus_inf():
+    # with many splits some see only masked tiles; with every key masked, no split sees anything
+    q, k, v = rand_qkv(1, 4, 2, 3, 500, 32)
+
+    def late_keys(b, h, q_idx, kv_idx):
+        return (kv_idx > 400) & (q_idx != 1)
+    bm = create_block_mask(late_keys, None, None, 3, 500, device=DEVICE, BLOCK_SIZE=32)
+    out, lse = flex_attention(q, k, v, block_mask=bm, enable_gqa=True, return_lse=True,
+                              kernel_options={"DECODE": True, "DECODE_SPLITS": 7})
+    ref, ref_lse = attention_reference(q, k, v, block_mask=bm, enable_gqa=True)
+    assert (out[:, :, 1] == 0).all() and torch.isneginf(lse[:, :, 1]).all()
+    assert_close(out, ref, *TOLERANCES[torch.float32])
+    assert_close(lse, ref_lse, *LSE_TOLERANCES[torch.float32], name="lse")
 
 
 def test_kv_cache_steps_reuse_trace_and_kernel():

@@ -218,19 +218,12 @@ def launch_decode(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
             SPARSE_KV_BLOCK=sparse_block[1], D=D, DV=Dv, D_PAD=head_dim_pad(D), DV_PAD=head_dim_pad(Dv),
             EVEN_N=Lkv % block_n == 0, HAS_FULL_BLOCKS=has_full, HAS_SCORE_MOD=has_score_mod,
             FP32_PRECISION="tf32" if allow_tf32 else "ieee", num_warps=4, num_stages=2 if cuda else 1)
-    return combine_splits(out_s, lse_s, q.dtype)
-
-
-def combine_splits(out_s: torch.Tensor, lse_s: torch.Tensor, dtype: torch.dtype):
-    """Merge per-split results: out_s [B, H, S, L, Dv] (each normalised), lse_s [B, H, S, L] (base 2)
-    -> out [B, H, L, Dv] in ``dtype``, lse [B, H, L] (natural log; -inf where every split was empty)."""
-    m = lse_s.amax(dim=2, keepdim=True)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    w = torch.exp2(lse_s - m)  # [B, H, S, L]; 0 for empty splits
-    denom = w.sum(dim=2)
-    out = (w.unsqueeze(-1) * out_s).sum(dim=2) / torch.where(denom == 0, 1.0, denom).unsqueeze(-1)
-    lse = (m.squeeze(2) + torch.log2(denom)) * math.log(2.0)
-    return out.to(dtype), lse
+        out = torch.empty((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)
+        lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
+        module.flex_decode_combine_kernel[(B * Hq * Lq,)](
+            out_s, lse_s, out, lse, *out.stride(), Hq, Lq, num_splits, DV=Dv, DV_PAD=head_dim_pad(Dv),
+            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)))
+    return out, lse
 
 
 def tma_ok(*tensors: torch.Tensor) -> bool:
