@@ -58,9 +58,42 @@ def flops(B: int, H: int, S: int, D: int, density: float, pass_: str) -> float:
     return f * 2.5 if pass_ == "bwd" else f
 
 
+def time_ms(fn: Callable, warmup: float = 25, rep: float = 100, quantiles: Optional[tuple] = None,
+            grad_to_none=None, wall_clock: Optional[bool] = None):
+    """Time ``fn()`` in ms: the median, or a list with one value per ``quantiles`` entry (in [0, 1]).
+
+    ``warmup`` and ``rep`` are time budgets in ms and ``grad_to_none`` tensors get ``.grad = None``
+    before each call, as in ``triton.testing.do_bench``, which does the timing (CUDA events, L2 flushed
+    between calls). ``wall_clock=True`` (the default when CUDA is not available) times each call with
+    ``time.perf_counter`` instead: wall time including Python overhead, at least one warm-up and one
+    timed call (on CPU that is Triton's interpreter: for comparing, not for performance claims).
+    """
+    qs = [0.5] if quantiles is None else list(quantiles)
+    if wall_clock is None:
+        wall_clock = not torch.cuda.is_available()
+    if not wall_clock:
+        import triton.testing
+        ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, quantiles=qs, grad_to_none=grad_to_none)
+        ms = [float(m) for m in (ms if isinstance(ms, (list, tuple)) else [ms])]
+        return ms[0] if quantiles is None else ms
+
+    def call() -> float:
+        for t in grad_to_none or ():
+            t.grad = None
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    estimate = max(1e-6, call())
+    for _ in range(int(warmup / estimate) - 1):
+        call()
+    samples = torch.tensor([call() for _ in range(max(1, int(rep / estimate)))], dtype=torch.float64)
+    ms = torch.quantile(samples, torch.tensor(qs, dtype=torch.float64)).tolist()
+    return ms[0] if quantiles is None else ms
+
+
 def _median_ms(fn: Callable, grad_to_none=None) -> float:
-    import triton.testing
-    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median", grad_to_none=grad_to_none))
+    return time_ms(fn, warmup=25, rep=100, grad_to_none=grad_to_none)
 
 
 def _timed(forward: Callable, pass_: str) -> Callable:
@@ -161,30 +194,108 @@ def run(masks: list, shapes: list, passes: tuple = ("fwd",), dtype=torch.bfloat1
                         row["tuned_speedup_vs_torch_flex"] = round(row["torch_flex_ms"] / row["flexlite_tuned_ms"], 3)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+    return _write_results(rows, out_dir, "", ATTENTION_COLUMNS)
+
+
+def _write_results(rows: list, out_dir: Optional[Path], suffix: str, columns: list) -> dict:
+    """``{gpu, torch, triton, commit, date, rows}`` to ``<out_dir>/<gpu>-<date><suffix>.json`` plus a
+    markdown table beside it (``out_dir`` None: print only)."""
     result = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "triton": __import__("triton").__version__, "commit": _git_commit(),
         "date": datetime.date.today().isoformat(), "rows": rows,
     }
-    table = markdown_table(result)
+    table = markdown_table(result, columns)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        stem = f"{result['gpu'].replace(' ', '_')}-{result['date']}"
+        stem = f"{result['gpu'].replace(' ', '_')}-{result['date']}{suffix}"
         (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1))
         (out_dir / f"{stem}.md").write_text(table)
     print(table)
     return result
 
 
-def markdown_table(result: dict) -> str:
+def copy_bandwidth_gbps(nbytes: int = 2**30) -> float:
+    """Device copy bandwidth (read + write bytes per second of a large clone), the decode ceiling."""
+    x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    return 2 * nbytes / _median_ms(lambda: x.clone()) / 1e6
+
+
+def run_decode(shapes: list = ((8, 32, 8, 32768, 128), (1, 32, 8, 131072, 128)), dtype=torch.bfloat16,
+               out_dir: Optional[Path] = RESULTS_DIR) -> dict:
+    """One-token decoding (Lq = 1, no mask) over a long KV: flexlite's split-KV kernel vs SDPA and torch's
+    flex; GB/s counts q, K, V and out once, against the measured copy bandwidth."""
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex_attention
+    compiled_flex = torch.compile(torch_flex_attention, dynamic=False)
+    copy_bw = copy_bandwidth_gbps()
+    rows = []
+    for (B, Hq, Hkv, Lkv, D) in shapes:
+        q = torch.randn(B, Hq, 1, D, device="cuda", dtype=dtype)
+        k, v = [torch.randn(B, Hkv, Lkv, D, device="cuda", dtype=dtype) for _ in range(2)]
+        out = flex_attention(q, k, v, enable_gqa=True)
+        ref, _ = attention_reference(q, k, v, enable_gqa=True)
+        nbytes = (q.numel() * 2 + k.numel() + v.numel()) * q.element_size()
+        row = dict(mask="decode (Lq=1)", shape=f"B{B} Hq{Hq} Hkv{Hkv} Lkv{Lkv} D{D}", **{"pass": "fwd"},
+                   max_err_vs_fp64=float((out.double() - ref).abs().max()), copy_gbps=round(copy_bw, 1))
+        impls = {
+            "flexlite": lambda: flex_attention(q, k, v, enable_gqa=True),
+            "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+            "torch_flex": lambda: compiled_flex(q, k, v, enable_gqa=True),
+        }
+        for impl, fn in impls.items():
+            ms = _median_ms(fn)
+            row[f"{impl}_ms"] = round(ms, 4)
+            row[f"{impl}_gbps"] = round(nbytes / ms / 1e6, 1)
+        row["flexlite_pct_of_copy_bw"] = round(100 * row["flexlite_gbps"] / copy_bw, 1)
+        row["speedup_vs_sdpa"] = round(row["sdpa_ms"] / row["flexlite_ms"], 3)
+        row["speedup_vs_torch_flex"] = round(row["torch_flex_ms"] / row["flexlite_ms"], 3)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return _write_results(rows, out_dir, "-decode", DECODE_COLUMNS)
+
+
+def run_block_mask(lengths: tuple = (32768, 131072), out_dir: Optional[Path] = RESULTS_DIR) -> dict:
+    """create_block_mask time and extra peak memory, flexlite vs torch, for causal / sliding window /
+    document masks at long lengths (torch's may run out of memory: recorded as such)."""
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+    rows = []
+    for S in lengths:
+        for name, case in mask_cases(S, 1, "cuda").items():
+            if case.mask_mod is None or case.score_mod is not None or name == "prefix_lm_2048":
+                continue
+            row = dict(mask=name, shape=f"S{S}")
+            for impl, build in (("flexlite", create_block_mask), ("torch", torch_create_block_mask)):
+                fn = lambda: build(case.mask_mod, None, None, S, S, device="cuda")  # noqa: E731
+                try:
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    base = torch.cuda.memory_allocated()
+                    fn()
+                    torch.cuda.synchronize()
+                    row[f"{impl}_peak_extra_mb"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
+                    row[f"{impl}_ms"] = round(_median_ms(fn), 3)
+                except torch.OutOfMemoryError:
+                    row[f"{impl}_ms"] = "OOM"
+                    torch.cuda.empty_cache()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return _write_results(rows, out_dir, "-block_mask", BLOCK_MASK_COLUMNS)
+
+
+ATTENTION_COLUMNS = ["mask", "shape", "pass", "flexlite_ms", "torch_flex_ms", "speedup_vs_torch_flex",
+                     "tuned_speedup_vs_torch_flex", "flexlite_tflops", "torch_flex_tflops", "sdpa_cudnn_tflops",
+                     "sdpa_flash_tflops", "max_err_vs_fp64"]
+DECODE_COLUMNS = ["mask", "shape", "flexlite_ms", "sdpa_ms", "torch_flex_ms", "speedup_vs_sdpa",
+                  "speedup_vs_torch_flex", "flexlite_gbps", "flexlite_pct_of_copy_bw", "max_err_vs_fp64"]
+BLOCK_MASK_COLUMNS = ["mask", "shape", "flexlite_ms", "flexlite_peak_extra_mb", "torch_ms", "torch_peak_extra_mb"]
+
+
+def markdown_table(result: dict, columns: list = ATTENTION_COLUMNS) -> str:
     from tabulate import tabulate
-    cols = ["mask", "shape", "pass", "flexlite_ms", "torch_flex_ms", "speedup_vs_torch_flex",
-            "tuned_speedup_vs_torch_flex", "flexlite_tflops", "torch_flex_tflops", "sdpa_cudnn_tflops",
-            "sdpa_flash_tflops", "max_err_vs_fp64"]
-    body = [[r.get(c, "") for c in cols] for r in result["rows"]]
+    body = [[r.get(c, "") for c in columns] for r in result["rows"]]
     head = (f"GPU: {result['gpu']}, torch {result['torch']}, triton {result['triton']}, commit {result['commit']}, "
             f"{result['date']}\n\n")
-    return head + tabulate(body, headers=cols, tablefmt="github", floatfmt=".3g") + "\n"
+    return head + tabulate(body, headers=columns, tablefmt="github", floatfmt=".3g") + "\n"
 
 
 def main(argv=None):
@@ -196,13 +307,23 @@ def main(argv=None):
     p.add_argument("--out", default=str(RESULTS_DIR))
     p.add_argument("--no-torch-flex", action="store_true")
     p.add_argument("--autotune", action="store_true", help="also time flexlite with kernel_options AUTOTUNE")
+    p.add_argument("--suites", default="attention", help="comma-separated: attention, decode, block_mask")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("python -m flexlite bench needs a CUDA GPU (timings on the interpreter mean nothing)")
-    masks = list(mask_cases(8192, 16, "cpu")) if args.masks == "all" else args.masks.split(",")
-    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-    run(masks, shapes, tuple(args.passes.split(",")), out_dir=Path(args.out), torch_flex=not args.no_torch_flex,
-        autotune=args.autotune)
+    suites = args.suites.split(",")
+    unknown = set(suites) - {"attention", "decode", "block_mask"}
+    if unknown:
+        raise SystemExit(f"unknown --suites {sorted(unknown)}; choose from attention, decode, block_mask")
+    if "attention" in suites:
+        masks = list(mask_cases(8192, 16, "cpu")) if args.masks == "all" else args.masks.split(",")
+        shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+        run(masks, shapes, tuple(args.passes.split(",")), out_dir=Path(args.out), torch_flex=not args.no_torch_flex,
+            autotune=args.autotune)
+    if "decode" in suites:
+        run_decode(out_dir=Path(args.out))
+    if "block_mask" in suites:
+        run_block_mask(out_dir=Path(args.out))
 
 
 if __name__ == "__main__":
