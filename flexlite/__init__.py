@@ -16,3 +16,9 @@ __all__ = [
     "attention_reference", "kernel_source", "kernel_path", "UntraceableModError",
 ]
 __version__ = "0.1.0"
+
+# the "DIY FlashAttention" API (docs/API.md): kernels here and in flexlite.kernels, the rest in flexlite.utils
+from .kernels import flash_attention, reference_attention, triton_matmul  # noqa: E402
+from .utils import detect_gpu  # noqa: E402
+
+__all__ += ["flash_attention", "reference_attention", "triton_matmul", "detect_gpu"]

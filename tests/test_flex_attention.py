@@ -116,3 +116,19 @@ def test_returns_only_out_by_default():
     q, k, v = rand_qkv(1, 1, 1, 16, 16, 16)
     out = flex_attention(q, k, v)
     assert isinstance(out, torch.Tensor) and out.shape == q.shape
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["forward", "decode"])
+@pytest.mark.parametrize("lq, lkv", [(16, 16), (64, 192), (32, 64), (48, 320)], ids=str)
+def test_lengths_multiple_of_the_tile_but_not_of_the_block(lq, lkv, decode):
+    # regression: the kv walk covers whole 128-wide sparse blocks, so a length that divides the tile
+    # but not the block must still be bounds-checked (it read past the end of K / V)
+    q, k, v = rand_qkv(1, 2, 2, lq, lkv, 16)
+    case = CATALOG["alibi_causal"](1, 2, lq, lkv, DEVICE)
+    for bm in (None, create_block_mask(CATALOG["causal_bottom_right"](1, 2, lq, lkv, DEVICE).mask_mod, None, None,
+                                       lq, lkv, device=DEVICE)):
+        out, lse = flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm, return_lse=True,
+                                  kernel_options={"DECODE": decode})
+        ref, ref_lse = attention_reference(q, k, v, score_mod=case.score_mod, block_mask=bm)
+        assert_close(out, ref, *TOLERANCES[torch.float32])
+        assert_close(lse, ref_lse, *LSE_TOLERANCES[torch.float32], name="lse")

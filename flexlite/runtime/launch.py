@@ -165,7 +165,8 @@ def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
         _ensure_allocator()
 
     def grid(cfg):
-        constexprs.update(EVEN_M=Lq % cfg.BLOCK_M == 0, EVEN_N=Lkv % cfg.BLOCK_N == 0)
+        # the kv walk covers whole sparse blocks: unchecked only if they all end inside KV_LEN
+        constexprs.update(EVEN_M=Lq % cfg.BLOCK_M == 0, EVEN_N=Lkv % sparse_block[1] == 0)
         return (triton.cdiv(Lq, cfg.BLOCK_M), B * Hq)
 
     if tune and q.device.type == "cuda" and not pinned:
@@ -216,7 +217,7 @@ def launch_decode(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
             Hq, Hq // Hkv, Lq, Lkv, float(scale), num_splits, *mod_args,
             ROWS=rows, BLOCK_M=max(16, triton.next_power_of_2(rows * Lq)), BLOCK_N=block_n,
             SPARSE_KV_BLOCK=sparse_block[1], D=D, DV=Dv, D_PAD=head_dim_pad(D), DV_PAD=head_dim_pad(Dv),
-            EVEN_N=Lkv % block_n == 0, HAS_FULL_BLOCKS=has_full, HAS_SCORE_MOD=has_score_mod,
+            EVEN_N=Lkv % sparse_block[1] == 0, HAS_FULL_BLOCKS=has_full, HAS_SCORE_MOD=has_score_mod,
             FP32_PRECISION="tf32" if allow_tf32 else "ieee", num_warps=4, num_stages=2 if cuda else 1)
         out = torch.empty((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)
         lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
@@ -371,7 +372,8 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
     dkdv_constexprs = dict(constexprs, WRITE_DS=ds is not None, SCATTER_CAPTURED_GRADS=scatter_captured_grads)
 
     def dkdv_grid(cfg):  # programs own BLOCK_N keys
-        dkdv_constexprs.update(EVEN_M=Lq % cfg.BLOCK_M == 0, EVEN_N=Lkv % cfg.BLOCK_N == 0)
+        # the q walk covers whole sparse q blocks: unchecked only if they all end inside Q_LEN
+        dkdv_constexprs.update(EVEN_M=Lq % sparse_block[0] == 0, EVEN_N=Lkv % cfg.BLOCK_N == 0)
         return (triton.cdiv(Lkv, cfg.BLOCK_N), B * Hkv)
 
     dq_args = (q, k, v, grad_out, lse, delta, dq, kv_num, kv_idx, full_kv_num, full_kv_idx,
@@ -381,7 +383,7 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
     dq_constexprs = dict(constexprs)
 
     def dq_grid(cfg):  # programs own BLOCK_M queries
-        dq_constexprs.update(EVEN_M=Lq % cfg.BLOCK_M == 0, EVEN_N=Lkv % cfg.BLOCK_N == 0)
+        dq_constexprs.update(EVEN_M=Lq % cfg.BLOCK_M == 0, EVEN_N=Lkv % sparse_block[1] == 0)
         return (triton.cdiv(Lq, cfg.BLOCK_M), B * Hq)
 
     pre_block = min(64, max(16, triton.next_power_of_2(Lq)))
