@@ -301,6 +301,7 @@ class FlexAttentionFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the kernels' gradients are not differentiable again
     def backward(ctx, grad_out, grad_lse):
         query, key, value, out, lse, *captured = ctx.saved_tensors
         needs = ctx.needs_input_grad

@@ -1,7 +1,11 @@
 import os
 
-import pytest
-import torch
+# the interpreter runs many tiny numpy matmuls: a multithreaded BLAS makes each ~1000x slower
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # No GPU here: run every kernel through Triton's interpreter. Must be set before triton is imported.
 if not torch.cuda.is_available():

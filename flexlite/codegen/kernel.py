@@ -11,6 +11,7 @@ import dataclasses
 import functools
 from typing import Callable, Optional
 
+from .grad import captured_grad_trace, score_grad_trace
 from .lower import LoweredMod, identity_score_mod, lower_mod, noop_mask_mod
 from .render import render
 from .trace import TracedMod, trace_mod
@@ -43,10 +44,13 @@ def _lowered(traced: Optional[TracedMod], fn_name: str, prefix: str) -> LoweredM
 
 @functools.lru_cache(maxsize=512)
 def _render(template: str, sm_source: str, mm_source: str, sm_params: tuple, mm_params: tuple,
-            interpret: bool, sm_name: str, mm_name: str) -> str:
+            interpret: bool, sm_name: str, mm_name: str, extra: tuple = ()) -> str:
     sm = LoweredMod("score_mod", sm_source, list(sm_params), [])
     mm = LoweredMod("mask_mod", mm_source, list(mm_params), [])
-    return render(template, sm, mm, interpret=interpret, score_mod_name=sm_name, mask_mod_name=mm_name)
+    extra_mods = {name: LoweredMod(name, src, list(params), []) if src is not None else None
+                  for name, src, params in extra}
+    return render(template, sm, mm, interpret=interpret, score_mod_name=sm_name, mask_mod_name=mm_name,
+                  extra_mods=extra_mods)
 
 
 def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Callable], *,
@@ -58,3 +62,62 @@ def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Ca
     source = _render(template, low_sm.source, low_mm.source, tuple(low_sm.params), tuple(low_mm.params),
                      interpret, sm.name if sm else "none", mm.name if mm else "none")
     return GeneratedKernel(template, source, low_sm, low_mm, has_score_mod=sm is not None)
+
+
+# ---------------------------------------------------------------------------------------------
+# backward: the mods plus score_mod's derivatives (codegen.grad), lowered by the same op table
+
+@dataclasses.dataclass(eq=False)
+class BackwardKernel(GeneratedKernel):
+    """``bwd.py.jinja`` rendered with ``score_mod_grad`` (d score_mod / d score) and, when captured
+    tensors need gradients in-kernel, ``score_mod_captured_grad`` (atomic adds into float32 buffers)."""
+
+    score_grad: Optional[LoweredMod] = None
+    captured_grad: Optional[LoweredMod] = None
+    buffer_slots: tuple = ()  # per captured_grad tensor: index of its gradient buffer, or None
+
+    def grad_args(self, buffers: list) -> list:
+        """Runtime values of the derivative functions' parameters; ``buffers`` are the float32 gradient
+        buffers, in the order of ``generate_backward``'s ``grad_captured``."""
+        args = self.score_grad.kernel_args() if self.score_grad is not None else []
+        if self.captured_grad is not None:
+            tensors = [t if slot is None else buffers[slot]
+                       for t, slot in zip(self.captured_grad.tensors, self.buffer_slots)]
+            args += LoweredMod("", "", [], tensors).kernel_args()
+        return args
+
+
+def _score_grad(traced: TracedMod) -> LoweredMod:
+    if "score_mod_grad" not in traced.lowered:
+        traced.lowered["score_mod_grad"] = lower_mod(score_grad_trace(traced), "score_mod_grad", "sd_")
+    return traced.lowered["score_mod_grad"]
+
+
+def _captured_grad(traced: TracedMod, grad_captured: tuple) -> tuple:
+    targets = tuple(next(name for name, t in traced.captured.items() if t is want) for want in grad_captured)
+    key = ("score_mod_captured_grad",) + targets
+    if key not in traced.lowered:
+        trace, buffers = captured_grad_trace(traced, targets)
+        low = lower_mod(trace, "score_mod_captured_grad", "sg_")
+        placeholder_slot = {id(trace.captured[b.buffer]): i for i, b in enumerate(buffers)}
+        traced.lowered[key] = (low, tuple(placeholder_slot.get(id(t)) for t in low.tensors))
+    return traced.lowered[key]
+
+
+def generate_backward(score_mod: Optional[Callable], mask_mod: Optional[Callable], *, interpret: bool,
+                      grad_captured: tuple = ()) -> BackwardKernel:
+    """Backward kernel source for these mods. ``grad_captured``: tensors captured by ``score_mod``
+    whose gradients the dK/dV kernel scatters (atomically) into buffers; () for none."""
+    template = "bwd.py.jinja"
+    sm = trace_mod(score_mod, "score_mod") if score_mod is not None else None
+    mm = trace_mod(mask_mod, "mask_mod") if mask_mod is not None else None
+    low_sm, low_mm = _lowered(sm, "score_mod", "sm_"), _lowered(mm, "mask_mod", "mm_")
+    score_grad = _score_grad(sm) if sm is not None else None
+    captured_grad, slots = _captured_grad(sm, tuple(grad_captured)) if sm is not None and grad_captured \
+        else (None, ())
+    extra = tuple((name, m.source if m is not None else None, tuple(m.params) if m is not None else ())
+                  for name, m in (("score_grad", score_grad), ("captured_grad", captured_grad)))
+    source = _render(template, low_sm.source, low_mm.source, tuple(low_sm.params), tuple(low_mm.params),
+                     interpret, sm.name if sm else "none", mm.name if mm else "none", extra)
+    return BackwardKernel(template, source, low_sm, low_mm, has_score_mod=sm is not None,
+                          score_grad=score_grad, captured_grad=captured_grad, buffer_slots=slots)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import Optional
 
 import jinja2
 
@@ -37,8 +38,18 @@ def _param_list(names: list) -> str:
 
 
 def render(template: str, score_mod: LoweredMod, mask_mod: LoweredMod, *, interpret: bool,
-           score_mod_name: str = "none", mask_mod_name: str = "none") -> str:
-    """Render ``template`` (e.g. ``"fwd.py.jinja"``) into kernel source text."""
+           score_mod_name: str = "none", mask_mod_name: str = "none", extra_mods: Optional[dict] = None) -> str:
+    """Render ``template`` (e.g. ``"fwd.py.jinja"``) into kernel source text.
+
+    ``extra_mods`` (name -> LoweredMod or None), for the backward's derivative functions: each becomes
+    ``<name>_source`` and ``<name>_args`` ("" if None), and all their parameters ``extra_params``.
+    """
+    extra = {}
+    extra_params = []
+    for name, mod in (extra_mods or {}).items():
+        extra[f"{name}_source"] = mod.source if mod is not None else ""
+        extra[f"{name}_args"] = _param_list(mod.params) if mod is not None else ""
+        extra_params += mod.params if mod is not None else []
     return load_template(template).render(
         template_name=template,
         interpret=interpret,
@@ -49,4 +60,6 @@ def render(template: str, score_mod: LoweredMod, mask_mod: LoweredMod, *, interp
         score_args=_param_list(score_mod.params),
         mask_args=_param_list(mask_mod.params),
         mod_params=_param_list(score_mod.params + mask_mod.params),
+        extra_params=_param_list(extra_params),
+        **extra,
     )

@@ -1,0 +1,419 @@
+"""flex_attention backward vs the fp64 reference (torch autograd through attention_reference): catalog
+mods x shapes x dtypes, gradients through the LSE and into captured tensors, a finite-difference check,
+score_mod derivative rules, and the edge cases (fully masked rows, strides, head dims, errors)."""
+
+import operator
+import zlib
+
+import pytest
+import torch
+
+from catalog import CATALOG, USES_BH
+from flexlite import UntraceableModError, attention_reference, create_block_mask, flex_attention
+from flexlite.codegen import grad
+from flexlite.codegen.trace import trace_mod
+from helpers import DEVICE, GRAD_TOLERANCES, assert_close, rand_qkv
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (B, Hq, Hkv, Lq, Lkv, D)
+SHAPES = [
+    pytest.param((1, 1, 1, 1, 1, 32), id="B1-H1-L1-D32"),
+    pytest.param((1, 2, 2, 63, 63, 64), id="B1-H2-L63-D64"),
+    pytest.param((1, 2, 2, 111, 200, 80), id="B1-H2-Lq111-Lkv200-D80"),
+    pytest.param((1, 4, 2, 200, 111, 32), id="B1-H4-Hkv2-Lq200-Lkv111-D32-gqa"),
+]
+DETERMINISTIC_ENV = "FLEXLITE_DETERMINISTIC_CAPTURED_GRADS"
+
+
+def _seed(*key) -> int:
+    return zlib.crc32(repr(key).encode()) % 10_000
+
+
+def assert_grad_close(actual, expected, dtype, name):
+    atol, rtol = GRAD_TOLERANCES[dtype]
+    assert actual.dtype == dtype, f"{name}: dtype {actual.dtype}, expected {dtype}"
+    scale = max(1.0, expected.abs().max().item()) if expected.numel() else 1.0
+    assert_close(actual, expected, atol * scale, rtol, name=name)
+
+
+def check_backward(q, k, v, score_mod=None, block_mask=None, enable_gqa=False, captured=(), lse_weight=None,
+                   grad_out=None, dtype=None, name="", seed=0, kernel_options=None):
+    """flex_attention's gradients of sum(out * grad_out) (+ sum(lse * lse_weight)) w.r.t. q, k, v and
+    ``captured`` against the fp64 reference's; returns flexlite's gradients."""
+    dtype = dtype or q.dtype
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=enable_gqa,
+                              return_lse=True, kernel_options=kernel_options)
+    if grad_out is None:
+        g = torch.Generator().manual_seed(seed)
+        grad_out = torch.randn(out.shape, generator=g).to(device=out.device, dtype=out.dtype)
+    inputs = (q, k, v, *captured)
+
+    def loss(o, l):
+        total = (o * grad_out.to(o.dtype)).sum()
+        if lse_weight is not None:  # fully masked rows have lse -inf: leave them out of the loss
+            total = total + torch.where(torch.isinf(l), 0.0, l * lse_weight.to(l.dtype)).sum()
+        return total
+
+    grads = torch.autograd.grad(loss(out, lse), inputs)
+    ref_out, ref_lse = attention_reference(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                           enable_gqa=enable_gqa)
+    ref_grads = torch.autograd.grad(loss(ref_out, ref_lse), inputs, allow_unused=True)
+    names = ["dq", "dk", "dv"] + [f"d(captured {i})" for i in range(len(captured))]
+    for n, a, r, t in zip(names, grads, ref_grads, inputs):
+        r = torch.zeros_like(t, dtype=torch.float64) if r is None else r
+        assert_grad_close(a, r, t.dtype, f"{name} {n}")
+    return grads
+
+
+def block_mask_for(name, case, B, H, Lq, Lkv, block_size=128):
+    if case.mask_mod is None:
+        return None
+    mb, mh = (B, H) if name in USES_BH else (None, None)
+    return create_block_mask(case.mask_mod, mb, mh, Lq, Lkv, device=DEVICE, BLOCK_SIZE=block_size)
+
+
+def run_catalog(name, shape, dtype, block_size=128, lse_weight=False):
+    B, Hq, Hkv, Lq, Lkv, D = shape
+    case = CATALOG[name](B, Hq, Lq, Lkv, DEVICE)
+    q, k, v = rand_qkv(B, Hq, Hkv, Lq, Lkv, D, dtype=dtype, seed=_seed(name, shape))
+    bm = block_mask_for(name, case, B, Hq, Lq, Lkv, block_size)
+    weight = torch.randn(B, Hq, Lq, generator=torch.Generator().manual_seed(7)).to(DEVICE) if lse_weight else None
+    return check_backward(q, k, v, case.score_mod, bm, Hq != Hkv, lse_weight=weight, name=name,
+                          seed=_seed(name, shape, dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# dq, dk, dv
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("name", sorted(CATALOG))
+def test_catalog(name, shape, dtype):
+    run_catalog(name, shape, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", ["full", "alibi_causal", "softcap_causal", "fully_masked_rows"])
+def test_grad_through_lse(name, dtype):
+    run_catalog(name, (1, 2, 2, 111, 200, 32), dtype, lse_weight=True)
+
+
+def test_only_lse_used():
+    q, k, v = (t.requires_grad_() for t in rand_qkv(1, 2, 2, 50, 70, 32))
+    _, lse = flex_attention(q, k, v, return_lse=True)
+    grads = torch.autograd.grad(lse.sum(), (q, k, v))
+    _, ref_lse = attention_reference(q, k, v)
+    ref_dq, ref_dk = torch.autograd.grad(ref_lse.sum(), (q, k))
+    assert_grad_close(grads[0], ref_dq, torch.float32, "dq")
+    assert_grad_close(grads[1], ref_dk, torch.float32, "dk")
+    assert torch.equal(grads[2], torch.zeros_like(grads[2]))  # lse does not depend on v
+
+
+@pytest.mark.parametrize("opts", [dict(BLOCK_M1=16, BLOCK_N1=32, BLOCK_M2=32, BLOCK_N2=16),
+                                  dict(BLOCK_M1=64, BLOCK_N1=16, num_warps=8, WRITE_DQ=True)], ids=str)
+def test_kernel_options_pin_backward_tiles(opts):
+    score_mod, captured = _learnable(1, 2, 111, 90, "bias_table")
+    q, k, v = rand_qkv(1, 2, 2, 111, 90, 32)
+    bm = create_block_mask(CATALOG["causal"](1, 2, 111, 90, DEVICE).mask_mod, None, None, 111, 90, device=DEVICE)
+    check_backward(q, k, v, score_mod, bm, captured=captured, kernel_options=opts)
+
+
+@pytest.mark.parametrize("shape", [pytest.param((2, 2, 2, 256, 128, 64), id="even-L256-128"),
+                                   pytest.param((1, 2, 1, 128, 384, 32), id="even-mqa")])
+@pytest.mark.parametrize("name", ["causal", "alibi_causal", "per_batch_head"])
+def test_divisible_lengths(name, shape):
+    run_catalog(name, shape, torch.float32)
+
+
+@pytest.mark.parametrize("name", ["full", "causal"])
+def test_lengths_divisible_by_tile_but_shorter_than_sparse_block(name):
+    # tiles of the 128 sparse block past the sequence must be skipped, not read unchecked (EVEN_M/N)
+    run_catalog(name, (1, 2, 1, 64, 32, 64), torch.float32)
+
+
+@pytest.mark.parametrize("block_size", [(32, 64), (16, 16), (256, 128), (48, 80)], ids=str)
+@pytest.mark.parametrize("name", ["causal", "document", "per_batch_head"])
+def test_block_sizes(name, block_size):
+    run_catalog(name, (1, 2, 2, 100, 90, 32), torch.float32, block_size=block_size)
+
+
+@pytest.mark.parametrize("d, dv", [(16, 16), (1, 8), (24, 80), (96, 48), (256, 256)], ids=str)
+def test_head_dims(d, dv):
+    q, k, v = rand_qkv(1, 2, 2, 70, 90, d, dv, dtype=torch.float16, seed=d)
+    case = CATALOG["softcap_causal"](1, 2, 70, 90, DEVICE)
+    bm = create_block_mask(case.mask_mod, None, None, 70, 90, device=DEVICE)
+    check_backward(q, k, v, case.score_mod, bm, name=f"d={d} dv={dv}")
+
+
+def test_subset_of_inputs_requires_grad():
+    q, k, v = rand_qkv(1, 2, 2, 40, 60, 32)
+    k.requires_grad_()
+    out = flex_attention(q, k, v)
+    (dk,) = torch.autograd.grad(out.sum(), (k,))
+    ref_out, _ = attention_reference(q, k, v)
+    (ref_dk,) = torch.autograd.grad(ref_out.sum(), (k,))
+    assert_grad_close(dk, ref_dk, torch.float32, "dk")
+    v.requires_grad_()
+    flex_attention(q, k, v).sum().backward()
+    assert q.grad is None and k.grad is not None and v.grad is not None
+
+
+def test_non_contiguous_inputs_and_grad_out():
+    # [B, L, H, D] storage viewed as [B, H, L, D], a strided head-dim slice, a transposed grad_out
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 77, 3, 64, generator=g).transpose(1, 2)
+    k = torch.randn(2, 90, 3, 128, generator=g).transpose(1, 2)[..., ::2]
+    v = torch.randn(2, 3, 48, 90, generator=g).transpose(-1, -2)
+    grad_out = torch.randn(2, 48, 77, 3, generator=g).permute(0, 3, 2, 1)
+    assert not any(t.is_contiguous() for t in (q, k, v, grad_out))
+    case = CATALOG["alibi_causal"](2, 3, 77, 90, DEVICE)
+    bm = create_block_mask(case.mask_mod, None, None, 77, 90, device=DEVICE)
+    check_backward(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), case.score_mod, bm, grad_out=grad_out.to(DEVICE))
+
+
+def test_fully_masked_rows_get_zero_grads():
+    q, k, v = (t.requires_grad_() for t in rand_qkv(1, 2, 2, 100, 100, 32))
+    case = CATALOG["fully_masked_rows"](1, 2, 100, 100, DEVICE)
+    bm = create_block_mask(case.mask_mod, None, None, 100, 100, device=DEVICE, BLOCK_SIZE=32)
+    out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True)
+    dq, dk, dv = torch.autograd.grad(out.sum() + torch.where(torch.isinf(lse), 0.0, lse).sum(), (q, k, v))
+    rows = torch.arange(100) % 3 == 1
+    assert not any(torch.isnan(t).any() for t in (dq, dk, dv))
+    assert torch.equal(dq[:, :, rows], torch.zeros_like(dq[:, :, rows]))
+
+
+def test_everything_masked_gives_zero_grads():
+    q, k, v = (t.requires_grad_() for t in rand_qkv(1, 1, 1, 64, 80, 16))
+
+    def nothing(b, h, q_idx, kv_idx):
+        return q_idx < 0
+    bm = create_block_mask(nothing, None, None, 64, 80, device=DEVICE)
+    dq, dk, dv = torch.autograd.grad(flex_attention(q, k, v, block_mask=bm).sum(), (q, k, v))
+    for t in (dq, dk, dv):
+        assert torch.equal(t, torch.zeros_like(t))
+
+
+def test_score_mod_ignoring_score():
+    # the mod's derivative w.r.t. the score is 0: dq = dk = 0, dv still flows
+    bias = torch.randn(2, 60, 70, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+
+    def bias_only(score, b, h, q_idx, kv_idx):
+        return bias[h, q_idx, kv_idx]
+    q, k, v = rand_qkv(1, 2, 2, 60, 70, 32)
+    dq, dk, dv = check_backward(q, k, v, bias_only)
+    assert torch.equal(dq, torch.zeros_like(dq)) and torch.equal(dk, torch.zeros_like(dk))
+
+
+def test_finite_differences():
+    """Central differences of the kernel's own forward (fp32, tiny case) against its backward."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 4, generator=g).to(DEVICE) for _ in range(3))
+    slopes = torch.tensor([0.3, -0.2]).to(DEVICE)
+    grad_out = torch.randn(1, 2, 5, 4, generator=g).to(DEVICE)
+    lse_weight = torch.randn(1, 2, 5, generator=g).to(DEVICE)
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return 1.5 * torch.tanh(score / 1.5) + slopes[h] * (kv_idx - q_idx)
+
+    def loss():
+        out, lse = flex_attention(q, k, v, score_mod=mod, return_lse=True)
+        return (out * grad_out).sum() + (lse * lse_weight).sum()
+
+    for t in (q, k, v, slopes):
+        t.requires_grad_()
+    grads = torch.autograd.grad(loss(), (q, k, v, slopes))
+    eps = 1e-2
+    with torch.no_grad():
+        for t, gt in zip((q, k, v, slopes), grads):
+            for i in sorted({0, min(3, t.numel() - 1), t.numel() - 1}):
+                flat = t.view(-1)
+                old = flat[i].item()
+                flat[i] = old + eps
+                up = loss().item()
+                flat[i] = old - eps
+                down = loss().item()
+                flat[i] = old
+                fd = (up - down) / (2 * eps)
+                assert abs(fd - gt.view(-1)[i].item()) <= 2e-3 * max(1.0, abs(fd)), (t.shape, i, fd, gt.view(-1)[i])
+
+
+# ---------------------------------------------------------------------------------------------
+# gradients of captured tensors
+
+def _learnable(B, H, Lq, Lkv, kind, dtype=torch.float32):
+    """(score_mod, [captured tensors that require grad]) for a learnable bias of the given kind."""
+    g = torch.Generator().manual_seed(_seed(kind))
+    if kind == "bias_table":  # relative position table, many (q, kv) per entry
+        table = (0.5 * torch.randn(H, Lq + Lkv, generator=g)).to(DEVICE, dtype).requires_grad_()
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + table[h, q_idx - kv_idx + Lkv]
+        return score_mod, [table]
+    if kind == "alibi_slopes":  # one entry per head: the whole tile adds to one element
+        slopes = torch.linspace(-0.2, 0.3, H).to(DEVICE, dtype).requires_grad_()
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + slopes[h] * (kv_idx - q_idx)
+        return score_mod, [slopes]
+    if kind == "bias_3d":  # one entry per position, in a product with the score, plus a 0-d temperature
+        bias = torch.randn(H, Lq, Lkv, generator=g).to(DEVICE, dtype).requires_grad_()
+        temp = torch.tensor(0.8).to(DEVICE, dtype).requires_grad_()
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return torch.tanh(score * temp) * 2.0 + bias[h, q_idx, kv_idx]
+        return score_mod, [bias, temp]
+    raise ValueError(kind)
+
+
+CAPTURED_KINDS = ["bias_table", "alibi_slopes", "bias_3d"]
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("kind", CAPTURED_KINDS)
+def test_captured_grads(kind, deterministic, monkeypatch):
+    monkeypatch.setenv(DETERMINISTIC_ENV, "1" if deterministic else "0")
+    B, Hq, Hkv, Lq, Lkv = 2, 2, 1, 111, 75
+    score_mod, captured = _learnable(B, Hq, Lq, Lkv, kind)
+    q, k, v = rand_qkv(B, Hq, Hkv, Lq, Lkv, 32, seed=_seed(kind))
+    bm = create_block_mask(CATALOG["causal_bottom_right"](B, Hq, Lq, Lkv, DEVICE).mask_mod, None, None, Lq, Lkv,
+                           device=DEVICE, BLOCK_SIZE=32)
+    weight = torch.randn(B, Hq, Lq, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    check_backward(q, k, v, score_mod, bm, enable_gqa=True, captured=captured, lse_weight=weight, name=kind)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_captured_grads_low_precision(dtype):
+    score_mod, captured = _learnable(1, 2, 70, 90, "bias_table", dtype)
+    q, k, v = rand_qkv(1, 2, 2, 70, 90, 32, dtype=dtype)
+    check_backward(q, k, v, score_mod, captured=captured, name="bias_table")
+
+
+def test_deterministic_captured_grads_are_bit_identical():
+    score_mod, (table,) = _learnable(1, 2, 100, 120, "bias_table")
+    q, k, v = rand_qkv(1, 2, 2, 100, 120, 32)
+    bm = create_block_mask(CATALOG["sliding_window"](1, 2, 100, 120, DEVICE).mask_mod, None, None, 100, 120,
+                           device=DEVICE, BLOCK_SIZE=32)
+
+    def run(deterministic):
+        out = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm,
+                             kernel_options={"DETERMINISTIC_CAPTURED_GRADS": deterministic})
+        return torch.autograd.grad(out.square().sum(), (table,))[0]
+    first, second = run(True), run(True)
+    assert torch.equal(first, second)
+    assert_grad_close(run(False), first.double(), torch.float32, "atomic vs deterministic")
+
+
+def test_torch_deterministic_mode_selects_deterministic_path():
+    score_mod, captured = _learnable(1, 2, 40, 30, "alibi_slopes")
+    q, k, v = rand_qkv(1, 2, 2, 40, 30, 16)
+    enabled = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        check_backward(q, k, v, score_mod, captured=captured, name="use_deterministic_algorithms")
+    finally:
+        torch.use_deterministic_algorithms(enabled)
+
+
+def test_mask_mod_captures_get_no_grad():
+    doc = torch.tensor([0] * 30 + [1] * 30, dtype=torch.float32, device=DEVICE, requires_grad=True)
+
+    def same_doc(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+    q, k, v = (t.requires_grad_() for t in rand_qkv(1, 1, 1, 60, 60, 16))
+    bm = create_block_mask(same_doc, None, None, 60, 60, device=DEVICE, BLOCK_SIZE=16)
+    flex_attention(q, k, v, block_mask=bm).sum().backward()
+    assert doc.grad is None and q.grad is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# derivative rules (no kernels) and errors
+
+_SCORE_MODS = {
+    "softcap": lambda s, b, h, q, kv: 2.0 * torch.tanh(s / 2.0),
+    "where_sigmoid_exp_abs": lambda s, b, h, q, kv: torch.where(
+        q >= kv, torch.sigmoid(s) * torch.exp(s * 0.3) - s.abs(), s.clamp(-0.5, 0.7)),
+    "pow_sqrt_rsqrt": lambda s, b, h, q, kv: (s ** 3 + 2.0 ** s + torch.sqrt(s * s + 1) + torch.rsqrt(s * s + 2)
+                                              + s.pow(2)),
+    "trig_erf_logs": lambda s, b, h, q, kv: (torch.sin(s) * torch.cos(s) + torch.erf(s) + torch.log(s * s + 1.0)
+                                             + torch.log2(s * s + 1) + torch.exp2(s) + torch.log1p(s.abs())),
+    "gelu": lambda s, b, h, q, kv: torch.nn.functional.gelu(s) + torch.nn.functional.gelu(s, approximate="tanh"),
+    "min_max_relu": lambda s, b, h, q, kv: (torch.maximum(s, torch.zeros_like(s)) + torch.minimum(s, 0.3 * s)
+                                            + torch.relu(s - 0.1) + torch.clamp_min(s, 0.2) + s.clamp(max=0.4)),
+    "mod_fmod_floor": lambda s, b, h, q, kv: s % 0.7 + torch.fmod(s, 0.3) + torch.floor(s) + torch.expm1(s),
+    "div_neg_sub": lambda s, b, h, q, kv: s / (1.0 + s * s) - 1.0 / (2.0 + s.abs()) - (-s),
+    "casts_and_masks": lambda s, b, h, q, kv: s.float() * (q > kv) + torch.square(s) + (q - kv).float() / s.exp(),
+    "ignores_score": lambda s, b, h, q, kv: (q - kv).float() * 0.1,
+}
+
+
+@pytest.mark.parametrize("name", sorted(_SCORE_MODS))
+def test_score_grad_rules(name):
+    """d score_mod / d score from grad.py's graph (run by torch) against torch autograd, incl. kinks."""
+    fn = _SCORE_MODS[name]
+    derivative = grad.score_grad_trace(trace_mod(fn, "score_mod")).graph_module
+    b, h, q_idx, kv_idx = (torch.tensor(x, dtype=torch.int32) for x in (0, 1, 3, 2))
+    for value in (-1.3, -0.2, 0.0, 0.2, 0.45, 2.1):
+        s = torch.tensor(value, dtype=torch.float64, requires_grad=True)
+        out = fn(s, b, h, q_idx, kv_idx)
+        expected = torch.autograd.grad(out, s, allow_unused=True)[0] if out.requires_grad else None
+        expected = 0.0 if expected is None else expected.item()
+        got = float(derivative(s.detach().float(), b, h, q_idx, kv_idx))
+        assert abs(got - expected) <= 1e-4 * (1 + abs(expected)), (value, got, expected)
+
+
+def test_error_for_op_without_derivative_rule(monkeypatch):
+    monkeypatch.delitem(grad.RULES, "erf")
+
+    def erf_mod(score, b, h, q_idx, kv_idx):
+        return torch.erf(score)
+    q, k, v = (t.requires_grad_() for t in rand_qkv(1, 1, 1, 20, 20, 16))
+    out = flex_attention(q, k, v, score_mod=erf_mod)  # the forward needs no derivative
+    with pytest.raises(UntraceableModError, match=r"backward pass is not supported for `erf`"):
+        out.sum().backward()
+    with pytest.raises(NotImplementedError, match="atan"):
+        grad.score_grad_trace(trace_mod(lambda s, b, h, q, kv: torch.atan(s), "score_mod"))
+    # an op off the score's path needs no rule
+    grad.score_grad_trace(trace_mod(lambda s, b, h, q, kv: s + torch.erf((q - kv).float()), "score_mod"))
+
+
+def test_captured_grad_scatter_is_lowered_to_atomics():
+    score_mod, captured = _learnable(1, 2, 8, 8, "alibi_slopes")
+    traced = trace_mod(score_mod, "score_mod")
+    target = next(n for n, t in traced.captured.items() if t is captured[0])
+    trace, buffers = grad.captured_grad_trace(traced, (target,))
+    from flexlite.codegen.lower import lower_mod
+    source = lower_mod(trace, "score_mod_captured_grad", "sg_").source
+    # slopes[h] is one element per tile: the tile is summed before its single atomic add
+    assert "tl.atomic_add(" in source and "tl.sum(" in source and len(buffers) == 1
+
+
+@pytest.mark.parametrize("op", [operator.add, torch.mul], ids=["add", "mul"])
+def test_score_grad_trace_is_cached_per_mod(op):
+    from flexlite.codegen.kernel import generate_backward
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return op(score, 0.5)
+    first = generate_backward(mod, None, interpret=True)
+    assert generate_backward(mod, None, interpret=True).score_grad is first.score_grad
+
+
+def test_every_float_op_has_a_derivative_rule():
+    from flexlite.codegen.lower import OPS
+    bool_or_int_ops = {"and", "or", "xor", "invert", "lshift", "rshift", "eq", "ne", "lt", "le", "gt", "ge",
+                       "logical_and", "logical_or", "logical_xor", "logical_not"}
+    assert set(OPS) - set(grad.RULES) <= bool_or_int_ops
+
+
+def test_softcap_library_mod():
+    from flexlite.mods.softcap import generate_tanh_softcap
+    q, k, v = rand_qkv(1, 2, 2, 50, 70, 32)
+    for approx in (True, False):
+        check_backward(q, k, v, generate_tanh_softcap(2.0, approx=approx), name=f"approx={approx}")
+
+
+def test_double_backward_is_an_error():
+    q, k, v = (t.requires_grad_() for t in rand_qkv(1, 1, 1, 20, 20, 16))
+    (dq,) = torch.autograd.grad(flex_attention(q, k, v).sum(), (q,), create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        torch.autograd.grad(dq.sum(), (k,))
