@@ -1,7 +1,9 @@
-"""``python -m flexlite`` — demo (default); ``python -m flexlite bench ...`` — GPU benchmark harness."""
+"""``python -m flexlite`` — demo (default); ``python -m flexlite show <mask> --seq N`` — print a library
+mask's BlockMask (``--png``: draw it); ``python -m flexlite bench ...`` — GPU benchmark harness."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
@@ -49,15 +51,86 @@ def demo() -> None:
         print("No GPU: skipping the timing table (python -m flexlite bench runs the full benchmark on a GPU).")
 
 
+def _pair(text: str) -> tuple:
+    """'7' -> (7, 7); '16x8' -> (16, 8)."""
+    parts = text.lower().split("x")
+    if len(parts) not in (1, 2) or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"expected N or WxH, got {text!r}")
+    return (int(parts[0]), int(parts[-1]))
+
+
+def _lengths(text: str) -> list:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated lengths like 300,500,224; got {text!r}") from None
+
+
+def show(argv) -> None:
+    """``python -m flexlite show <mask> --seq N [--png out.png] [options]``."""
+    from . import create_block_mask
+    from .masks.registry import NAMED_MASKS, build_named_mask
+
+    names = "\n".join(f"  {name:<30}{m.description}" for name, m in NAMED_MASKS.items())
+    p = argparse.ArgumentParser(
+        prog="python -m flexlite show", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Print the BlockMask of a library mask (█ full, ░ partial, blank empty blocks); "
+                    "--png also draws the dense mask.",
+        epilog=f"masks:\n{names}\n\nexample: python -m flexlite show sliding_window --seq 4096 --window 512")
+    p.add_argument("mask", choices=list(NAMED_MASKS), metavar="mask", help="one of the masks listed below")
+    p.add_argument("--seq", type=int, default=1024, help="query (and key) length (default 1024)")
+    p.add_argument("--kv-seq", type=int, help="key length for causal_bottom_right")
+    p.add_argument("--window", type=int, help="window size (default seq // 8; sasa: 3)")
+    p.add_argument("--dilation", type=int, default=2)
+    p.add_argument("--prefix", type=int, help="prefix length (default seq // 4)")
+    p.add_argument("--docs", type=_lengths, help="document (or suffix) lengths, e.g. 300,500,224")
+    p.add_argument("--canvas", type=_pair, help="2-D masks: canvas WxH (default: square, W*H = seq)")
+    p.add_argument("--kernel", type=_pair, default=(7, 7), help="natten kernel KWxKH (default 7x7)")
+    p.add_argument("--tile", type=_pair, default=(8, 8), help="tiled_natten tile TWxTH (default 8x8)")
+    p.add_argument("--global-tokens", type=int, default=16)
+    p.add_argument("--block", type=int, help="block_causal / block_diffusion block length")
+    p.add_argument("--images", type=int, default=3, help="flamingo: number of images")
+    p.add_argument("--image-tokens", type=int, default=64, help="flamingo: tokens per image")
+    p.add_argument("--block-size", type=int, default=128, help="BlockMask BLOCK_SIZE (default 128)")
+    p.add_argument("--grid", type=int, default=32, help="print at most this many rows/cols of blocks")
+    p.add_argument("--png", help="also write a PNG of the dense mask (needs matplotlib)")
+    args = p.parse_args(argv)
+    options = dict(kv_seq=args.kv_seq, window=args.window, dilation=args.dilation, prefix=args.prefix,
+                   docs=args.docs, canvas=args.canvas, kernel=args.kernel, tile=args.tile,
+                   global_tokens=args.global_tokens, block=args.block, images=args.images,
+                   image_tokens=args.image_tokens)
+    try:
+        mask_mod, q_len, kv_len = build_named_mask(args.mask, args.seq, **options)
+        block_mask = create_block_mask(mask_mod, None, None, q_len, kv_len, device="cpu", BLOCK_SIZE=args.block_size)
+    except (ValueError, TypeError) as e:
+        p.error(str(e))
+    print(f"{mask_mod.__name__}: Q_LEN={q_len}, KV_LEN={kv_len}, BLOCK_SIZE={args.block_size}")
+    print(f"BlockMask(shape={block_mask.shape}, sparsity={block_mask.sparsity():.2f}%,")
+    print(block_mask.to_string(grid_size=args.grid).rstrip("\n") + "\n)")
+    if args.png:
+        from .viz import visualize_attention_scores
+        query = torch.zeros(1, 1, q_len, 1)
+        key = torch.zeros(1, 1, kv_len, 1)
+        try:
+            path = visualize_attention_scores(query, key, mask_mod=mask_mod, path=args.png)
+        except (ImportError, ValueError) as e:
+            raise SystemExit(f"python -m flexlite show: cannot write {args.png}: {e}") from None
+        print(f"wrote {path}")
+
+
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] == "demo":
         demo()
+    elif argv[0] in ("-h", "--help"):
+        print(__doc__.strip() + "\n\npython -m flexlite show --help lists the masks.")
+    elif argv[0] == "show":
+        show(argv[1:])
     elif argv[0] == "bench":
         from .bench import main as bench_main
         bench_main(argv[1:])
     else:
-        raise SystemExit(f"unknown command {argv[0]!r}; use: python -m flexlite [demo | bench ...]")
+        raise SystemExit(f"unknown command {argv[0]!r}; use: python -m flexlite [demo | show <mask> ... | bench ...]")
 
 
 if __name__ == "__main__":

@@ -212,7 +212,9 @@ def _trace(fn: Callable, kind: str) -> TracedMod:
     # trace through a wrapper with fixed parameter names, so *args mods and odd names work too
     wrapper = _fixed_signature(fn, arg_names)
     try:
-        gm = fx.symbolic_trace(wrapper)
+        tracer = _ModTracer()
+        graph = tracer.trace(wrapper)  # sets tracer.root
+        gm = fx.GraphModule(tracer.root, graph)
     except fx.proxy.TraceError as e:
         raise UntraceableModError(
             f"{kind} {name!r} cannot be traced: {e}. Python control flow (`if`, `while`, `and`/`or`, "
@@ -232,6 +234,21 @@ def _trace(fn: Callable, kind: str) -> TracedMod:
             f"{kind} {name!r} failed on 0-d example inputs (indices are 0-d int32 tensors, the score a 0-d "
             f"float32 tensor): {type(e).__name__}: {e}") from e
     return TracedMod(kind=kind, name=name, graph_module=gm, captured=captured)
+
+
+class _ModTracer(fx.Tracer):
+    """symbolic_trace's tracer, except that a captured ``nn.Parameter`` (a learnable bias table, say) is
+    a captured tensor like any other, not an error for not belonging to the (empty) root module."""
+
+    def create_arg(self, a):
+        if isinstance(a, torch.nn.Parameter):
+            for name, p in self.root.named_parameters():
+                if p is a:
+                    return self.create_node("get_attr", name, (), {})
+            name = f"_captured_parameter{len(list(self.root.parameters()))}"
+            self.root.register_parameter(name, a)
+            return self.create_node("get_attr", name, (), {})
+        return super().create_arg(a)
 
 
 def _fixed_signature(fn: Callable, arg_names: tuple) -> Callable:

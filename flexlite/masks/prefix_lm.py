@@ -1,10 +1,14 @@
 """Prefix-LM: bidirectional attention over a prefix, causal after it."""
 
 from ..block_mask import or_masks
+from ._checks import check_int
 from .causal import causal_mask
 
 
 def generate_prefix_lm_mask(prefix_length: int):
+    """Every query sees the first ``prefix_length`` keys and, causally, the rest. Named ``prefix_lm_<n>``."""
+    prefix_length = check_int("generate_prefix_lm_mask", "prefix_length", prefix_length)
+
     def prefix(b, h, q_idx, kv_idx):
         return kv_idx < prefix_length
 

@@ -1,19 +1,29 @@
-"""ALiBi: a per-head linear bias on the distance between query and key."""
+"""ALiBi: a per-head linear bias on the distance between query and key (https://arxiv.org/abs/2108.12409)."""
 
 from __future__ import annotations
 
 import torch
 
+from ..masks._checks import check_float_tensor, check_int
+
 
 def alibi_slopes(num_heads: int, device=None) -> torch.Tensor:
     """[num_heads] fp32 slopes 2^(-8 h / H), h = 1..H (the paper's geometric sequence)."""
+    num_heads = check_int("alibi_slopes", "num_heads", num_heads, 1)
     h = torch.arange(1, num_heads + 1, dtype=torch.float32, device=device)
     return torch.exp2(-8.0 * h / num_heads)
 
 
 def generate_alibi_bias(num_heads: int, device=None, slopes: torch.Tensor | None = None):
-    """score_mod adding ``slopes[h] * (kv_idx - q_idx)``; ``slopes`` may be learnable."""
-    slopes = alibi_slopes(num_heads, device) if slopes is None else slopes
+    """score_mod adding ``slopes[h] * (kv_idx - q_idx)``; ``slopes`` [num_heads] may be learnable
+    (default :func:`alibi_slopes` on ``device``). Named ``alibi_<num_heads>``."""
+    num_heads = check_int("generate_alibi_bias", "num_heads", num_heads, 1)
+    if slopes is None:
+        slopes = alibi_slopes(num_heads, device)
+    else:
+        check_float_tensor("generate_alibi_bias", "slopes", slopes, dims=(1,))
+        if slopes.shape[0] != num_heads:
+            raise ValueError(f"generate_alibi_bias: slopes has {slopes.shape[0]} entries but num_heads is {num_heads}")
 
     def alibi(score, b, h, q_idx, kv_idx):
         return score + slopes[h] * (kv_idx - q_idx)

@@ -1,0 +1,65 @@
+"""Argument checks shared by the mask and score-mod factories: typed errors that name the argument."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Optional, Sequence
+
+import torch
+
+
+def check_int(caller: str, name: str, value, minimum: Optional[int] = 0) -> int:
+    """``value`` as an int; TypeError unless it is an int (not a bool), ValueError if below ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{caller}: {name} must be an int; got {type(value).__name__} {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{caller}: {name} must be >= {minimum}; got {value}")
+    return int(value)
+
+
+def check_float(caller: str, name: str, value, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{caller}: {name} must be a number; got {type(value).__name__} {value!r}")
+    if positive and not value > 0:
+        raise ValueError(f"{caller}: {name} must be > 0; got {value}")
+    return float(value)
+
+
+def check_callable(caller: str, name: str, fn) -> None:
+    from ..codegen.trace import check_arity
+    check_arity(fn, "mask_mod", argname=name, caller=caller)
+
+
+def check_lengths(caller: str, name: str, lengths, minimum: int = 1) -> list[int]:
+    """A 1-D sequence (or tensor) of ints >= ``minimum``, as a Python list."""
+    if isinstance(lengths, torch.Tensor):
+        if lengths.dim() != 1 or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
+            raise TypeError(f"{caller}: {name} must be a 1-D integer tensor or a sequence of ints; got "
+                            f"a {lengths.dtype} tensor of shape {tuple(lengths.shape)}")
+        lengths = lengths.tolist()
+    if not isinstance(lengths, Sequence) or isinstance(lengths, str):
+        raise TypeError(f"{caller}: {name} must be a sequence of ints; got {type(lengths).__name__}")
+    if not lengths:
+        raise ValueError(f"{caller}: {name} must not be empty")
+    return [check_int(caller, f"{name}[{i}]", x, minimum) for i, x in enumerate(lengths)]
+
+
+def check_index_tensor(caller: str, name: str, t, dim: int) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{caller}: {name} must be a torch.Tensor; got {type(t).__name__}")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(f"{caller}: {name} must be an integer tensor; got {t.dtype}")
+    if t.dim() != dim:
+        raise ValueError(f"{caller}: {name} must be {dim}-D; got shape {tuple(t.shape)}")
+    return t
+
+
+def check_float_tensor(caller: str, name: str, t, dims: tuple) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{caller}: {name} must be a torch.Tensor; got {type(t).__name__}")
+    if not t.dtype.is_floating_point:
+        raise TypeError(f"{caller}: {name} must be a floating-point tensor; got {t.dtype}")
+    if t.dim() not in dims:
+        raise ValueError(f"{caller}: {name} must be {' or '.join(f'{d}-D' for d in dims)}; "
+                         f"got shape {tuple(t.shape)}")
+    return t

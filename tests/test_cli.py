@@ -1,0 +1,101 @@
+"""``python -m flexlite show``: every named mask prints, --png writes an image, bad names and options
+fail with the valid choices; the demo still runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from flexlite.__main__ import main
+from flexlite.masks import NAMED_MASKS
+
+
+def show(capsys, *args):
+    main(["show", *args])
+    return capsys.readouterr().out
+
+
+def test_show_prints_block_mask(capsys):
+    out = show(capsys, "sliding_window", "--seq", "512", "--window", "64")
+    assert out.startswith("sliding_window_64: Q_LEN=512, KV_LEN=512, BLOCK_SIZE=128")
+    assert "BlockMask(shape=(1, 1, 512, 512), sparsity=" in out
+    rows = out.split("(0, 0)\n")[1].splitlines()[:4]
+    assert rows == ["░░      ", "░░░░    ", "  ░░░░  ", "    ░░░░"]
+
+
+@pytest.mark.parametrize("name", list(NAMED_MASKS))
+def test_show_every_named_mask(capsys, name):
+    seq = "256" if "natten" in name or name == "sasa" else "192"
+    out = show(capsys, name, "--seq", seq, "--block-size", "32", "--kernel", "5", "--tile", "4x4")
+    assert "BlockMask(shape=(1, 1, " in out and ("░░" in out or "██" in out)
+
+
+def test_show_options(capsys):
+    out = show(capsys, "document", "--seq", "100", "--docs", "30,50,20", "--block-size", "16", "--grid", "8")
+    assert "document_causal_mask: Q_LEN=100" in out
+    out = show(capsys, "natten", "--seq", "128", "--canvas", "16x8", "--kernel", "3x5")
+    assert "natten_c16x8_k3x5" in out
+    out = show(capsys, "flamingo", "--seq", "96", "--images", "2", "--image-tokens", "40")
+    assert "KV_LEN=80" in out
+
+
+def test_show_png(capsys, tmp_path):
+    path = tmp_path / "mask.png"
+    out = show(capsys, "prefix_lm", "--seq", "300", "--png", str(path))
+    assert f"wrote {path}" in out
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_unknown_mask_lists_valid_names(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["show", "causul"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'causul'" in err and all(name in err for name in NAMED_MASKS)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["document", "--seq", "100", "--docs", "10,20"], "sum to 30, not 100"),
+    (["natten", "--seq", "1000"], "--canvas"),
+    (["sliding_window", "--window", "-3"], "window_size must be >= 0"),
+    (["natten", "--kernel", "7y7"], "expected N or WxH"),
+    (["causal", "--seq", "0"], "Q_LEN must be positive"),
+])
+def test_bad_options(capsys, args, message):
+    with pytest.raises(SystemExit) as e:
+        main(["show", *args])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_help_lists_masks(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["show", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in NAMED_MASKS) and "--png" in out
+
+
+def test_unknown_command():
+    with pytest.raises(SystemExit, match="demo | show"):
+        main(["shwo"])
+
+
+def test_show_subprocess():
+    r = subprocess.run([sys.executable, "-m", "flexlite", "show", "block_causal", "--seq", "1024", "--block", "256"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "block_causal_256" in r.stdout and "sparsity=37.50%" in r.stdout
+
+
+def test_demo_still_runs():
+    r = subprocess.run([sys.executable, "-m", "flexlite"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "flex_attention vs the fp64 reference" in r.stdout and "MISMATCH" not in r.stdout
+
+
+def test_top_level_help(capsys):
+    main(["--help"])
+    out = capsys.readouterr().out
+    assert "show <mask>" in out and "bench" in out
