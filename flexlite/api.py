@@ -157,12 +157,13 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options):
     rows = _decode_rows(query, key, num, sparse, options)
     kernel = _generate(score_mod, block_mask, query.device, "decode.py.jinja" if rows else "fwd.py.jinja")
     _check_captured(kernel, query.device)
+    # on every path, so that bad tile pins are reported even where decoding ignores them
+    config = forward_config(query, value, sparse, options, masked=block_mask is not None,
+                            gathers=bool(kernel.mask_mod.tensors))
     module = load_module(kernel.source, interpret=query.device.type != "cuda")
     if rows:
         return launch_decode(module, kernel.mod_args(), query, key, value, num, idx, full_num, full_idx, sparse,
                              scale, kernel.has_score_mod, rows, options.get("DECODE_SPLITS"))
-    config = forward_config(query, value, sparse, options, masked=block_mask is not None,
-                            gathers=bool(kernel.mask_mod.tensors))
     return launch_forward(module, kernel.mod_args(), query, key, value, num, idx, full_num, full_idx,
                           sparse, scale, kernel.has_score_mod, config, pinned=any(k in options for k in CONFIG_KEYS),
                           tune=autotune_enabled(options), use_tma=bool(options.get("USE_TMA", False)))
@@ -276,9 +277,11 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
 def _decode_rows(query, key, num_blocks, sparse, options) -> int:
     """Query heads per decode program, or 0 for the regular forward kernel. Short queries (<= 64, all in
     the block mask's first q block) over any KV use split-KV decoding unless ``kernel_options`` says
-    ``DECODE=False`` (or torch's ``FORCE_USE_FLEX_ATTENTION=True``); ``DECODE=True`` insists."""
+    ``DECODE=False`` (or torch's ``FORCE_USE_FLEX_ATTENTION=True``, or pinned tiles); ``DECODE=True``
+    insists."""
     rows = decode_rows(query, key, sparse, num_blocks.shape[1])
-    wanted = options.get("DECODE", not options.get("FORCE_USE_FLEX_ATTENTION", False))
+    pinned_tiles = any(k in options for k in CONFIG_KEYS)  # a pinned tile config means the regular kernel
+    wanted = options.get("DECODE", not (options.get("FORCE_USE_FLEX_ATTENTION", False) or pinned_tiles))
     if options.get("DECODE") and not rows:
         _fail(f"kernel_options DECODE=True needs at most 64 queries, all in the block mask's first q block "
               f"(query length {query.shape[2]}, BLOCK_SIZE {sparse})")

@@ -282,6 +282,16 @@ def test_captured_grads(kind, deterministic, monkeypatch):
     check_backward(q, k, v, score_mod, bm, enable_gqa=True, captured=captured, lse_weight=weight, name=kind)
 
 
+def test_nn_parameter_bias_table_learns():
+    # the usual way to hold a learnable bias: an nn.Parameter captured by the score_mod
+    table = torch.nn.Parameter((0.5 * torch.randn(2, 64 + 80, generator=torch.Generator().manual_seed(9))).to(DEVICE))
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx - kv_idx + 80]
+    q, k, v = rand_qkv(1, 2, 2, 64, 80, 16, seed=9)
+    check_backward(q, k, v, score_mod, captured=[table], name="nn.Parameter table")
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_captured_grads_low_precision(dtype):
     score_mod, captured = _learnable(1, 2, 70, 90, "bias_table", dtype)

@@ -133,7 +133,7 @@ def test_captured_values_and_lengths_reuse_the_kernel():
         return score + bias[kv_idx]
 
     src = flexlite.kernel_source(mod, device=DEVICE)
-    q, k, v = rand_qkv(B, H, H, LQ, LKV, D)
+    q, k, v = rand_qkv(B, H, H, 70, LKV, D)
     flex_attention(q, k, v, score_mod=mod)
     n_modules = len(compile_module._MODULES)
     bias.mul_(3.0)  # new values, same tensor: no new kernel, new result
