@@ -10,8 +10,6 @@ config (:data:`INTERPRETER_MATMUL_CONFIG`), never timed.
 from __future__ import annotations
 
 import functools
-import importlib.util
-import sys
 import threading
 from pathlib import Path
 from typing import Optional
@@ -19,7 +17,7 @@ from typing import Optional
 import torch
 import triton
 
-from ..runtime.compile import _interpret_env, interpreter_scope
+from ..runtime.compile import import_kernel_file, interpreter_scope
 from ..utils.gpu import GPUCapabilities, detect_gpu
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -119,12 +117,7 @@ def gemm_kernel(interpret: bool):
         with _LOCK:
             kernel = _KERNELS.get(interpret)
             if kernel is None:
-                name = f"flexlite.kernels._matmul_kernel_{'interp' if interpret else 'cuda'}"
-                spec = importlib.util.spec_from_file_location(name, _KERNEL_FILE)
-                module = importlib.util.module_from_spec(spec)
-                with _interpret_env(interpret):
-                    spec.loader.exec_module(module)
-                sys.modules[name] = module
+                module = import_kernel_file(_KERNEL_FILE, "flexlite.kernels._matmul_kernel", interpret)
                 kernel = _KERNELS[interpret] = module.matmul_kernel
     return kernel
 

@@ -118,6 +118,18 @@ def interpreter_scope(interpret: bool):
                 setattr(mod, name, jit_fn)
 
 
+def import_kernel_file(path: Path, name: str, interpret: bool) -> ModuleType:
+    """Import the ``@triton.jit`` functions in ``path`` as module ``name`` (``_interp`` appended for the
+    interpreter: the two builds of one file are different modules)."""
+    name = f"{name}{'_interp' if interpret else ''}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    with _interpret_env(interpret):
+        spec.loader.exec_module(module)
+    sys.modules[name] = module
+    return module
+
+
 def load_module(source: str, interpret: bool) -> ModuleType:
     """Import the kernel module for ``source`` (cached); ``interpret`` selects Triton's interpreter."""
     key = (source_hash(source), interpret)
@@ -126,13 +138,7 @@ def load_module(source: str, interpret: bool) -> ModuleType:
         if module is not None:
             return module
         path = write_source(source)
-        name = f"flexlite_kernels.{path.stem}{'_interp' if interpret else ''}"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        with _interpret_env(interpret):
-            spec.loader.exec_module(module)
-        sys.modules[name] = module
-        _MODULES[key] = module
+        module = _MODULES[key] = import_kernel_file(path, f"flexlite_kernels.{path.stem}", interpret)
         if os.environ.get("FLEXLITE_SHOW_KERNELS", "0") not in ("", "0"):
             print(f"[flexlite] kernel {path}\n{source}", file=sys.stderr)
         return module
