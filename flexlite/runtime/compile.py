@@ -56,7 +56,7 @@ def write_source(source: str) -> Path:
     try:
         if path.read_text() == source:
             return path
-    except OSError:
+    except (OSError, ValueError):  # missing, unreadable, or corrupt (not even UTF-8): write it anew
         pass
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".tmp")
     with os.fdopen(fd, "w") as f:
