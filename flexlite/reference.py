@@ -50,20 +50,22 @@ def attention_reference(
     block_mask=None,
     scale: Optional[float] = None,
     enable_gqa: bool = False,
+    dtype: torch.dtype = torch.float64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense attention in fp64.
+    """Dense attention in fp64 (``dtype``: compute in another dtype instead, e.g. bfloat16 for the
+    error an eager low-precision implementation makes, the baseline of docs/NUMERICS.md).
 
     Args:
         query: [B, Hq, Lq, E]; key: [B, Hkv, Lkv, E]; value: [B, Hkv, Lkv, Ev].
         score_mod, block_mask, scale, enable_gqa: as in :func:`flexlite.flex_attention`.
 
     Returns:
-        ``(out, lse)``: out [B, Hq, Lq, Ev] fp64, lse [B, Hq, Lq] fp64 (natural log).
+        ``(out, lse)``: out [B, Hq, Lq, Ev], lse [B, Hq, Lq] (natural log), in ``dtype``.
         Differentiable: gradients flow back to the inputs and to tensors captured by score_mod.
     """
     B, Hq, Lq, E = query.shape
     Hkv, Lkv = key.shape[1], key.shape[2]
-    q, k, v = query.double(), key.double(), value.double()
+    q, k, v = query.to(dtype), key.to(dtype), value.to(dtype)
     if Hq != Hkv:
         if not enable_gqa:
             raise ValueError(f"attention_reference: Hq={Hq} != Hkv={Hkv}; pass enable_gqa=True")
@@ -73,7 +75,7 @@ def attention_reference(
     scores = (q @ k.transpose(-1, -2)) * scale
     if score_mod is not None:
         scores = vmap_bhqkv(score_mod, prefix=(0,))(scores, *index_vectors(B, Hq, Lq, Lkv, q.device))
-        scores = scores.double()
+        scores = scores.to(dtype)
     if block_mask is not None:
         keep = reference_mask(block_mask, B, Hq, q.device).expand(B, Hq, Lq, Lkv)
         scores = scores.masked_fill(~keep, float("-inf"))
