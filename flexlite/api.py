@@ -128,22 +128,34 @@ def _generate(score_mod, block_mask, device: torch.device, template: str = "fwd.
     return generate(template, score_mod, mask_mod, interpret=device.type != "cuda")
 
 
-def kernel_source(score_mod: Optional[Callable] = None, block_mask=None, *, device=None) -> str:
+_PASSES = {"forward": "fwd.py.jinja", "decode": "decode.py.jinja", "backward": "bwd.py.jinja"}
+
+
+def kernel_source(score_mod: Optional[Callable] = None, block_mask=None, *, device=None,
+                  kernel: str = "forward") -> str:
     """The generated Triton source flex_attention runs for these mods (also written to the kernel cache;
     ``FLEXLITE_SHOW_KERNELS=1`` prints each kernel as it is first loaded).
 
-    ``device`` picks the CUDA or the interpreter (CPU) variant; by default the block mask's device,
-    else CUDA when available.
+    ``kernel``: ``"forward"``, ``"decode"`` (queries <= 64) or ``"backward"`` (without captured-tensor
+    gradients). ``device`` picks the CUDA or the interpreter (CPU) variant; by default the block mask's
+    device, else CUDA when available.
     """
+    if kernel not in _PASSES:
+        raise ValueError(f"kernel_source: kernel must be one of {sorted(_PASSES)}; got {kernel!r}")
     if device is None:
         device = block_mask.kv_num_blocks.device if block_mask is not None else (
             "cuda" if torch.cuda.is_available() else "cpu")
-    return _generate(score_mod, block_mask, torch.device(device)).source
+    device = torch.device(device)
+    if kernel == "backward":
+        mask_mod = block_mask.mask_mod if block_mask is not None else None
+        return generate_backward(score_mod, mask_mod, interpret=device.type != "cuda").source
+    return _generate(score_mod, block_mask, device, _PASSES[kernel]).source
 
 
-def kernel_path(score_mod: Optional[Callable] = None, block_mask=None, *, device=None) -> str:
+def kernel_path(score_mod: Optional[Callable] = None, block_mask=None, *, device=None,
+                kernel: str = "forward") -> str:
     """Path of the file holding :func:`kernel_source` for these mods."""
-    return str(write_source(kernel_source(score_mod, block_mask, device=device)))
+    return str(write_source(kernel_source(score_mod, block_mask, device=device, kernel=kernel)))
 
 
 def _forward(query, key, value, score_mod, block_mask, scale, kernel_options):

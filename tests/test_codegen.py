@@ -155,6 +155,12 @@ def test_kernel_source_and_file():
     assert "Sub notation" in src
     path = flexlite.kernel_path(softcap, device=DEVICE)
     assert open(path).read() == src
+    assert "def flex_decode_kernel" in flexlite.kernel_source(softcap, device=DEVICE, kernel="decode")
+    bwd = flexlite.kernel_source(softcap, device=DEVICE, kernel="backward")
+    assert "def score_mod_grad" in bwd
+    assert open(flexlite.kernel_path(softcap, device=DEVICE, kernel="backward")).read() == bwd
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        flexlite.kernel_source(softcap, kernel="bwd")
 
 
 def test_show_kernels_env_prints_source(tmp_path):
