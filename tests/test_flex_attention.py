@@ -132,3 +132,16 @@ def test_lengths_multiple_of_the_tile_but_not_of_the_block(lq, lkv, decode):
         ref, ref_lse = attention_reference(q, k, v, score_mod=case.score_mod, block_mask=bm)
         assert_close(out, ref, *TOLERANCES[torch.float32])
         assert_close(lse, ref_lse, *LSE_TOLERANCES[torch.float32], name="lse")
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["forward", "decode"])
+def test_nan_and_inf_inputs_propagate_like_torch(decode):
+    q, k, v = rand_qkv(1, 2, 2, 40 if not decode else 8, 70, 16, seed=3)
+    q[0, 0, 3, 2] = float("nan")
+    k[0, 1, 7, 1] = float("inf")
+    v[0, 0, 50, 0] = float("-inf")
+    out = flex_attention(q, k, v, kernel_options={"DECODE": decode})
+    expected = torch.nn.functional.scaled_dot_product_attention(q.cpu(), k.cpu(), v.cpu())
+    assert torch.equal(torch.isnan(out).cpu(), torch.isnan(expected))
+    finite = torch.isfinite(expected)
+    assert_close(out.cpu()[finite], expected[finite], *TOLERANCES[torch.float32], name="finite part")
