@@ -60,6 +60,12 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
         if not enable_gqa:
             _fail(f"query has {Hq} heads but key/value have {Hkv}; pass enable_gqa=True for grouped-query "
                   f"attention, or repeat the key/value heads")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        # kernels offset within one (batch, head) slice in 32 bits (across slices in 64)
+        span = sum((n - 1) * abs(st) for n, st in zip(t.shape[2:], t.stride()[2:]) if n)
+        if span >= 2**31:
+            _fail(f"{name} spans {span} elements within one (batch, head) slice (shape {tuple(t.shape)}, strides "
+                  f"{t.stride()}); flexlite's kernels need < 2**31 there: make it contiguous or split the sequence")
     if score_mod is not None:
         check_arity(score_mod, "score_mod")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):

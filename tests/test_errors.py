@@ -91,3 +91,11 @@ def test_captured_tensor_on_wrong_device_is_named(monkeypatch):
         return score + bias[kv_idx]
     with pytest.raises(ValueError, match="captured by a mod is on meta"):
         flex_attention(*qkv(), score_mod=mod)
+
+
+def test_in_slice_offsets_past_32_bits_are_refused():
+    # meta tensors: the strides of a huge (L, D) slice without allocating it
+    q = torch.empty_strided((1, 1, 3, 16), (48, 48, 2**30, 1), device="meta")
+    k = torch.empty_strided((1, 1, 3, 16), (48, 48, 16, 1), device="meta")
+    with pytest.raises(ValueError, match=r"query spans 2147483663 elements within one \(batch, head\) slice"):
+        flex_attention(q, k, k)
