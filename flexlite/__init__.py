@@ -17,8 +17,15 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-# the "DIY FlashAttention" API (docs/API.md): kernels here and in flexlite.kernels, the rest in flexlite.utils
-from .kernels import flash_attention, reference_attention, triton_matmul  # noqa: E402
-from .utils import detect_gpu  # noqa: E402
+# the "DIY FlashAttention" API (docs/API.md): flexlite.kernels and flexlite.utils, re-exported here on first
+# use so that `import flexlite` (and `python -m flexlite.masks.<family>`) does not load them
+_LAZY = {"flash_attention": "kernels", "reference_attention": "kernels", "triton_matmul": "kernels",
+         "detect_gpu": "utils"}
+__all__ += list(_LAZY)
 
-__all__ += ["flash_attention", "reference_attention", "triton_matmul", "detect_gpu"]
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'flexlite' has no attribute {name!r}")
