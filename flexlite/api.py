@@ -42,7 +42,7 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
             _fail(f"{name} is on {t.device} but query is on {query.device}; move them to one device")
     if query.dtype not in SUPPORTED_DTYPES:
         _fail(f"dtype {query.dtype} is not supported; use float16, bfloat16 or float32", TypeError)
-    (B, Hq, Lq, E), (Bk, Hkv, Lkv, Ek), (Bv, Hv, Lv, Ev) = query.shape, key.shape, value.shape
+    (B, Hq, _, E), (Bk, Hkv, Lkv, Ek), (Bv, Hv, Lv, Ev) = query.shape, key.shape, value.shape
     if not (B == Bk == Bv):
         _fail(f"batch sizes differ: query {B}, key {Bk}, value {Bv}")
     if Hkv != Hv:
