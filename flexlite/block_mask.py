@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._vmap import index_vectors, vmap_bhqkv
-from .codegen.trace import check_arity, positional_arity
+from .codegen.trace import check_arity, positional_arity, trace_mod
 
 __all__ = ["BlockMask", "create_block_mask", "create_mask", "and_masks", "or_masks", "noop_mask"]
 
@@ -570,6 +570,7 @@ def create_block_mask(
     """
     caller = "create_block_mask"
     _check_mask_mod(caller, mask_mod)
+    trace_mod(mask_mod, "mask_mod")  # the kernels need it traced; untraceable code fails here, clearly
     B = _check_positive_int(caller, "B", B, allow_none=True)
     H = _check_positive_int(caller, "H", H, allow_none=True)
     Q_LEN = _check_positive_int(caller, "Q_LEN", Q_LEN)
@@ -611,6 +612,7 @@ def create_mask(
     Q_LEN = _check_positive_int(caller, "Q_LEN", Q_LEN)
     KV_LEN = _check_positive_int(caller, "KV_LEN", KV_LEN)
     device = _resolve_device(device)
+    trace_mod(mod_fn, "mask_mod" if n_args == 4 else "score_mod")  # untraceable code: a clear error, not vmap's
     indices = index_vectors(B, H, Q_LEN, KV_LEN, device)
     if n_args == 4:
         return vmap_bhqkv(mod_fn)(*indices)

@@ -226,3 +226,14 @@ def test_operator_table_covers_every_operator_target():
                torch.exp2, torch.tanh, torch.nn.functional.gelu):
         assert _FUNCTIONS[fn] in OPS or _FUNCTIONS[fn] in ("remainder", "floor_divide", "clip")
     assert math.isfinite(1.0)
+
+
+def test_block_mask_builders_report_untraceable_mods():
+    def bad(b, h, q_idx, kv_idx):
+        if q_idx > kv_idx:
+            return q_idx >= 0
+        return q_idx < 0
+    for build in (lambda: flexlite.create_block_mask(bad, None, None, 64, 64, device=DEVICE),
+                  lambda: flexlite.create_mask(bad, 1, 1, 8, 8, device=DEVICE)):
+        with pytest.raises(UntraceableModError, match=r"torch\.where"):
+            build()

@@ -238,7 +238,12 @@ def _trace(fn: Callable, kind: str) -> TracedMod:
 
 class _ModTracer(fx.Tracer):
     """symbolic_trace's tracer, except that a captured ``nn.Parameter`` (a learnable bias table, say) is
-    a captured tensor like any other, not an error for not belonging to the (empty) root module."""
+    a captured tensor like any other, and modules a mod calls (a GraphModule of an earlier trace, say)
+    are traced through, instead of being errors for not belonging to the (empty) root module."""
+
+    def call_module(self, m, forward, args, kwargs):
+        # a mod may be (or call) an nn.Module, e.g. a GraphModule from an earlier trace: inline it
+        return forward(*args, **kwargs)
 
     def create_arg(self, a):
         if isinstance(a, torch.nn.Parameter):
