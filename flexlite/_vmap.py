@@ -27,8 +27,10 @@ def vmap_bhqkv(fn: Callable, prefix: tuple = ()) -> Callable:
     return fn
 
 
-def index_vectors(B: int, H: int, Q_LEN: int, KV_LEN: int, device, q_start: int = 0, kv_start: int = 0):
-    """int32 index vectors (b, h, q_idx, kv_idx), as the kernels use."""
+def index_vectors(B: int, H: int, Q_LEN: int, KV_LEN: int, device, q_start: int = 0, kv_start: int = 0,
+                  b_start: int = 0, h_start: int = 0):
+    """int32 index vectors (b, h, q_idx, kv_idx), as the kernels use: ``B`` batch indices from
+    ``b_start``, ``H`` heads from ``h_start``, and so on."""
     kw = dict(device=device, dtype=torch.int32)
-    return (torch.arange(B, **kw), torch.arange(H, **kw),
+    return (torch.arange(b_start, b_start + B, **kw), torch.arange(h_start, h_start + H, **kw),
             torch.arange(q_start, q_start + Q_LEN, **kw), torch.arange(kv_start, kv_start + KV_LEN, **kw))

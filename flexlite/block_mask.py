@@ -45,8 +45,8 @@ from .codegen.trace import check_arity, positional_arity, trace_mod
 __all__ = ["BlockMask", "create_block_mask", "create_mask", "and_masks", "or_masks", "noop_mask"]
 
 _DEFAULT_SPARSE_BLOCK_SIZE = 128
-# create_block_mask evaluates mask_mod on at most this many positions at once (but always on at
-# least one row of q blocks), so a long sequence never needs its dense B x H x Q_LEN x KV_LEN mask.
+# create_block_mask (on CPU) evaluates mask_mod on at most this many positions at once (but always on
+# at least one block), so a long sequence never needs its dense B x H x Q_LEN x KV_LEN mask.
 _CHUNK_ELEMENTS = 2 ** 24
 
 _MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -496,7 +496,7 @@ def _block_flags(mask_mod: _MaskMod, B: int, H: int, Q_LEN: int, KV_LEN: int, de
                  block_size: tuple[int, int]) -> tuple[Tensor, Tensor]:
     """(any, all): bool [B, H, nQ, nKV], whether mask_mod is True at any / all in-range positions
     of each block. On CUDA a generated Triton kernel evaluates the mask block by block; elsewhere
-    mask_mod is vmapped over a chunk of q block rows at a time (see _CHUNK_ELEMENTS)."""
+    mask_mod is vmapped over chunks of at most _CHUNK_ELEMENTS positions (see :func:`_chunks`)."""
     if device.type == "cuda":
         return _block_flags_kernel(mask_mod, B, H, Q_LEN, KV_LEN, device, block_size)
     return _block_flags_vmap(mask_mod, B, H, Q_LEN, KV_LEN, device, block_size)
@@ -525,18 +525,41 @@ def _block_flags_kernel(mask_mod: _MaskMod, B: int, H: int, Q_LEN: int, KV_LEN: 
 def _block_flags_vmap(mask_mod: _MaskMod, B: int, H: int, Q_LEN: int, KV_LEN: int, device: torch.device,
                       block_size: tuple[int, int]) -> tuple[Tensor, Tensor]:
     bq, bkv = block_size
-    n_q = _cdiv(Q_LEN, bq)
-    rows_per_chunk = max(1, _CHUNK_ELEMENTS // (B * H * bq * KV_LEN))
+    n_q, n_kv = _cdiv(Q_LEN, bq), _cdiv(KV_LEN, bkv)
+    any_flags = torch.empty((B, H, n_q, n_kv), dtype=torch.bool, device=device)
+    all_flags = torch.empty_like(any_flags)
     mask_fn = vmap_bhqkv(mask_mod)
-    any_parts, all_parts = [], []
-    for first_row in range(0, n_q, rows_per_chunk):
-        q_start = first_row * bq
-        q_len = min(rows_per_chunk * bq, Q_LEN - q_start)
-        mask = mask_fn(*index_vectors(B, H, q_len, KV_LEN, device, q_start=q_start))
-        mask = _as_bool_mask(mask, (B, H, q_len, KV_LEN))
-        any_parts.append(_block_any(mask, bq, bkv))
-        all_parts.append(_block_all(mask, bq, bkv))
-    return torch.cat(any_parts, dim=2), torch.cat(all_parts, dim=2)
+    for (b0, b1), (h0, h1), (r0, r1), (c0, c1) in _chunks(B, H, n_q, n_kv, bq, bkv, KV_LEN):
+        q0, q1 = r0 * bq, min(r1 * bq, Q_LEN)
+        k0, k1 = c0 * bkv, min(c1 * bkv, KV_LEN)
+        mask = mask_fn(*index_vectors(b1 - b0, h1 - h0, q1 - q0, k1 - k0, device, q_start=q0, kv_start=k0,
+                                      b_start=b0, h_start=h0))
+        mask = _as_bool_mask(mask, (b1 - b0, h1 - h0, q1 - q0, k1 - k0))
+        any_flags[b0:b1, h0:h1, r0:r1, c0:c1] = _block_any(mask, bq, bkv)
+        all_flags[b0:b1, h0:h1, r0:r1, c0:c1] = _block_all(mask, bq, bkv)
+    return any_flags, all_flags
+
+
+def _chunks(B: int, H: int, n_q: int, n_kv: int, bq: int, bkv: int, KV_LEN: int):
+    """(b, h, q block row, kv block column) ranges covering the mask, each of at most _CHUNK_ELEMENTS
+    positions (but at least one block): whole rows for every (b, h) when they fit, else rows of one
+    (b, h), else column pieces of one row."""
+    def spans(n, step):
+        return [(i, min(i + step, n)) for i in range(0, n, step)]
+    row = bq * KV_LEN
+    if B * H * row <= _CHUNK_ELEMENTS:
+        bh = [((0, B), (0, H))]
+        rows, cols = spans(n_q, _CHUNK_ELEMENTS // (B * H * row)), [(0, n_kv)]
+    else:
+        bh = [((b, b + 1), (h, h + 1)) for b in range(B) for h in range(H)]
+        if row <= _CHUNK_ELEMENTS:
+            rows, cols = spans(n_q, _CHUNK_ELEMENTS // row), [(0, n_kv)]
+        else:
+            rows, cols = spans(n_q, 1), spans(n_kv, max(1, _CHUNK_ELEMENTS // (bq * bkv)))
+    for b, h in bh:
+        for r in rows:
+            for c in cols:
+                yield b, h, r, c
 
 
 def create_block_mask(

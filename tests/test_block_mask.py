@@ -184,12 +184,34 @@ def test_chunking_gives_identical_results(monkeypatch, name, chunk_rows):
         assert torch.equal(a, b)
 
 
-def test_tiny_chunk_constant_still_evaluates_one_block_row(monkeypatch):
+def test_tiny_chunk_constant_evaluates_one_block_at_a_time(monkeypatch):
     monkeypatch.setattr(bm_mod, "_CHUNK_ELEMENTS", 1)
     counted, calls = counting(causal)
     bm = create_block_mask(counted, 1, 1, 130, 130, device=DEVICE, BLOCK_SIZE=16)
-    assert len(calls) == 1 + 9  # the trace, then one call per block row
+    assert len(calls) == 1 + 9 * 9  # the trace, then one call per block
     check_block_mask(bm, *oracle_blocks(oracle_dense(causal, 1, 1, 130, 130), 16, 16))
+
+
+@pytest.mark.parametrize("chunk", ["one_bh_rows", "one_bh_row_in_pieces"])
+@pytest.mark.parametrize("name", ["per_batch_head", "document", "nested_index"])
+def test_chunks_smaller_than_a_row_of_all_heads(monkeypatch, name, chunk):
+    # long KV x many heads: chunks go per (b, h), then per row in kv pieces; memory stays bounded
+    B, H, Lq, Lkv, bq, bkv = 2, 3, 100, 150, 32, 16
+    mask_mod = catalog_mask(name, B, H, Lq, Lkv)
+    whole = create_block_mask(mask_mod, B, H, Lq, Lkv, device=DEVICE, BLOCK_SIZE=(bq, bkv))
+    limit = 2 * bq * Lkv if chunk == "one_bh_rows" else 3 * bq * bkv
+    monkeypatch.setattr(bm_mod, "_CHUNK_ELEMENTS", limit)
+    sizes = []
+    real = bm_mod.index_vectors
+
+    def spy(B, H, Lq, Lkv, device, **offsets):
+        sizes.append(B * H * Lq * Lkv)
+        return real(B, H, Lq, Lkv, device, **offsets)
+    monkeypatch.setattr(bm_mod, "index_vectors", spy)
+    chunked = create_block_mask(mask_mod, B, H, Lq, Lkv, device=DEVICE, BLOCK_SIZE=(bq, bkv))
+    assert len(sizes) > B * H and max(sizes) <= limit
+    for a, b in zip(whole.as_tuple()[2:10], chunked.as_tuple()[2:10]):
+        assert torch.equal(a, b)
 
 
 def test_default_chunk_is_bounded(monkeypatch):
@@ -197,9 +219,9 @@ def test_default_chunk_is_bounded(monkeypatch):
     shapes = []
     real = bm_mod.index_vectors
 
-    def spy(B, H, Lq, Lkv, device, q_start=0, kv_start=0):
+    def spy(B, H, Lq, Lkv, device, q_start=0, **offsets):
         shapes.append((B, H, Lq, Lkv, q_start))
-        return real(B, H, Lq, Lkv, device, q_start=q_start, kv_start=kv_start)
+        return real(B, H, Lq, Lkv, device, q_start=q_start, **offsets)
     monkeypatch.setattr(bm_mod, "index_vectors", spy)
     create_block_mask(causal, 2, 2, 8192, 4096, device=DEVICE)
     assert len(shapes) > 1
