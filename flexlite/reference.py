@@ -18,6 +18,14 @@ import torch
 
 from ._vmap import index_vectors, vmap_bhqkv
 
+# (atol, rtol) of flexlite's output against this reference, per input dtype: the tests' policy and the
+# default of flexlite.utils.validate_attention (fp32 accumulation; P rounded to the input dtype)
+TOLERANCES = {
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (4e-3, 4e-3),
+    torch.bfloat16: (2.5e-2, 2.5e-2),
+}
+
 
 def _expand_blocks(blocks: torch.Tensor, block_size: tuple[int, int], q_len: int, kv_len: int) -> torch.Tensor:
     """[B, H, nQ, nKV] block flags -> [B, H, Q_LEN, KV_LEN] element flags."""

@@ -6,10 +6,12 @@ from typing import Callable, Optional
 
 import torch
 
+from ..reference import TOLERANCES
+
 # (rtol, atol) per input dtype. Matmul: the output rounding (fp16 for fp16/fp32 inputs, bf16 for bf16)
 # dominates. Attention: as flexlite's tests, which compare to the same fp64 reference.
 MATMUL_TOLERANCES = {torch.float16: (1e-3, 1e-3), torch.float32: (1e-3, 1e-3), torch.bfloat16: (1e-2, 1e-2)}
-ATTENTION_TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.float16: (4e-3, 4e-3), torch.bfloat16: (2.5e-2, 2.5e-2)}
+ATTENTION_TOLERANCES = {dtype: (rtol, atol) for dtype, (atol, rtol) in TOLERANCES.items()}
 
 
 def _device(device) -> torch.device:
