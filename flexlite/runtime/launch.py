@@ -20,7 +20,7 @@ TORCH_PERF_HINTS = frozenset({
     "PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "OUTPUT_LOGSUMEXP", "OUTPUT_MAX", "WRITE_DQ",
     "BACKEND", "fwd_num_warps", "fwd_num_stages"})
 # kernel_options keys with a meaning in flexlite besides the tile config (BLOCK_M1..N2: backward tiles)
-FLEXLITE_OPTIONS = frozenset({"AUTOTUNE", "USE_TMA", "DETERMINISTIC_CAPTURED_GRADS", "DECODE", "DECODE_SPLITS",
+FLEXLITE_OPTIONS = frozenset({"AUTOTUNE", "USE_TMA", "WARP_SPECIALIZE", "DETERMINISTIC_CAPTURED_GRADS", "DECODE", "DECODE_SPLITS",
                               "FORCE_USE_FLEX_ATTENTION", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"})
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 
@@ -134,10 +134,12 @@ def _mask_strides(t: torch.Tensor) -> tuple:
 def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
                    full_kv_num_blocks: Optional[torch.Tensor], full_kv_indices: Optional[torch.Tensor],
                    sparse_block: tuple, scale: float, has_score_mod: bool, config: TileConfig,
-                   pinned: bool = False, tune: bool = False, use_tma: bool = False):
+                   pinned: bool = False, tune: bool = False, use_tma: bool = False,
+                   warp_specialize: bool = False):
     """Run ``module.flex_fwd_kernel``; returns out [B, Hq, Lq, Dv] (q.dtype) and lse [B, Hq, Lq] fp32.
     ``tune``: autotune the tile config (CUDA, not pinned) instead of taking ``config`` as it is.
-    ``use_tma``: load K / V through tensor descriptors where :func:`tma_ok` allows."""
+    ``use_tma``: load K / V through tensor descriptors where :func:`tma_ok` allows.
+    ``warp_specialize``: producer / consumer warps in the kv loop (CUDA, Hopper or newer)."""
     B, Hq, Lq, D = q.shape
     Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[-1]
     out = torch.empty((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)
@@ -161,6 +163,8 @@ def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
         HAS_SCORE_MOD=has_score_mod, FP32_PRECISION="tf32" if allow_tf32 else "ieee")
 
     constexprs["USE_TMA"] = use_tma and tma_ok(k, v)
+    constexprs["WARP_SPECIALIZE"] = (warp_specialize and q.is_cuda and
+                                     torch.cuda.get_device_capability(q.device)[0] >= 9)
     if constexprs["USE_TMA"]:
         _ensure_allocator()
 
@@ -189,6 +193,11 @@ def decode_rows(q: torch.Tensor, k: torch.Tensor, sparse_block: tuple, mask_head
     return group if mask_heads == 1 and group * Lq <= 128 else 1
 
 
+# the decode kernel's tiles on CUDA: keys per step, warps, pipeline stages, and programs per SM that the
+# split count aims for
+DECODE_TILES = dict(BLOCK_N=64, num_warps=4, num_stages=2, waves=2)
+
+
 def launch_decode(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
                   full_kv_num_blocks: Optional[torch.Tensor], full_kv_indices: Optional[torch.Tensor],
                   sparse_block: tuple, scale: float, has_score_mod: bool, rows: int, num_splits: Optional[int] = None):
@@ -197,11 +206,12 @@ def launch_decode(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
     B, Hq, Lq, D = q.shape
     Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[-1]
     cuda = q.device.type == "cuda"
-    block_n = _pow2_divisor(sparse_block[1], 64 if cuda else 128)
+    tiles = DECODE_TILES if cuda else dict(BLOCK_N=128, num_warps=4, num_stages=1, waves=1)
+    block_n = _pow2_divisor(sparse_block[1], tiles["BLOCK_N"])
     programs = B * Hq // rows
     if num_splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if cuda else 2
-        num_splits = max(1, min(triton.cdiv(Lkv, block_n), triton.cdiv(2 * sms, programs)))
+        num_splits = max(1, min(triton.cdiv(Lkv, block_n), triton.cdiv(tiles["waves"] * sms, programs)))
     out_s = torch.empty((B, Hq, num_splits, Lq, Dv), dtype=torch.float32, device=q.device)
     lse_s = torch.empty((B, Hq, num_splits, Lq), dtype=torch.float32, device=q.device)
     has_full = full_kv_num_blocks is not None
@@ -218,7 +228,8 @@ def launch_decode(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
             ROWS=rows, BLOCK_M=max(16, triton.next_power_of_2(rows * Lq)), BLOCK_N=block_n,
             SPARSE_KV_BLOCK=sparse_block[1], D=D, DV=Dv, D_PAD=head_dim_pad(D), DV_PAD=head_dim_pad(Dv),
             EVEN_N=Lkv % sparse_block[1] == 0, HAS_FULL_BLOCKS=has_full, HAS_SCORE_MOD=has_score_mod,
-            FP32_PRECISION="tf32" if allow_tf32 else "ieee", num_warps=4, num_stages=2 if cuda else 1)
+            FP32_PRECISION="tf32" if allow_tf32 else "ieee", num_warps=tiles["num_warps"],
+            num_stages=tiles["num_stages"])
         out = torch.empty((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)
         lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
         module.flex_decode_combine_kernel[(B * Hq * Lq,)](
@@ -285,7 +296,8 @@ def _autotune(kernel, grid, args: tuple, constexprs: dict, candidates: list, key
 @dataclasses.dataclass(frozen=True)
 class BackwardTileConfig:
     """dK/dV programs own BLOCK_N1 keys and step over BLOCK_M1 queries; dQ programs own BLOCK_M2
-    queries and step over BLOCK_N2 keys (torch's names, also the kernel_options keys)."""
+    queries and step over BLOCK_N2 keys (torch's names, also the kernel_options keys). ``num_warps`` /
+    ``num_stages`` apply to both kernels unless ``dq_num_warps`` / ``dq_num_stages`` set the dQ kernel's."""
 
     BLOCK_M1: int
     BLOCK_N1: int
@@ -293,6 +305,15 @@ class BackwardTileConfig:
     BLOCK_N2: int
     num_warps: int
     num_stages: int
+    dq_num_warps: Optional[int] = None
+    dq_num_stages: Optional[int] = None
+
+    def dkdv_tiles(self) -> TileConfig:
+        return TileConfig(self.BLOCK_M1, self.BLOCK_N1, self.num_warps, self.num_stages)
+
+    def dq_tiles(self) -> TileConfig:
+        return TileConfig(self.BLOCK_M2, self.BLOCK_N2, self.dq_num_warps or self.num_warps,
+                          self.dq_num_stages or self.num_stages)
 
 
 BACKWARD_CONFIG_KEYS = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_warps", "num_stages")
@@ -393,10 +414,8 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
             *out.stride(), *grad_out.stride(), Hq, Lq,
             BLOCK_M=pre_block, DV=Dv, DV_PAD=head_dim_pad(Dv), HAS_DLSE=grad_lse is not None,
         )
-        run_with_fallback(module.flex_bwd_dkdv_kernel, dkdv_grid, dkdv_args, dkdv_constexprs,
-                          TileConfig(config.BLOCK_M1, config.BLOCK_N1, config.num_warps, config.num_stages), pinned)
+        run_with_fallback(module.flex_bwd_dkdv_kernel, dkdv_grid, dkdv_args, dkdv_constexprs, config.dkdv_tiles(),
+                          pinned)
         if need_dq:
-            run_with_fallback(module.flex_bwd_dq_kernel, dq_grid, dq_args, dq_constexprs,
-                              TileConfig(config.BLOCK_M2, config.BLOCK_N2, config.num_warps, config.num_stages),
-                              pinned)
+            run_with_fallback(module.flex_bwd_dq_kernel, dq_grid, dq_args, dq_constexprs, config.dq_tiles(), pinned)
     return dq, dk, dv
