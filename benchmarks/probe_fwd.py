@@ -15,7 +15,7 @@ from flexlite import attention_reference, create_block_mask, flex_attention
 from flexlite.bench import mask_cases
 from flexlite.masks import causal_mask
 
-CONFIGS = [None, (128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 4, 2), (128, 128, 4, 3)]
+CONFIGS = [(128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 4, 2), (128, 128, 4, 3)]
 VARIANTS = [{}, {"USE_TMA": True}, {"USE_TMA": True, "WARP_SPECIALIZE": True}, {"WARP_SPECIALIZE": True}]
 
 
