@@ -29,3 +29,21 @@ def test_kernel_rejects_non_bool_mask():
         return (q_idx >= kv_idx).int()
     with pytest.raises(TypeError, match="must return a bool"):
         bm_module._block_flags_kernel(int_mask, 1, 1, 32, 32, torch.device(DEVICE), (16, 16))
+
+
+def _always(b, h, q_idx, kv_idx):
+    return torch.ones((), dtype=torch.bool)
+
+
+def _never(b, h, q_idx, kv_idx):
+    return torch.zeros((), dtype=torch.bool)
+
+
+@pytest.mark.parametrize("mask_mod", [_always, _never], ids=["always", "never"])
+@pytest.mark.parametrize("sizes", [(64, 128), (40, 70)], ids=str)
+def test_kernel_flags_of_constant_masks(mask_mod, sizes):
+    """A mask_mod that ignores its indices lowers to a scalar: the flags still cover every block."""
+    got = bm_module._block_flags_kernel(mask_mod, 1, 1, *sizes, torch.device(DEVICE), (16, 32))
+    want = bm_module._block_flags_vmap(mask_mod, 1, 1, *sizes, torch.device(DEVICE), (16, 32))
+    assert got[0].shape == want[0].shape == (1, 1, -(-sizes[0] // 16), -(-sizes[1] // 32))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

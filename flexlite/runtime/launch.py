@@ -20,7 +20,7 @@ TORCH_PERF_HINTS = frozenset({
     "PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "OUTPUT_LOGSUMEXP", "OUTPUT_MAX", "WRITE_DQ",
     "BACKEND", "fwd_num_warps", "fwd_num_stages"})
 # kernel_options keys with a meaning in flexlite besides the tile config (BLOCK_M1..N2: backward tiles)
-FLEXLITE_OPTIONS = frozenset({"AUTOTUNE", "USE_TMA", "WARP_SPECIALIZE", "DETERMINISTIC_CAPTURED_GRADS", "DECODE", "DECODE_SPLITS",
+FLEXLITE_OPTIONS = frozenset({"AUTOTUNE", "USE_TMA", "DETERMINISTIC_CAPTURED_GRADS", "DECODE", "DECODE_SPLITS",
                               "FORCE_USE_FLEX_ATTENTION", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"})
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 
@@ -134,12 +134,10 @@ def _mask_strides(t: torch.Tensor) -> tuple:
 def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
                    full_kv_num_blocks: Optional[torch.Tensor], full_kv_indices: Optional[torch.Tensor],
                    sparse_block: tuple, scale: float, has_score_mod: bool, config: TileConfig,
-                   pinned: bool = False, tune: bool = False, use_tma: bool = False,
-                   warp_specialize: bool = False):
+                   pinned: bool = False, tune: bool = False, use_tma: bool = False):
     """Run ``module.flex_fwd_kernel``; returns out [B, Hq, Lq, Dv] (q.dtype) and lse [B, Hq, Lq] fp32.
     ``tune``: autotune the tile config (CUDA, not pinned) instead of taking ``config`` as it is.
-    ``use_tma``: load K / V through tensor descriptors where :func:`tma_ok` allows.
-    ``warp_specialize``: producer / consumer warps in the kv loop (CUDA, Hopper or newer)."""
+    ``use_tma``: load K / V through tensor descriptors where :func:`tma_ok` allows."""
     B, Hq, Lq, D = q.shape
     Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[-1]
     out = torch.empty((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)
@@ -163,8 +161,6 @@ def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
         HAS_SCORE_MOD=has_score_mod, FP32_PRECISION="tf32" if allow_tf32 else "ieee")
 
     constexprs["USE_TMA"] = use_tma and tma_ok(k, v)
-    constexprs["WARP_SPECIALIZE"] = (warp_specialize and q.is_cuda and
-                                     torch.cuda.get_device_capability(q.device)[0] >= 9)
     if constexprs["USE_TMA"]:
         _ensure_allocator()
 
@@ -195,7 +191,7 @@ def decode_rows(q: torch.Tensor, k: torch.Tensor, sparse_block: tuple, mask_head
 
 # the decode kernel's tiles on CUDA: keys per step, warps, pipeline stages, and programs per SM that the
 # split count aims for
-DECODE_TILES = dict(BLOCK_N=64, num_warps=4, num_stages=2, waves=2)
+DECODE_TILES = dict(BLOCK_N=64, num_warps=4, num_stages=4, waves=4)
 
 
 def launch_decode(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
