@@ -184,8 +184,7 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options):
                              scale, kernel.has_score_mod, rows, options.get("DECODE_SPLITS"))
     return launch_forward(module, kernel.mod_args(), query, key, value, num, idx, full_num, full_idx,
                           sparse, scale, kernel.has_score_mod, config, pinned=any(k in options for k in CONFIG_KEYS),
-                          tune=autotune_enabled(options), use_tma=bool(options.get("USE_TMA", False)),
-                          warp_specialize=bool(options.get("WARP_SPECIALIZE", False)))
+                          tune=autotune_enabled(options), use_tma=bool(options.get("USE_TMA", False)))
 
 
 @functools.lru_cache(maxsize=64)
