@@ -515,11 +515,21 @@ def _block_flags_kernel(mask_mod: _MaskMod, B: int, H: int, Q_LEN: int, KV_LEN: 
     if kernel.mask_mod.result_dtype not in (None, torch.bool):
         raise TypeError(f"create_block_mask: mask_mod must return a bool tensor; got {kernel.mask_mod.result_dtype}")
     for t in kernel.captured:
-        if t.device != device:
+        if not _same_device(t.device, device) and not (t.dim() == 0 and t.device.type == "cpu"):
             raise ValueError(f"create_block_mask: a tensor captured by mask_mod is on {t.device}, not {device}; "
                              f"create it on {device}")
     module = load_module(kernel.source, interpret=interpret)
     return launch_block_mask(module, kernel.mod_args(), B, H, Q_LEN, KV_LEN, block_size, device)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Equal devices, "cuda" meaning the current CUDA device."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda":
+        return True
+    return (torch.cuda.current_device() if a.index is None else a.index) == \
+        (torch.cuda.current_device() if b.index is None else b.index)
 
 
 def _block_flags_vmap(mask_mod: _MaskMod, B: int, H: int, Q_LEN: int, KV_LEN: int, device: torch.device,

@@ -49,3 +49,33 @@ def test_forward_config_respects_block_mask_block_size():
     cfg = forward_config(q, q, (48, 80), {})
     assert 48 % cfg.BLOCK_M == 0 and 80 % cfg.BLOCK_N == 0
     assert forward_config(q, q, (128, 128), {"BLOCK_M": 32, "num_warps": 2}) == TileConfig(32, 128, 2, 1)
+
+
+def test_captured_scalars_follow_the_kernel_device():
+    """0-d CPU tensors (constants a mod builds, like torch.tensor(2.0)) go to the kernel's device, as torch
+    lets CPU scalars mix with CUDA tensors; other tensors and plain arguments stay as they are."""
+    from flexlite.runtime.launch import scalars_to
+    scalar, table = torch.tensor(2.0), torch.ones(3)
+    moved = scalars_to([scalar, 1, table, 0.5], torch.device("meta"))
+    assert moved[0].device.type == "meta" and moved[0].shape == ()
+    assert moved[1:] == [1, table, 0.5] and moved[2] is table
+    assert scalars_to([scalar], torch.device("cpu"))[0] is scalar
+
+
+def test_mods_building_constant_tensors_run():
+    """A score_mod / mask_mod that creates tensors while it runs (captured on the CPU at trace time) gives
+    the reference result on the test device."""
+    from flexlite import attention_reference, create_block_mask, flex_attention
+    from helpers import DEVICE, TOLERANCES, assert_close, rand_qkv
+
+    def shifted(score, b, h, q_idx, kv_idx):
+        return score * torch.tensor(0.5) + torch.ones(())
+
+    def always(b, h, q_idx, kv_idx):
+        return torch.ones((), dtype=torch.bool) & (q_idx >= 0)
+
+    q, k, v = rand_qkv(1, 2, 2, 40, 70, 16)
+    bm = create_block_mask(always, None, None, 40, 70, device=DEVICE)
+    out = flex_attention(q, k, v, score_mod=shifted, block_mask=bm)
+    ref, _ = attention_reference(q, k, v, score_mod=shifted, block_mask=bm)
+    assert_close(out, ref, *TOLERANCES[q.dtype])

@@ -126,6 +126,14 @@ def run_with_fallback(kernel, grid, args: tuple, constexprs: dict, config: TileC
     raise error
 
 
+def scalars_to(args: list, device: torch.device) -> list:
+    """Kernel arguments with captured 0-d tensors moved to ``device``: torch lets a CPU scalar tensor mix with
+    CUDA tensors, and a mod that builds a constant (``torch.tensor(2.0)``, ``torch.ones((), dtype=torch.bool)``)
+    captures one on the CPU."""
+    return [a.to(device) if isinstance(a, torch.Tensor) and a.dim() == 0 and a.device.type != device.type else a
+            for a in args]
+
+
 def _mask_strides(t: torch.Tensor) -> tuple:
     """Strides of a [ZM, HM, n, ...] block-mask tensor, 0 along broadcast (size-1) batch/head dims."""
     return tuple(0 if t.shape[i] == 1 else t.stride(i) for i in range(3))
@@ -154,7 +162,7 @@ def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
     args = (q, k, v, out, lse, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(),
             *_mask_strides(kv_num_blocks), *_mask_strides(kv_indices),
-            Hq, Hq // Hkv, Lq, Lkv, float(scale), *mod_args)
+            Hq, Hq // Hkv, Lq, Lkv, float(scale), *scalars_to(mod_args, q.device))
     constexprs = dict(
         SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1],
         D=D, DV=Dv, D_PAD=head_dim_pad(D), DV_PAD=head_dim_pad(Dv), HAS_FULL_BLOCKS=has_full,
@@ -220,7 +228,7 @@ def launch_decode(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
         module.flex_decode_kernel[(num_splits, programs)](
             q, k, v, out_s, lse_s, nb, idx, full_nb, full_idx,
             *q.stride(), *k.stride(), *v.stride(), *_mask_strides(nb)[:2], *_mask_strides(idx)[:2],
-            Hq, Hq // Hkv, Lq, Lkv, float(scale), num_splits, *mod_args,
+            Hq, Hq // Hkv, Lq, Lkv, float(scale), num_splits, *scalars_to(mod_args, q.device),
             ROWS=rows, BLOCK_M=max(16, triton.next_power_of_2(rows * Lq)), BLOCK_N=block_n,
             SPARSE_KV_BLOCK=sparse_block[1], D=D, DV=Dv, D_PAD=head_dim_pad(D), DV_PAD=head_dim_pad(Dv),
             EVEN_N=Lkv % sparse_block[1] == 0, HAS_FULL_BLOCKS=has_full, HAS_SCORE_MOD=has_score_mod,
@@ -324,10 +332,10 @@ def backward_config(q: torch.Tensor, v: torch.Tensor, sparse_block: tuple, kerne
         bm = min(128, max(16, triton.next_power_of_2(q.shape[-2])))
         bn = min(128, max(16, triton.next_power_of_2(v.shape[-2])))
         m1, n1, m2, n2, warps, stages = bm, bn, bm, bn, 4, 1
-    elif d <= 64:
-        m1, n1, m2, n2, warps, stages = 64, 128, 128, 64, 8, 2
-    elif d <= 128:  # H200, bf16, causal 4x16x2048: 10% faster than (32, 64, 64, 32, 4, 2)
-        m1, n1, m2, n2, warps, stages = 64, 64, 64, 64, 4, 3
+    elif d <= 64:  # benchmarks/probe_bwd.py on an H200 (NOTES 9): best on causal + document together
+        m1, n1, m2, n2, warps, stages = 64, 64, 64, 32, 4, 3
+    elif d <= 128:
+        m1, n1, m2, n2, warps, stages = 64, 64, 64, 64, 4, 2
     else:
         m1, n1, m2, n2, warps, stages = 16, 32, 32, 16, 4, 1
     if q.dtype == torch.float32 and q.device.type == "cuda":
@@ -364,6 +372,7 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
     interpret = q.device.type != "cuda"
     allow_tf32 = not interpret and torch.backends.cuda.matmul.allow_tf32
     lse = lse.contiguous()
+    mod_args = scalars_to(mod_args, q.device)
     delta = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
     dk = torch.empty((B, Hkv, Lkv, D), dtype=k.dtype, device=q.device)
     dv = torch.empty((B, Hkv, Lkv, Dv), dtype=v.dtype, device=q.device)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .compile import interpreter_scope
-from .launch import _pow2_divisor
+from .launch import _pow2_divisor, scalars_to
 
 # CUDA: largest tile edge (a block is evaluated tile by tile) and warps per program
 MASK_TILES = dict(cap=64, num_warps=4)
@@ -23,7 +23,7 @@ def launch_block_mask(module, mod_args: list, B: int, H: int, Q_LEN: int, KV_LEN
     tile_m, tile_n = _pow2_divisor(block_size[0], cap), _pow2_divisor(block_size[1], cap)
     with interpreter_scope(device.type != "cuda"):
         module.flex_block_mask_kernel[(n_q, n_kv, B * H)](
-            any_flags, all_flags, H, Q_LEN, KV_LEN, *mod_args,
+            any_flags, all_flags, H, Q_LEN, KV_LEN, *scalars_to(mod_args, device),
             SPARSE_Q=block_size[0], SPARSE_KV=block_size[1], TILE_M=tile_m, TILE_N=tile_n,
             EVEN_Q=Q_LEN % block_size[0] == 0, EVEN_KV=KV_LEN % block_size[1] == 0,
             num_warps=MASK_TILES["num_warps"] if device.type == "cuda" else 4)
