@@ -11,6 +11,7 @@ from typing import Callable, Optional
 import torch
 
 from ._vmap import index_vectors, vmap_bhqkv
+from .block_mask import BlockMask, check_device, check_mod_output
 from .codegen.kernel import GeneratedKernel, generate, generate_backward
 from .codegen.trace import check_arity, trace_mod
 from .runtime.compile import load_module, write_source
@@ -24,11 +25,52 @@ MAX_HEAD_DIM = 256
 DEFAULT_SPARSE_BLOCK = 128
 
 
+# the kernels offset within one (batch, head) slice, within block-mask tensors and within captured tensors of
+# at most INDEX_LIMIT elements in 32 bits; across (batch, head) slices in 64 (see README, "Index limits")
+INDEX_LIMIT = 2**31
+
+
 def _fail(msg: str, exc=ValueError):
     raise exc(f"flex_attention: {msg}")
 
 
-def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options):
+def _max_offset(shape, strides) -> int:
+    """The largest element offset a tensor of this shape and these strides reaches (0 when empty)."""
+    if any(n == 0 for n in shape):
+        return 0
+    return sum((n - 1) * abs(st) for n, st in zip(shape, strides))
+
+
+def _check_slice_offsets(query, key, value):
+    """Offsets within one (batch, head) slice are 32-bit in the kernels: the inputs as strided, and the
+    contiguous tensors the kernels write (out [Lq, Ev]; the gradients, shaped as q, k, v), must stay below
+    2**31 there."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        span = _max_offset(t.shape[2:], t.stride()[2:])
+        if span >= INDEX_LIMIT:
+            _fail(f"{name} spans {span} elements within one (batch, head) slice (shape {tuple(t.shape)}, strides "
+                  f"{t.stride()}); flexlite's kernels need < 2**31 there: make it contiguous or split the sequence")
+        if t.shape[2] * t.shape[3] > INDEX_LIMIT:
+            _fail(f"{name} has {t.shape[2]} x {t.shape[3]} = {t.shape[2] * t.shape[3]} elements per (batch, head) "
+                  f"slice; flexlite's kernels (and its gradients) need at most 2**31 there: split the sequence")
+    if query.shape[2] * value.shape[3] > INDEX_LIMIT:
+        _fail(f"the output has {query.shape[2]} x {value.shape[3]} = {query.shape[2] * value.shape[3]} elements per "
+              f"(batch, head) slice (query length x value head_dim); flexlite's kernels need at most 2**31 there: "
+              f"split the query sequence")
+
+
+def _check_flag(name: str, value):
+    if not isinstance(value, bool):
+        _fail(f"{name} must be a bool (True or False); got {type(value).__name__} {value!r}", TypeError)
+
+
+def _check_device_type(query):
+    if query.device.type not in ("cuda", "cpu"):
+        _fail(f"the inputs are on {query.device}; flexlite runs CUDA tensors (compiled kernels) and CPU tensors "
+              f"(Triton's interpreter) only: move them with .to('cuda') or .to('cpu')", NotImplementedError)
+
+
+def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, return_lse=False):
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}", TypeError)
@@ -60,14 +102,13 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
         if not enable_gqa:
             _fail(f"query has {Hq} heads but key/value have {Hkv}; pass enable_gqa=True for grouped-query "
                   f"attention, or repeat the key/value heads")
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        # kernels offset within one (batch, head) slice in 32 bits (across slices in 64)
-        span = sum((n - 1) * abs(st) for n, st in zip(t.shape[2:], t.stride()[2:]) if n)
-        if span >= 2**31:
-            _fail(f"{name} spans {span} elements within one (batch, head) slice (shape {tuple(t.shape)}, strides "
-                  f"{t.stride()}); flexlite's kernels need < 2**31 there: make it contiguous or split the sequence")
+    _check_slice_offsets(query, key, value)
+    _check_device_type(query)  # after the offset checks: meta tensors show what those accept
+    _check_flag("enable_gqa", enable_gqa)
+    _check_flag("return_lse", return_lse)
     if score_mod is not None:
         check_arity(score_mod, "score_mod")
+        check_mod_output(score_mod, "score_mod", "flex_attention")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         _fail(f"scale must be a Python float or None, got {type(scale).__name__}", TypeError)
     if kernel_options is not None:
@@ -83,17 +124,31 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
 
 
 def _validate_block_mask(block_mask, query, key):
-    from .block_mask import BlockMask
-
     if not isinstance(block_mask, BlockMask):
         _fail(f"block_mask must be a flexlite BlockMask (from create_block_mask), got "
               f"{type(block_mask).__name__}", TypeError)
     B, Hq, Lq = query.shape[:3]
     Lkv = key.shape[2]
     mq, mkv = block_mask.seq_lengths
+    if Lq == 0 or Lkv == 0:
+        _fail(f"query has length {Lq} and key {Lkv}: there is nothing to mask (and no BlockMask of length 0); pass "
+              f"block_mask=None for empty sequences")
     if (mq, mkv) != (Lq, Lkv):
         _fail(f"block_mask was built for Q_LEN={mq}, KV_LEN={mkv} but query has length {Lq} and key {Lkv}; "
               f"build it with create_block_mask(mask_mod, B, H, {Lq}, {Lkv}, ...)")
+    bq, bkv = block_mask.BLOCK_SIZE
+    nq, nkv = block_mask.kv_indices.shape[-2:]
+    if nq != -(-Lq // bq) or nkv != -(-Lkv // bkv):
+        _fail(f"block_mask has {nq} x {nkv} blocks of {bq} x {bkv} "
+              f"(kv_num_blocks / kv_indices) but its seq_lengths ({mq}, {mkv}) need {-(-Lq // bq)} x "
+              f"{-(-Lkv // bkv)}: a BlockMask sliced over q blocks keeps the original seq_lengths; set "
+              f"block_mask.seq_lengths to the lengths its blocks cover, or rebuild it with create_block_mask")
+    for name in BlockMask._TENSOR_ATTRS:
+        t = getattr(block_mask, name)
+        if t is not None and _max_offset(t.shape, t.stride()) >= INDEX_LIMIT:
+            _fail(f"block_mask.{name} (shape {tuple(t.shape)}) is too large: the kernels index block-mask tensors "
+                  f"in 32 bits (< 2**31 elements); build it with B=None / H=None where the mask is the same "
+                  f"across batch / heads, or with a larger BLOCK_SIZE")
     mb, mh = block_mask.kv_num_blocks.shape[:2]
     if mb not in (1, B):
         _fail(f"block_mask has batch size {mb} but query has {B}; build it with B={B} or B=None (broadcast)")
@@ -104,11 +159,17 @@ def _validate_block_mask(block_mask, query, key):
               f"with device=query.device or call block_mask.to(query.device)")
     if block_mask.mask_mod is not None:
         check_arity(block_mask.mask_mod, "mask_mod", "block_mask.mask_mod")
+        check_mod_output(block_mask.mask_mod, "mask_mod", "flex_attention")
 
 
 def _check_captured(kernel: GeneratedKernel, device: torch.device):
     for t in kernel.captured:
-        if t.device != device:
+        # gathers from captured tensors of at most 2**31 elements use 32-bit offsets (larger ones 64-bit)
+        if t.numel() < INDEX_LIMIT and _max_offset(t.shape, t.stride()) >= INDEX_LIMIT:
+            _fail(f"a tensor captured by a mod (shape {tuple(t.shape)}, strides {t.stride()}) reaches offset "
+                  f"{_max_offset(t.shape, t.stride())}; flexlite gathers from captured tensors of fewer than 2**31 "
+                  f"elements with 32-bit offsets: capture tensor.contiguous() instead")
+        if t.device != device and not (t.dim() == 0 and t.device.type == "cpu" and not t.requires_grad):
             _fail(f"a tensor captured by a mod is on {t.device} but the inputs are on {device}; create it on "
                   f"{device} (tensor.to(query.device)) before defining the mod")
 
@@ -148,10 +209,18 @@ def kernel_source(score_mod: Optional[Callable] = None, block_mask=None, *, devi
     """
     if kernel not in _PASSES:
         raise ValueError(f"kernel_source: kernel must be one of {sorted(_PASSES)}; got {kernel!r}")
-    if device is None:
-        device = block_mask.kv_num_blocks.device if block_mask is not None else (
-            "cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
+    if score_mod is not None:
+        check_arity(score_mod, "score_mod", caller="kernel_source")
+        check_mod_output(score_mod, "score_mod", "kernel_source")
+    if block_mask is not None:
+        if not isinstance(block_mask, BlockMask):
+            raise TypeError(f"kernel_source: block_mask must be a flexlite BlockMask (from create_block_mask) or "
+                            f"None; got {type(block_mask).__name__}")
+        if block_mask.mask_mod is not None:
+            check_mod_output(block_mask.mask_mod, "mask_mod", "kernel_source")
+    if device is None and block_mask is not None:
+        device = block_mask.kv_num_blocks.device
+    device = check_device("kernel_source", device, available=False)  # CUDA source can be read without a GPU
     if kernel == "backward":
         mask_mod = block_mask.mask_mod if block_mask is not None else None
         return generate_backward(score_mod, mask_mod, interpret=device.type != "cuda").source
@@ -378,7 +447,7 @@ def flex_attention(
     B*Hq = 16 heads of 2048 x 512) and torch re-runs score_mod over chunks of about 2**24 scores to
     backpropagate it, in a fixed order.
     """
-    _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options)
+    _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, return_lse)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     out, lse = FlexAttentionFunction.apply(query, key, value, score_mod, block_mask, float(scale), kernel_options,

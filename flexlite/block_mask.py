@@ -36,11 +36,12 @@ import operator
 from typing import Callable, Optional, Union
 
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 from torch import Tensor
 
 from ._vmap import index_vectors, vmap_bhqkv
-from .codegen.trace import check_arity, positional_arity, trace_mod
+from .codegen.trace import UntraceableModError, check_arity, positional_arity, trace_mod
 
 __all__ = ["BlockMask", "create_block_mask", "create_mask", "and_masks", "or_masks", "noop_mask"]
 
@@ -75,6 +76,7 @@ def _combine_masks(caller: str, mask_mods: tuple, op: Callable, empty: Callable)
         if not callable(mod):
             raise TypeError(f"{caller}: argument {i} ({mod!r}) is not callable; "
                             "expected mask_mod(b, h, q_idx, kv_idx) functions")
+        check_arity(mod, "mask_mod", argname=f"argument {i}", caller=caller)
 
     def combined(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         results = [mod(b, h, q_idx, kv_idx) for mod in mask_mods]
@@ -141,14 +143,82 @@ def _normalize_block_size(caller: str, BLOCK_SIZE) -> tuple[int, int]:
     return int(sizes[0]), int(sizes[1])
 
 
-def _resolve_device(device) -> torch.device:
-    """None -> "cuda" if available, else "cpu" (torch's default is the current accelerator)."""
+def check_device(caller: str, device, name: str = "device", available: bool = True,
+                 any_type: bool = False) -> torch.device:
+    """``device`` (a str, torch.device or None) as a torch.device flexlite can run on, else a typed error
+    naming ``name``: TypeError for another kind of value, ValueError for a malformed string, a CUDA
+    device without CUDA or past the visible GPUs (unless ``available=False``: the device need not be
+    present), NotImplementedError for a device type other than cuda / cpu (unless ``any_type``). None ->
+    "cuda" if available, else "cpu"; "cuda" names the current GPU."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:  # "cuda" means the current GPU: name it
-        device = torch.device("cuda", torch.cuda.current_device())
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"{caller}: {name} must be a str or torch.device such as 'cuda' or 'cpu' (or None); "
+                        f"got {type(device).__name__} {device!r}")
+    try:
+        device = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"{caller}: {name}={device!r} is not a device; use 'cuda', 'cuda:N' or 'cpu'") from e
+    if device.type not in ("cuda", "cpu") and not any_type:
+        raise NotImplementedError(f"{caller}: {name} is {device}; flexlite runs on CUDA (compiled kernels) and "
+                                  f"CPU (Triton's interpreter) only: use 'cuda' or 'cpu'")
+    if device.type == "cuda" and available:
+        if not torch.cuda.is_available():
+            raise ValueError(f"{caller}: {name} is {device} but CUDA is not available; use device='cpu'")
+        if device.index is None:  # "cuda" means the current GPU: name it
+            device = torch.device("cuda", torch.cuda.current_device())
+        elif device.index >= torch.cuda.device_count():
+            raise ValueError(f"{caller}: {name} is {device} but only {torch.cuda.device_count()} GPU(s) are "
+                             f"visible; use cuda:0..cuda:{torch.cuda.device_count() - 1}")
     return device
+
+
+def _resolve_device(device, caller: str = "create_block_mask") -> torch.device:
+    """None -> "cuda" if available, else "cpu" (torch's default is the current accelerator); see
+    :func:`check_device`."""
+    return check_device(caller, device)
+
+
+_HOST_METHODS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+def check_mod_output(fn, kind: str, caller: str, allow_constant: bool = True, check_shape: bool = False):
+    """Trace ``fn`` (a ``kind``: "mask_mod" or "score_mod") and check what it returns: the trace, or a typed
+    error naming the mod and the fix. A mask_mod must return a 0-d bool tensor (a Python bool only with
+    ``allow_constant``: the kernels take one, vmap does not), a score_mod a 0-d tensor or a number (0-d:
+    with ``check_shape``, for callers that vmap the mod; the kernels' lowering names what went wrong);
+    ``.item()`` and friends (a tensor turned into a Python value) are :class:`UntraceableModError`."""
+    traced = trace_mod(fn, kind)
+    key = (kind, allow_constant, check_shape)
+    if key in getattr(traced, "_outputs_checked", ()):
+        return traced
+    name = traced.name
+    for node in traced.graph_module.graph.nodes:
+        if node.op == "call_method" and node.target in _HOST_METHODS:
+            raise UntraceableModError(
+                f"{caller}: {kind} {name!r} calls Tensor.{node.target}(), which turns a tensor into a Python value "
+                f"that kernel code cannot have; keep it a tensor (torch.where(cond, a, b) instead of `if`)")
+    result = next(n for n in traced.graph_module.graph.nodes if n.op == "output").args[0]
+    if isinstance(result, fx.Node):
+        dtype, shape = result.meta.get("dtype"), result.meta.get("shape", ())
+        if kind == "mask_mod" and dtype is not None and dtype != torch.bool:
+            raise TypeError(f"{caller}: mask_mod {name!r} must return a bool tensor; got {dtype} (compare, e.g. "
+                            f"q_idx >= kv_idx, or convert with .bool())")
+        if check_shape and shape != ():
+            raise ValueError(f"{caller}: {kind} {name!r} must return one value per (b, h, q_idx, kv_idx), a 0-d "
+                             f"tensor; on 0-d inputs it returned shape {tuple(shape)}")
+    elif kind == "mask_mod":
+        if not isinstance(result, bool):
+            raise TypeError(f"{caller}: mask_mod {name!r} must return a bool tensor; got {type(result).__name__} "
+                            f"{result!r}")
+        if not allow_constant:
+            raise TypeError(f"{caller}: mask_mod {name!r} must return a bool tensor; got the Python constant "
+                            f"{result!r}: return a tensor, e.g. noop_mask (keep all) or q_idx < 0 (keep none)")
+    elif not isinstance(result, (int, float)):
+        raise TypeError(f"{caller}: score_mod {name!r} must return the new score, a tensor or a number; got "
+                        f"{type(result).__name__} {result!r}")
+    traced._outputs_checked = getattr(traced, "_outputs_checked", ()) + (key,)
+    return traced
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -229,6 +299,25 @@ def _check_kv_pair(prefix: str, num_blocks, indices) -> None:
         raise ValueError(f"BlockMask.from_kv_blocks: {prefix}kv_num_blocks shape {tuple(num_blocks.shape)} "
                          f"must equal {prefix}kv_indices shape without its last dimension "
                          f"{tuple(indices.shape[:-1])}")
+
+
+def _check_kv_values(prefix: str, num_blocks: Tensor, indices: Tensor) -> None:
+    """The values the kernels read: 0 <= num_blocks <= nKV, and the first num_blocks indices of each row in
+    [0, nKV). (Anything else reads other rows' entries or blocks past the sequence.)"""
+    n_cols = indices.shape[-1]
+    if num_blocks.numel() == 0 or num_blocks.device.type == "meta":
+        return
+    if int(num_blocks.min()) < 0 or int(num_blocks.max()) > n_cols:
+        raise ValueError(f"BlockMask.from_kv_blocks: {prefix}kv_num_blocks must be in [0, {n_cols}] (the number of "
+                         f"kv blocks, {prefix}kv_indices.shape[-1]); got values in [{int(num_blocks.min())}, "
+                         f"{int(num_blocks.max())}]")
+    read = torch.arange(n_cols, device=indices.device) < num_blocks.unsqueeze(-1)
+    bad = read & ((indices < 0) | (indices >= n_cols))
+    if bool(bad.any()):
+        where = tuple(bad.nonzero()[0].tolist())
+        raise ValueError(f"BlockMask.from_kv_blocks: {prefix}kv_indices{list(where)} = {int(indices[where])} is not a "
+                         f"kv block index in [0, {n_cols}) (only the first {prefix}kv_num_blocks entries of a row "
+                         f"are read, and those must be)")
 
 
 def _check_seq_lengths(seq_lengths) -> tuple[int, int]:
@@ -323,6 +412,9 @@ class BlockMask:
         if len({t.device for t in tensors}) > 1:
             raise ValueError(f"{caller}: kv_* and full_kv_* tensors must be on one device; "
                              f"got {[str(t.device) for t in tensors]}")
+        _check_kv_values("", kv_num_blocks, kv_indices)
+        if full_kv_num_blocks is not None:
+            _check_kv_values("full_", full_kv_num_blocks, full_kv_indices)
         block_size = _normalize_block_size(caller, BLOCK_SIZE)
         if mask_mod is not None:
             _check_mask_mod(caller, mask_mod)
@@ -405,7 +497,7 @@ class BlockMask:
         """Slice over batch, head (and q block) like torch: ints keep their dimension, so the
         result stays [B', H', nQ', ...]. The q side is recomputed and ``mask_mod`` is reset to one
         that raises (as torch): assign a mask_mod derived from the original's."""
-        index = index if isinstance(index, tuple) else (index,)
+        index = self._check_index(index)
         padded = (*index, slice(None), slice(None), slice(None))[:3]
         sizes = self.kv_num_blocks.shape[:3]
         index = tuple(self._int_to_slice(i, n) for i, n in zip(padded, sizes))
@@ -414,6 +506,37 @@ class BlockMask:
         return BlockMask.from_kv_blocks(self.kv_num_blocks[index], self.kv_indices[index], *full,
                                         BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=_sliced_mask_mod_error,
                                         seq_lengths=self.seq_lengths)
+
+    @staticmethod
+    def _check_index(index) -> tuple:
+        """``index`` as a tuple of at most 3 entries (batch, head, q block), ``...`` expanded; each an int, a
+        slice, or (in one position) a 1-D integer tensor or list: others would change the number of
+        dimensions or index the kv_indices' columns."""
+        index = index if isinstance(index, tuple) else (index,)
+        if sum(i is Ellipsis for i in index) > 1:
+            raise IndexError("BlockMask index: an index can only have a single ellipsis ('...')")
+        if any(i is Ellipsis for i in index):
+            at = next(n for n, i in enumerate(index) if i is Ellipsis)
+            rest = index[:at] + index[at + 1:]
+            index = index[:at] + (slice(None),) * max(0, 3 - len(rest)) + index[at + 1:]
+        if len(index) > 3:
+            raise IndexError(f"BlockMask index: too many indices ({len(index)}); a BlockMask is indexed over "
+                             f"(batch, head, q block) only")
+        advanced = 0
+        for i in index:
+            if isinstance(i, (list, Tensor)):
+                t = torch.as_tensor(i) if isinstance(i, list) else i
+                if t.dim() != 1 or not (t.numel() == 0 or (not t.dtype.is_floating_point and not t.dtype.is_complex
+                                                           and t.dtype != torch.bool)):
+                    raise TypeError(f"BlockMask index: a tensor or list index must be 1-D integers; got "
+                                    f"{t.dtype} of shape {tuple(t.shape)}")
+                advanced += 1
+            elif not (_is_int(i) or isinstance(i, slice)):
+                raise TypeError(f"BlockMask index: entries must be ints, slices, '...' or 1-D integer tensors; got "
+                                f"{type(i).__name__} {i!r}")
+        if advanced > 1:
+            raise IndexError("BlockMask index: at most one tensor / list index (index the others one at a time)")
+        return index
 
     @staticmethod
     def _int_to_slice(i, n: int):
@@ -426,6 +549,7 @@ class BlockMask:
 
     def to(self, device: Union[torch.device, str]) -> "BlockMask":
         """A new BlockMask with every tensor moved to ``device``."""
+        device = check_device("BlockMask.to", device, any_type=True)  # "meta" too, as torch
         moved = {a: getattr(self, a) for a in self._TENSOR_ATTRS}
         moved = {a: (t.to(device) if t is not None else None) for a, t in moved.items()}
         return BlockMask(self.seq_lengths, **moved, BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod)
@@ -441,10 +565,17 @@ class BlockMask:
         downsampled: a cell stands for several blocks and shows ██ if all are full, blank if all
         are empty, ░░ otherwise. At most ``limit`` (b, h) grids are printed, then "...".
         """
+        sizes = (grid_size, grid_size) if _is_int(grid_size) else grid_size
+        if not (isinstance(sizes, (tuple, list)) and len(sizes) == 2 and all(map(_is_int, sizes))):
+            raise TypeError(f"BlockMask.to_string: grid_size must be an int or a (rows, cols) tuple of ints; got "
+                            f"{grid_size!r}")
+        if not _is_int(limit):
+            raise TypeError(f"BlockMask.to_string: limit must be an int (the number of (batch, head) grids to "
+                            f"print); got {type(limit).__name__} {limit!r}")
         full = self.dense_blocks(full=True)
         nonempty = self.dense_blocks(full=False) | full
         *batch_dims, n_rows, n_cols = nonempty.shape
-        max_rows, max_cols = (grid_size, grid_size) if _is_int(grid_size) else grid_size
+        max_rows, max_cols = sizes
         row_step = max(1, _cdiv(n_rows, max_rows)) if max_rows > 0 else 1
         col_step = max(1, _cdiv(n_cols, max_cols)) if max_cols > 0 else 1
         # 0 empty, 1 some non-empty block, 2 all full (a cell always holds at least one block)
@@ -603,13 +734,17 @@ def create_block_mask(
     """
     caller = "create_block_mask"
     _check_mask_mod(caller, mask_mod)
-    trace_mod(mask_mod, "mask_mod")  # the kernels need it traced; untraceable code fails here, clearly
+    # the kernels need it traced; untraceable code or a wrong result type fails here, clearly
+    check_mod_output(mask_mod, "mask_mod", caller, allow_constant=False, check_shape=True)
     B = _check_positive_int(caller, "B", B, allow_none=True)
     H = _check_positive_int(caller, "H", H, allow_none=True)
     Q_LEN = _check_positive_int(caller, "Q_LEN", Q_LEN)
     KV_LEN = _check_positive_int(caller, "KV_LEN", KV_LEN)
     block_size = _normalize_block_size(caller, BLOCK_SIZE)
-    device = _resolve_device(device)
+    if not isinstance(separate_full_blocks, bool):
+        raise TypeError(f"{caller}: separate_full_blocks must be a bool; got {type(separate_full_blocks).__name__} "
+                        f"{separate_full_blocks!r}")
+    device = _resolve_device(device, caller)
 
     any_blocks, all_blocks = _block_flags(mask_mod, B, H, Q_LEN, KV_LEN, device, block_size)
     if separate_full_blocks:
@@ -644,8 +779,10 @@ def create_mask(
     H = _check_positive_int(caller, "H", H, allow_none=True)
     Q_LEN = _check_positive_int(caller, "Q_LEN", Q_LEN)
     KV_LEN = _check_positive_int(caller, "KV_LEN", KV_LEN)
-    device = _resolve_device(device)
-    trace_mod(mod_fn, "mask_mod" if n_args == 4 else "score_mod")  # untraceable code: a clear error, not vmap's
+    device = _resolve_device(device, caller)
+    # untraceable code or a wrong result type: a clear error, not vmap's
+    check_mod_output(mod_fn, "mask_mod" if n_args == 4 else "score_mod", caller, allow_constant=False,
+                     check_shape=True)
     indices = index_vectors(B, H, Q_LEN, KV_LEN, device)
     if n_args == 4:
         return vmap_bhqkv(mod_fn)(*indices)

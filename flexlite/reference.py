@@ -50,6 +50,22 @@ def reference_mask(block_mask, B: int, H: int, device) -> torch.Tensor:
     return keep | partial
 
 
+def _check_inputs(query, key, value) -> None:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"attention_reference: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"attention_reference: {name} must be 4-D (batch, heads, seq_len, head_dim); got shape "
+                             f"{tuple(t.shape)}")
+    (B, Hq, _, E), (Bk, Hkv, Lkv, Ek), (Bv, Hv, Lv, _) = query.shape, key.shape, value.shape
+    if not B == Bk == Bv or Hkv != Hv or Lkv != Lv or E != Ek:
+        raise ValueError(f"attention_reference: shapes do not fit: query {tuple(query.shape)}, key {tuple(key.shape)}, "
+                         f"value {tuple(value.shape)} (batch must match, key and value must agree on heads and "
+                         f"length, query and key on head_dim)")
+    if Hq != Hkv and (Hkv == 0 or Hq % Hkv):
+        raise ValueError(f"attention_reference: query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+
+
 def attention_reference(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -71,6 +87,7 @@ def attention_reference(
         ``(out, lse)``: out [B, Hq, Lq, Ev], lse [B, Hq, Lq] (natural log), in ``dtype``.
         Differentiable: gradients flow back to the inputs and to tensors captured by score_mod.
     """
+    _check_inputs(query, key, value)
     B, Hq, Lq, E = query.shape
     Hkv, Lkv = key.shape[1], key.shape[2]
     q, k, v = query.to(dtype), key.to(dtype), value.to(dtype)
@@ -88,7 +105,8 @@ def attention_reference(
         keep = reference_mask(block_mask, B, Hq, q.device).expand(B, Hq, Lq, Lkv)
         scores = scores.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    # [Note] fully masked rows: lse is -inf there; subtract 0 instead so p is 0, not NaN.
-    safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    # [Note] fully masked rows: lse is -inf there; subtract 0 instead so p is 0, not NaN. (Only -inf: a row
+    # whose lse is +inf or NaN has an infinite or NaN score, and gives NaN, as in torch's SDPA.)
+    safe_lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
     p = torch.exp(scores - safe_lse.unsqueeze(-1))
     return p @ v, lse

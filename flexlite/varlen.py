@@ -8,41 +8,89 @@ costs about what per-sample attention would.
 
 from __future__ import annotations
 
+import numbers
 from typing import Sequence, Union
 
 import torch
 
 from .block_mask import BlockMask, create_block_mask, noop_mask
 from .masks.causal import causal_mask
-from .masks.document import generate_doc_mask_mod, length_to_offsets
+from .masks.document import generate_doc_mask_mod
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _lengths(lengths: Union[Sequence[int], torch.Tensor], batch: int, max_len: int) -> list:
-    values = lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths)
-    if len(values) != batch or any(not isinstance(n, int) or n < 0 or n > max_len for n in values):
-        raise ValueError(f"lengths must be {batch} ints in [0, {max_len}] (one per sample); got {values}")
-    return values
+    if isinstance(lengths, torch.Tensor):
+        if lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
+            raise TypeError(f"pack: lengths must be an integer tensor or a sequence of ints; got a {lengths.dtype} "
+                            f"tensor")
+        if lengths.dim() != 1:
+            raise ValueError(f"pack: lengths must be 1-D (one length per sample); got shape {tuple(lengths.shape)}")
+        values = lengths.tolist()
+    elif isinstance(lengths, Sequence) and not isinstance(lengths, str) or hasattr(lengths, "tolist"):
+        values = lengths.tolist() if hasattr(lengths, "tolist") else list(lengths)
+    else:
+        raise TypeError(f"pack: lengths must be a sequence of ints or an integer tensor (one per sample); got "
+                        f"{type(lengths).__name__}")
+    bad = [n for n in values if not _is_int(n)]
+    if bad:
+        raise TypeError(f"pack: lengths must be ints; got {bad[0]!r} ({type(bad[0]).__name__}) in {values}")
+    if len(values) != batch or any(n < 0 or n > max_len for n in values):
+        raise ValueError(f"pack: lengths must be {batch} ints in [0, {max_len}] (one per sample); got {values}")
+    return [int(n) for n in values]
+
+
+def _cu_seqlens(caller: str, cu_seqlens) -> torch.Tensor:
+    """``cu_seqlens`` (an integer tensor or a sequence of ints) as a 1-D integer tensor [0, ..., total]: at
+    least one entry, starting at 0, never decreasing."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        if not (isinstance(cu_seqlens, Sequence) and not isinstance(cu_seqlens, str)
+                and all(_is_int(x) for x in cu_seqlens)):
+            raise TypeError(f"{caller}: cu_seqlens must be an int32 tensor [0, L0, L0 + L1, ...] (or a list of ints); "
+                            f"got {type(cu_seqlens).__name__} {cu_seqlens!r}")
+        cu_seqlens = torch.tensor(list(cu_seqlens), dtype=torch.int32)
+    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool:
+        raise TypeError(f"{caller}: cu_seqlens must be an integer (int32) tensor; got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() == 0:
+        raise ValueError(f"{caller}: cu_seqlens must be 1-D with batch + 1 entries [0, L0, L0 + L1, ...]; got shape "
+                         f"{tuple(cu_seqlens.shape)}")
+    starts = cu_seqlens.tolist()
+    if starts[0] != 0 or any(b < a for a, b in zip(starts, starts[1:])):
+        raise ValueError(f"{caller}: cu_seqlens must rise from 0 (start at 0, never decrease: [0, L0, L0 + L1, "
+                         f"...]); got {starts[:16]}")
+    return cu_seqlens
 
 
 def pack(padded: torch.Tensor, lengths: Union[Sequence[int], torch.Tensor]) -> tuple:
     """[B, H, Lmax, D] + lengths -> (packed [1, H, sum(lengths), D], cu_seqlens int32 [B + 1])."""
     if not isinstance(padded, torch.Tensor) or padded.dim() != 4:
         raise ValueError("pack: padded must be a 4-D tensor [B, H, Lmax, D]")
-    B, _, L, _ = padded.shape
+    B, H, L, D = padded.shape
     values = _lengths(lengths, B, L)
+    cu_seqlens = torch.tensor([0] + values, dtype=torch.int32, device=padded.device).cumsum(0).to(torch.int32)
+    if B == 0:
+        return padded.new_zeros((1, H, 0, D)), cu_seqlens
     packed = torch.cat([padded[b:b + 1, :, :n] for b, n in enumerate(values)], dim=2)
-    return packed, length_to_offsets(values, device=padded.device)
+    return packed, cu_seqlens
 
 
 def unpack(packed: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int) -> torch.Tensor:
     """(packed [1, H, total, D], cu_seqlens [B + 1], max_len) -> [B, H, max_len, D], zeros past each length."""
     if not isinstance(packed, torch.Tensor) or packed.dim() != 4 or packed.shape[0] != 1:
         raise ValueError("unpack: packed must be [1, H, total, D]")
-    starts = cu_seqlens.tolist()
-    if starts[0] != 0 or starts[-1] != packed.shape[2] or any(b < a for a, b in zip(starts, starts[1:])):
+    if not _is_int(max_len):
+        raise TypeError(f"unpack: max_len must be an int; got {type(max_len).__name__} {max_len!r}")
+    if max_len < 0:
+        raise ValueError(f"unpack: max_len must be >= 0; got {max_len}")
+    starts = _cu_seqlens("unpack", cu_seqlens).tolist()
+    if starts[-1] != packed.shape[2]:
         raise ValueError(f"unpack: cu_seqlens must rise from 0 to the packed length {packed.shape[2]}; got {starts}")
-    if max(b - a for a, b in zip(starts, starts[1:])) > max_len:
-        raise ValueError(f"unpack: a sequence is longer than max_len={max_len}")
+    longest = max((b - a for a, b in zip(starts, starts[1:])), default=0)
+    if longest > max_len:
+        raise ValueError(f"unpack: a sequence is longer than max_len={max_len} (the longest has {longest} tokens)")
     out = packed.new_zeros((len(starts) - 1, packed.shape[1], max_len, packed.shape[3]))
     for i, (a, b) in enumerate(zip(starts, starts[1:])):
         out[i, :, :b - a] = packed[0, :, a:b]
@@ -52,8 +100,14 @@ def unpack(packed: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int) -> torc
 def varlen_block_mask(cu_seqlens: torch.Tensor, causal: bool = True, H=None, BLOCK_SIZE=128,
                       device=None) -> BlockMask:
     """The BlockMask of a packed batch: attention within each sample (causal or not), nothing across."""
+    cu_seqlens = _cu_seqlens("varlen_block_mask", cu_seqlens)
+    if not isinstance(causal, bool):
+        raise TypeError(f"varlen_block_mask: causal must be a bool; got {type(causal).__name__} {causal!r}")
+    total = int(cu_seqlens[-1])
+    if total == 0:
+        raise ValueError(f"varlen_block_mask: cu_seqlens {cu_seqlens.tolist()} has no tokens (total length 0); "
+                         f"there is nothing to attend to")
     device = cu_seqlens.device if device is None else device
     inner = causal_mask if causal else noop_mask
     mask_mod = generate_doc_mask_mod(inner, offsets=cu_seqlens.to(device))
-    total = int(cu_seqlens[-1])
     return create_block_mask(mask_mod, None, H, total, total, device=device, BLOCK_SIZE=BLOCK_SIZE)

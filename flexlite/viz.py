@@ -11,12 +11,14 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Callable, Optional, Union
 
 import torch
 
 from ._vmap import vmap_bhqkv
+from .block_mask import check_mod_output
 from .codegen.trace import check_arity, mod_name
 
 # a dense Lq x Lkv picture beyond this many positions is more memory than insight
@@ -45,12 +47,29 @@ def _check_index(name: str, value, size: int, dim: str) -> int:
     return value
 
 
+def _check_path(path) -> Path:
+    """``path`` as a Path to a .png file (or one without a suffix) in an existing folder."""
+    if not isinstance(path, (str, os.PathLike)):
+        _fail(f"path must be a str or os.PathLike naming a .png file; got {type(path).__name__} {path!r}", TypeError)
+    path = Path(path)
+    if path.suffix and path.suffix.lower() != ".png":
+        _fail(f"path {str(path)!r} ends in {path.suffix!r}, but the file written is a PNG; name it *.png")
+    if path.is_dir():
+        _fail(f"path {str(path)!r} is a folder; give a file name, e.g. {str(path / 'attention_scores.png')!r}")
+    if not path.parent.is_dir():
+        _fail(f"the folder of path {str(path)!r} does not exist; create it first "
+              f"(Path({str(path.parent)!r}).mkdir(parents=True))")
+    return path
+
+
 def _validate(query, key, score_mod, mask_mod, batch_idx, head_idx, scale):
     for name, t in (("query", query), ("key", key)):
         if not isinstance(t, torch.Tensor):
             _fail(f"{name} must be a torch.Tensor; got {type(t).__name__}", TypeError)
         if t.dim() != 4:
             _fail(f"{name} must be 4-D (batch, heads, seq_len, head_dim); got shape {tuple(t.shape)}")
+    if key.device != query.device:
+        _fail(f"key is on {key.device} but query is on {query.device}; move them to one device")
     (B, Hq, Lq, E), (Bk, Hkv, Lkv, Ek) = query.shape, key.shape
     if B != Bk:
         _fail(f"query has batch {B} but key has {Bk}")
@@ -62,10 +81,14 @@ def _validate(query, key, score_mod, mask_mod, batch_idx, head_idx, scale):
         _fail(f"{Lq} x {Lkv} positions is too many to draw (at most {MAX_POSITIONS}); slice the sequences")
     _check_index("batch_idx", batch_idx, B, "batches")
     _check_index("head_idx", head_idx, Hq, "heads")
+    # traced first: untraceable code or a wrong result type gets flexlite's error, not vmap's
     if score_mod is not None:
         check_arity(score_mod, "score_mod", caller="visualize_attention_scores")
+        check_mod_output(score_mod, "score_mod", "visualize_attention_scores", check_shape=True)
     if mask_mod is not None:
         check_arity(mask_mod, "mask_mod", caller="visualize_attention_scores")
+        check_mod_output(mask_mod, "mask_mod", "visualize_attention_scores", allow_constant=False,
+                         check_shape=True)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         _fail(f"scale must be a float or None; got {type(scale).__name__}", TypeError)
 
@@ -135,8 +158,11 @@ def visualize_attention_scores(
     import numpy as np
     from matplotlib.colors import ListedColormap
 
+    path = _check_path(path)
     scores, keep = attention_scores(query, key, score_mod, mask_mod, batch_idx, head_idx, scale)
     Lq, Lkv = scores.shape
+    if Lq == 0 or Lkv == 0:
+        _fail(f"there is nothing to draw: query has length {Lq} and key {Lkv}")
     fig = Figure(figsize=(8, 8 * min(2.0, max(0.5, Lq / Lkv)) * 0.9))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
@@ -166,6 +192,5 @@ def visualize_attention_scores(
         ax.set_yticks(np.arange(-0.5, Lq, 1), minor=True)
         ax.grid(which="minor", color="white", linewidth=1)
         ax.tick_params(which="minor", length=0)
-    path = Path(path)
     fig.savefig(path, format="png", dpi=100, bbox_inches="tight")
     return path

@@ -61,7 +61,7 @@ def test_unknown_mask_lists_valid_names(capsys):
     (["natten", "--seq", "1000"], "--canvas"),
     (["sliding_window", "--window", "-3"], "window_size must be >= 0"),
     (["natten", "--kernel", "7y7"], "expected N or WxH"),
-    (["causal", "--seq", "0"], "Q_LEN must be positive"),
+    (["causal", "--seq", "0"], "seq must be >= 1"),
 ])
 def test_bad_options(capsys, args, message):
     with pytest.raises(SystemExit) as e:

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import flexlite.api as api
 from flexlite import create_block_mask, flex_attention
 from flexlite.runtime import launch
 from helpers import rand_qkv
@@ -23,7 +24,9 @@ def no_launch(monkeypatch):
     """Validation must happen before any kernel work."""
     def fail(*a, **k):
         raise AssertionError("a kernel was launched for bad input")
-    monkeypatch.setattr(launch, "launch_forward", fail)
+    for module in (launch, api):  # api imported the launchers by name: patch both
+        for name in ("launch_forward", "launch_decode", "launch_backward"):
+            monkeypatch.setattr(module, name, fail)
 
 
 def _3d():

@@ -29,7 +29,7 @@ def _fail(fn: str, msg: str, exc=ValueError):
     raise exc(f"{fn}: {msg}")
 
 
-def _validate(fn: str, q, k, v, sm_scale=None, seq_lens=None):
+def _validate(fn: str, q, k, v, sm_scale=None, seq_lens=None, causal=False, kernels=True):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             _fail(fn, f"{name} must be a torch.Tensor, got {type(t).__name__}", TypeError)
@@ -46,6 +46,11 @@ def _validate(fn: str, q, k, v, sm_scale=None, seq_lens=None):
         _fail(fn, f"dtypes must match: q {q.dtype}, k {k.dtype}, v {v.dtype}", TypeError)
     if not q.device == k.device == v.device:
         _fail(fn, f"q, k and v must be on one device; got {q.device}, {k.device}, {v.device}")
+    if kernels and q.device.type not in ("cuda", "cpu"):
+        _fail(fn, f"the inputs are on {q.device}; flexlite's kernels run CUDA tensors (compiled) and CPU tensors "
+                  f"(Triton's interpreter) only: move them with .to('cuda') or .to('cpu')", NotImplementedError)
+    if not isinstance(causal, bool):
+        _fail(fn, f"causal must be a bool; got {type(causal).__name__} {causal!r}", TypeError)
     head_dim = q.shape[-1]
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         _fail(fn, f"unsupported head_dim {head_dim}: flexlite supports 1..{MAX_HEAD_DIM}")
@@ -60,6 +65,8 @@ def _validate_seq_lens(fn: str, seq_lens, batch: int, seq_len: int):
         _fail(fn, f"seq_lens must be an int32 tensor of shape (batch,), got {type(seq_lens).__name__}", TypeError)
     if seq_lens.dtype.is_floating_point or seq_lens.dtype.is_complex or seq_lens.dtype == torch.bool:
         _fail(fn, f"seq_lens must be an integer (int32) tensor, got {seq_lens.dtype}", TypeError)
+    if seq_lens.device.type not in ("cuda", "cpu"):
+        _fail(fn, f"seq_lens is on {seq_lens.device}; give it on CUDA or CPU (any of them: it is moved to q's device)")
     if seq_lens.dim() != 1:
         _fail(fn, f"seq_lens must be 1-D (batch,); got shape {tuple(seq_lens.shape)}")
     if seq_lens.numel() != batch:
@@ -129,7 +136,7 @@ def flash_attention(
             or values.
         TypeError: not a tensor, unsupported dtype, dtypes differ, non-integer seq_lens, non-float sm_scale.
     """
-    _validate("flash_attention", q, k, v, sm_scale, seq_lens)
+    _validate("flash_attention", q, k, v, sm_scale, seq_lens, causal)
     if q.numel() == 0:
         return torch.zeros_like(q)
     q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
@@ -143,7 +150,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
                         sm_scale: Optional[float] = None) -> torch.Tensor:
     """Dense O(seq_len²) attention for checking :func:`flash_attention`: :func:`flexlite.attention_reference`
     in float64, rounded once to the input dtype. Same shapes, dtypes and errors as flash_attention."""
-    _validate("reference_attention", q, k, v, sm_scale)
+    _validate("reference_attention", q, k, v, sm_scale, causal=causal, kernels=False)
     if q.numel() == 0:
         return torch.zeros_like(q)
     q4 = _as_4d(q)

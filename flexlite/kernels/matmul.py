@@ -142,6 +142,9 @@ def _validate(a, b, blocks):
         _fail(f"dtypes must match: a is {a.dtype}, b is {b.dtype}", TypeError)
     if a.device != b.device:
         _fail(f"a is on {a.device} but b is on {b.device}; move them to one device")
+    if a.device.type not in ("cuda", "cpu"):
+        _fail(f"the inputs are on {a.device}; triton_matmul runs CUDA tensors (compiled) and CPU tensors (Triton's "
+              f"interpreter) only: move them with .to('cuda') or .to('cpu')", NotImplementedError)
     given = [x is not None for x in blocks]
     if any(given) and not all(given):
         _fail("invalid block size: give block_m, block_n and block_k together, or none of them "
@@ -236,6 +239,8 @@ def triton_matmul(
     """
     blocks = (block_m, block_n, block_k)
     _validate(a, b, blocks)
+    if not isinstance(use_autotune, bool):
+        _fail(f"use_autotune must be a bool; got {type(use_autotune).__name__} {use_autotune!r}", TypeError)
     compute = torch.float16 if a.dtype == torch.float32 else a.dtype
     a, b = a.to(compute), b.to(compute)
     (M, K), N = a.shape, b.shape[1]

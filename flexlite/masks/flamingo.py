@@ -61,7 +61,8 @@ def generate_vision_cross_attention_mask_mod(intervals: Union[torch.Tensor, Sequ
     """
     caller = "generate_vision_cross_attention_mask_mod"
     if not isinstance(intervals, torch.Tensor):
-        intervals = torch.tensor(intervals, dtype=torch.int32) if len(intervals) else torch.empty(0, 2)
+        intervals = torch.tensor(intervals, dtype=torch.int32) if len(intervals) else torch.zeros(
+            (0, 2), dtype=torch.int32)
     intervals = check_index_tensor(caller, "intervals", intervals, dim=2)
     if intervals.shape[0] == 0 or intervals.shape[1] != 2:
         raise ValueError(f"{caller}: intervals must have shape [num_images >= 1, 2]; got {tuple(intervals.shape)}")

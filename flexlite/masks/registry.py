@@ -7,6 +7,7 @@ import dataclasses
 import math
 from typing import Callable, Optional, Sequence
 
+from ._checks import check_int
 from .block_causal import generate_block_causal_mask, generate_block_diffusion_mask
 from .causal import causal_mask, generate_causal_bottom_right
 from .dilated_sliding_window import generate_dilated_sliding_window
@@ -76,6 +77,7 @@ def _self(mask, o: MaskOptions):
 
 
 def _flamingo(o: MaskOptions):
+    check_int("build_named_mask", "images", o.images, 1)
     text = o.even_split(o.seq, o.images)
     starts = [sum(text[:i]) for i in range(o.images)]
     intervals = [[s, s + n] for s, n in zip(starts, text)]
@@ -84,7 +86,9 @@ def _flamingo(o: MaskOptions):
 
 
 def _shared_prefix(o: MaskOptions):
-    prefix = o.seq // 4 if o.prefix is None else o.prefix
+    prefix = o.seq // 4 if o.prefix is None else check_int("build_named_mask", "prefix", o.prefix)
+    if prefix > o.seq:
+        raise ValueError(f"build_named_mask: prefix={prefix} is longer than seq={o.seq}")
     suffixes = o.lengths(o.seq - prefix, 3)
     return _self(generate_shared_prefix_mask(prefix, suffixes, device=o.device), o)
 
@@ -136,6 +140,14 @@ NAMED_MASKS = {
 def build_named_mask(name: str, seq: int, **options) -> tuple:
     """``(mask_mod, Q_LEN, KV_LEN)`` of the library mask ``name`` (one of :data:`NAMED_MASKS`) for a
     sequence of ``seq`` tokens; ``options`` are :class:`MaskOptions` fields."""
+    if not isinstance(name, str):
+        raise TypeError(f"build_named_mask: name must be a str, one of {', '.join(NAMED_MASKS)}; got "
+                        f"{type(name).__name__} {name!r}")
     if name not in NAMED_MASKS:
         raise ValueError(f"unknown mask {name!r}; valid names: {', '.join(NAMED_MASKS)}")
+    seq = check_int("build_named_mask", "seq", seq, 1)
+    fields = [f.name for f in dataclasses.fields(MaskOptions) if f.name != "seq"]
+    unknown = sorted(set(options) - set(fields))
+    if unknown:
+        raise TypeError(f"build_named_mask: unknown options {unknown}; valid options: {', '.join(fields)}")
     return NAMED_MASKS[name].build(MaskOptions(seq=seq, **options))

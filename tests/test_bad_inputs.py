@@ -1,0 +1,628 @@
+"""Bad-input battery for the public functions other than flex_attention's own argument table (test_errors.py):
+every wrong kind of input either gives the right result or a typed error (ValueError / TypeError /
+NotImplementedError, IndexError for indexing) that names the argument and the fix; no crash from deep inside
+torch or Triton, no silent wrong answer.
+
+Validation cases never launch a kernel (the ``no_launch`` fixture fails any launch); the few right-result cases
+(``test_right_result_*``) launch tiny ones.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flexlite
+from flexlite import (BlockMask, UntraceableModError, and_masks, attention_reference, create_block_mask,
+                      create_mask, flex_attention, kernel_source, noop_mask, or_masks)
+from flexlite.kernels import flash_attention, triton_matmul
+from flexlite.masks import build_named_mask, generate_vision_cross_attention_mask_mod
+from flexlite.runtime import launch
+from flexlite.varlen import pack, unpack, varlen_block_mask
+from flexlite.viz import attention_scores, visualize_attention_scores
+from helpers import DEVICE, TOLERANCES, assert_close, rand_qkv
+
+NO_CUDA_DEVICE = "cuda:99"  # not a visible GPU on any machine: "CUDA is not available" or "only N GPU(s)"
+
+
+# ----------------------------------------------------------------------------------------------
+# mods of every wrong kind
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def score_identity(score, b, h, q_idx, kv_idx):
+    return score
+
+
+def branchy(b, h, q_idx, kv_idx):
+    if q_idx > kv_idx:  # Python control flow on a tensor: untraceable
+        return q_idx >= 0
+    return q_idx < 0
+
+
+def uses_item(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx.item()
+
+
+def float_mask(b, h, q_idx, kv_idx):
+    return (q_idx - kv_idx).float()
+
+
+def constant_mask(b, h, q_idx, kv_idx):
+    return True
+
+
+def none_mask(b, h, q_idx, kv_idx):
+    return None
+
+
+def raising_mask(b, h, q_idx, kv_idx):
+    return 1 / 0
+
+
+def keyword_only_mask(*, b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def none_score(score, b, h, q_idx, kv_idx):
+    return None
+
+
+def item_score(score, b, h, q_idx, kv_idx):
+    return score * q_idx.item()
+
+
+@pytest.fixture(autouse=True)
+def no_launch(request, monkeypatch):
+    """Validation happens before any kernel work: bad input never reaches a launch."""
+    if request.node.name.startswith("test_right_result"):
+        return
+
+    def fail(*a, **k):
+        raise AssertionError("a kernel was launched for bad input")
+    for module in (launch, flexlite.api):  # api imported the launchers by name
+        for name in ("launch_forward", "launch_decode", "launch_backward"):
+            monkeypatch.setattr(module, name, fail)
+
+
+def check(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def small_mask(B=2, H=2, L=64, block=16):
+    return create_block_mask(causal, B, H, L, L, device=DEVICE, BLOCK_SIZE=block)
+
+
+# ----------------------------------------------------------------------------------------------
+# create_block_mask
+
+def cbm(mask_mod=causal, B=1, H=1, Q_LEN=32, KV_LEN=32, **kw):
+    kw.setdefault("device", DEVICE)
+    return lambda: create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, **kw)
+
+
+CREATE_BLOCK_MASK = {
+    "B_float": (cbm(B=1.0), TypeError, r"B must be a positive int or None; got 1\.0"),
+    "B_tensor": (cbm(B=torch.tensor(2)), TypeError, "B must be a positive int or None"),
+    "B_negative": (cbm(B=-2), ValueError, "B must be positive; got -2"),
+    "H_zero": (cbm(H=0), ValueError, "H must be positive; got 0"),
+    "H_bool": (cbm(H=False), TypeError, "H must be a positive int or None; got False"),
+    "Q_LEN_negative": (cbm(Q_LEN=-1), ValueError, "Q_LEN must be positive; got -1"),
+    "Q_LEN_float": (cbm(Q_LEN=32.0), TypeError, "Q_LEN must be a positive int; got 32.0"),
+    "KV_LEN_zero": (cbm(KV_LEN=0), ValueError, "KV_LEN must be positive; got 0"),
+    "KV_LEN_bool": (cbm(KV_LEN=True), TypeError, "KV_LEN must be a positive int; got True"),
+    "BLOCK_SIZE_float": (cbm(BLOCK_SIZE=16.0), TypeError, r"BLOCK_SIZE must be an int or a \(Q_BLOCK_SIZE"),
+    "BLOCK_SIZE_bool": (cbm(BLOCK_SIZE=True), TypeError, "BLOCK_SIZE must be an int or"),
+    "BLOCK_SIZE_triple": (cbm(BLOCK_SIZE=(16, 16, 16)), TypeError, r"got \(16, 16, 16\)"),
+    "BLOCK_SIZE_pair_with_bool": (cbm(BLOCK_SIZE=(16, True)), TypeError, "BLOCK_SIZE must be an int or"),
+    "BLOCK_SIZE_pair_zero": (cbm(BLOCK_SIZE=(0, 16)), ValueError, "positive multiples of 16"),
+    "BLOCK_SIZE_not_multiple_of_16": (cbm(BLOCK_SIZE=8), ValueError, "positive multiples of 16; got 8"),
+    "device_unknown_string": (cbm(device="gpu"), ValueError, r"device='gpu' is not a device; use 'cuda'"),
+    "device_int": (cbm(device=3), TypeError, "device must be a str or torch.device"),
+    "device_list": (cbm(device=["cpu"]), TypeError, "device must be a str or torch.device"),
+    "device_meta": (cbm(device="meta"), NotImplementedError, "device is meta; flexlite runs on CUDA .* and CPU"),
+    "device_missing_gpu": (cbm(device=NO_CUDA_DEVICE), ValueError, "cuda:99 but (CUDA is not available|only)"),
+    "mask_mod_keyword_only": (cbm(keyword_only_mask), TypeError, "got a function of 0 arguments"),
+    "mask_mod_is_a_module": (cbm(torch.nn.Identity()), UntraceableModError, "Identity"),
+    "mask_mod_untraceable": (cbm(branchy), UntraceableModError, r"'branchy' cannot be traced.*torch\.where"),
+    "mask_mod_item": (cbm(uses_item), UntraceableModError, r"'uses_item' calls Tensor\.item\(\).*keep it a tensor"),
+    "mask_mod_raises": (cbm(raising_mask), UntraceableModError, "'raising_mask' failed while being traced: "
+                        "ZeroDivisionError"),
+    "mask_mod_returns_float": (cbm(float_mask), TypeError, r"'float_mask' must return a bool tensor; got "
+                               r"torch\.float32 .*\.bool\(\)"),
+    "mask_mod_returns_constant": (cbm(constant_mask), TypeError, "Python constant True: return a tensor, e.g. "
+                                  "noop_mask"),
+    "mask_mod_returns_none": (cbm(none_mask), TypeError, "'none_mask' must return a bool tensor; got NoneType"),
+    "separate_full_blocks_not_bool": (cbm(separate_full_blocks="no"), TypeError,
+                                      "separate_full_blocks must be a bool"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CREATE_BLOCK_MASK))
+def test_create_block_mask(name):
+    check(*CREATE_BLOCK_MASK[name])
+
+
+def test_create_block_mask_accepts_numpy_ints_and_list_block_size():
+    bm = create_block_mask(causal, np.int64(2), None, np.int64(32), 32, device=DEVICE, BLOCK_SIZE=[16, 32])
+    assert bm.shape == (2, 1, 32, 32) and bm.BLOCK_SIZE == (16, 32)
+    assert bm.to_dense().tolist() == [[[[1], [1]]]] * 2  # one kv block of 32: row 0 partial, row 1 full
+
+
+# ----------------------------------------------------------------------------------------------
+# create_mask, and_masks / or_masks
+
+def cm(mod_fn=causal, B=1, H=1, Q_LEN=8, KV_LEN=8, device=DEVICE):
+    return lambda: create_mask(mod_fn, B, H, Q_LEN, KV_LEN, device)
+
+
+CREATE_MASK = {
+    "B_float": (cm(B=2.0), TypeError, "create_mask: B must be a positive int or None"),
+    "KV_LEN_zero": (cm(KV_LEN=0), ValueError, "create_mask: KV_LEN must be positive"),
+    "device_unknown_string": (cm(device="gpu"), ValueError, "create_mask: device='gpu' is not a device"),
+    "device_meta": (cm(device="meta"), NotImplementedError, "create_mask: device is meta"),
+    "mod_six_arguments": (cm(lambda a, b, c, d, e, f: a), TypeError, "got a function of 6 arguments"),
+    "mask_mod_untraceable": (cm(branchy), UntraceableModError, r"torch\.where"),
+    "mask_mod_item": (cm(uses_item), UntraceableModError, r"Tensor\.item\(\)"),
+    "mask_mod_returns_float": (cm(float_mask), TypeError, r"create_mask: mask_mod 'float_mask' must return a bool"),
+    "mask_mod_returns_constant": (cm(constant_mask), TypeError, "Python constant True"),
+    "mask_mod_returns_none": (cm(none_mask), TypeError, "must return a bool tensor; got NoneType"),
+    "score_mod_returns_none": (cm(none_score), TypeError, "score_mod 'none_score' must return the new score"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CREATE_MASK))
+def test_create_mask(name):
+    check(*CREATE_MASK[name])
+
+
+COMBINATORS = {
+    "and_score_mod": (lambda: and_masks(causal, score_identity), TypeError,
+                      r"and_masks: argument 1 'score_identity' must take \(b, h, q_idx, kv_idx\).*looks like a "
+                      r"score_mod"),
+    "or_three_arguments": (lambda: or_masks(lambda b, h, q: q >= 0), TypeError,
+                           r"or_masks: argument 0 '<lambda>' must take .*got a function of 3 arguments"),
+    "and_none": (lambda: and_masks(None), TypeError, r"and_masks: argument 0 \(None\) is not callable"),
+    "or_list": (lambda: or_masks([causal]), TypeError, "or_masks: argument 0 .* is not callable"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMBINATORS))
+def test_mask_combinators(name):
+    check(*COMBINATORS[name])
+
+
+def test_mask_combinators_of_zero_masks_keep_all_and_none():
+    assert create_mask(and_masks(), 1, 1, 4, 5, DEVICE).all()
+    assert not create_mask(or_masks(), 1, 1, 4, 5, DEVICE).any()
+    assert create_mask(and_masks(), 1, 1, 4, 5, DEVICE).equal(create_mask(noop_mask, 1, 1, 4, 5, DEVICE))
+
+
+def test_create_mask_of_a_score_mod():
+    def alibi_cut(score, b, h, q_idx, kv_idx):
+        return torch.where(q_idx >= kv_idx, score - (q_idx - kv_idx), float("-inf"))
+    assert create_mask(alibi_cut, None, None, 6, 6, DEVICE).equal(create_mask(causal, None, None, 6, 6, DEVICE))
+
+
+# ----------------------------------------------------------------------------------------------
+# BlockMask: printing, indexing, moving, from_kv_blocks
+
+def kv(num, idx):
+    return torch.tensor(num, dtype=torch.int32), torch.tensor(idx, dtype=torch.int32)
+
+
+BLOCK_MASK = {
+    "to_string_grid_str": (lambda: small_mask().to_string(grid_size="4"), TypeError,
+                           r"to_string: grid_size must be an int or a \(rows, cols\)"),
+    "to_string_grid_float": (lambda: small_mask().to_string(grid_size=2.5), TypeError, "grid_size"),
+    "to_string_grid_triple": (lambda: small_mask().to_string(grid_size=(1, 2, 3)), TypeError, "grid_size"),
+    "to_string_limit_str": (lambda: small_mask().to_string(limit="2"), TypeError, "to_string: limit must be an int"),
+    "index_none": (lambda: small_mask()[None], TypeError, "BlockMask index: entries must be ints, slices"),
+    "index_bool": (lambda: small_mask()[True], TypeError, "got bool True"),
+    "index_str": (lambda: small_mask()["0"], TypeError, "got str '0'"),
+    "index_float": (lambda: small_mask()[0.0], TypeError, "got float 0.0"),
+    "index_too_many": (lambda: small_mask()[0, 0, 0, 0], IndexError,
+                       r"too many indices \(4\); a BlockMask is indexed over \(batch, head, q block\)"),
+    "index_two_ellipses": (lambda: small_mask()[..., 0, ...], IndexError, "single ellipsis"),
+    "index_two_tensors": (lambda: small_mask()[[0, 1], [0, 1]], IndexError, "at most one tensor / list index"),
+    "index_2d_tensor": (lambda: small_mask()[torch.zeros(1, 1, dtype=torch.long)], TypeError, "must be 1-D integers"),
+    "index_float_tensor": (lambda: small_mask()[torch.tensor([0.0])], TypeError, "must be 1-D integers"),
+    "index_out_of_range": (lambda: small_mask()[:, 2], IndexError, "index 2 is out of range for a dimension of size 2"),
+    "to_unknown_device": (lambda: small_mask().to("gpu"), ValueError, r"BlockMask\.to: device='gpu' is not a device"),
+    "to_int": (lambda: small_mask().to(5), TypeError, r"BlockMask\.to: device must be a str or torch\.device"),
+    "to_missing_gpu": (lambda: small_mask().to(NO_CUDA_DEVICE), ValueError, "cuda:99"),
+    "num_blocks_above_columns": (lambda: BlockMask.from_kv_blocks(*kv([[[3, 1]]], [[[[0, 1], [1, 0]]]]),
+                                                                  BLOCK_SIZE=16),
+                                 ValueError, r"kv_num_blocks must be in \[0, 2\] .*got values in \[1, 3\]"),
+    "num_blocks_negative": (lambda: BlockMask.from_kv_blocks(*kv([[[-1, 1]]], [[[[0, 1], [1, 0]]]]), BLOCK_SIZE=16),
+                            ValueError, r"kv_num_blocks must be in \[0, 2\]"),
+    "index_past_columns": (lambda: BlockMask.from_kv_blocks(*kv([[[2, 1]]], [[[[0, 5], [1, 0]]]]), BLOCK_SIZE=16),
+                           ValueError, r"kv_indices\[0, 0, 0, 1\] = 5 is not a kv block index in \[0, 2\)"),
+    "index_negative": (lambda: BlockMask.from_kv_blocks(*kv([[[1, 1]]], [[[[-1, 0], [1, 0]]]]), BLOCK_SIZE=16),
+                       ValueError, r"kv_indices\[0, 0, 0, 0\] = -1"),
+    "full_index_past_columns": (lambda: BlockMask.from_kv_blocks(*kv([[[0, 0]]], [[[[0, 1], [0, 1]]]]),
+                                                                 *kv([[[1, 0]]], [[[[2, 0], [0, 1]]]]), BLOCK_SIZE=16),
+                                ValueError, r"full_kv_indices\[0, 0, 0, 0\] = 2"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BLOCK_MASK))
+def test_block_mask_methods(name):
+    check(*BLOCK_MASK[name])
+
+
+def test_block_mask_index_forms_that_work():
+    bm = small_mask()
+    assert bm[..., 1:].to_dense().equal(bm[:, :, 1:].to_dense())
+    assert bm[0, ...].to_dense().equal(bm[0:1].to_dense())
+    assert bm[torch.tensor([1])].to_dense().equal(bm[1:2].to_dense())
+    assert bm[[1, 0]].to_dense().equal(bm.to_dense().flip(0))
+    assert bm[2:].shape == (0, 2, 64, 64)
+    assert bm.to_string(grid_size=-1, limit=-1).count("(") == 4  # no limits: every (b, h) grid
+
+
+def test_from_kv_blocks_reads_only_the_counted_prefix():
+    # entries past kv_num_blocks are never read, so they may hold anything (torch's format)
+    bm = BlockMask.from_kv_blocks(*kv([[[1, 2]]], [[[[1, 99], [0, 1]]]]), BLOCK_SIZE=16)
+    assert bm.to_dense().tolist() == [[[[0, 1], [1, 1]]]]
+
+
+# ----------------------------------------------------------------------------------------------
+# flex_attention: kinds test_errors.py does not cover (no launch)
+
+def qkv(B=1, H=2, Lq=32, Lkv=32, D=16):
+    return rand_qkv(B, H, H, Lq, Lkv, D)
+
+
+def on(device, tensors):
+    return [t.to(device) for t in tensors]
+
+
+def other_device_mask():
+    """The causal BlockMask of qkv() with every tensor on 'meta' (a device the inputs are not on)."""
+    bm = create_block_mask(causal, None, None, 32, 32, device=DEVICE, BLOCK_SIZE=16)
+    tensors = {a: getattr(bm, a).to("meta") for a in BlockMask._TENSOR_ATTRS}
+    return BlockMask(bm.seq_lengths, **tensors, BLOCK_SIZE=bm.BLOCK_SIZE, mask_mod=causal)
+
+
+def q_sliced_mask():
+    bm = create_block_mask(causal, None, None, 32, 32, device=DEVICE, BLOCK_SIZE=16)[:, :, 1:]
+    bm.mask_mod = causal  # torch's recipe; seq_lengths still say 32 rows but only one q block is left
+    return bm
+
+
+def float_mask_block_mask():
+    return BlockMask.from_kv_blocks(*on(DEVICE, kv([[[1, 1]]], [[[[0, 1], [1, 0]]]])), BLOCK_SIZE=16,
+                                    mask_mod=float_mask)
+
+
+def fa(*tensors, **kw):
+    return lambda: flex_attention(*(tensors or qkv()), **kw)
+
+
+FLEX_ATTENTION = {
+    "key_5d": (lambda: flex_attention(qkv()[0], qkv()[1][None], qkv()[2]), ValueError, "key must be 4-D"),
+    "value_3d": (lambda: flex_attention(*qkv()[:2], qkv()[2][0]), ValueError, "value must be 4-D"),
+    "value_not_tensor": (lambda: flex_attention(*qkv()[:2], np.zeros((1, 2, 32, 16))), TypeError,
+                         "value must be a torch.Tensor, got ndarray"),
+    "value_on_other_device": (lambda: flex_attention(*qkv()[:2], qkv()[2].to("meta")), ValueError,
+                              "value is on meta but query is on"),
+    "all_on_meta": (lambda: flex_attention(*on("meta", qkv())), NotImplementedError,
+                    r"inputs are on meta; flexlite runs CUDA tensors .* and CPU tensors"),
+    "return_lse_str": (fa(return_lse="yes"), TypeError, "return_lse must be a bool"),
+    "return_lse_none": (fa(return_lse=None), TypeError, "return_lse must be a bool"),
+    "enable_gqa_int": (fa(enable_gqa=1), TypeError, "enable_gqa must be a bool"),
+    "enable_gqa_str_with_gqa": (lambda: flex_attention(*rand_qkv(1, 4, 2, 8, 8, 16), enable_gqa="True"), TypeError,
+                                "enable_gqa must be a bool"),
+    "block_mask_other_device": (fa(block_mask=other_device_mask()), ValueError,
+                                r"block_mask is on meta but query is on .*block_mask\.to\(query\.device\)"),
+    "block_mask_sliced_q_blocks": (fa(block_mask=q_sliced_mask()), ValueError,
+                                   r"block_mask has 1 x 2 blocks of 16 x 16 .* need 2 x 2.*seq_lengths"),
+    "block_mask_float_mask_mod": (fa(block_mask=float_mask_block_mask()), TypeError,
+                                  "flex_attention: mask_mod 'float_mask' must return a bool tensor"),
+    "block_mask_for_other_heads": (fa(block_mask=create_block_mask(causal, 1, 3, 32, 32, DEVICE)), ValueError,
+                                   "block_mask has 3 heads but query has 2"),
+    "block_mask_for_other_kv_len": (fa(block_mask=create_block_mask(causal, 1, 2, 32, 48, DEVICE)), ValueError,
+                                    r"built for Q_LEN=32, KV_LEN=48"),
+    "block_mask_with_empty_query": (lambda: flex_attention(*qkv(Lq=0), block_mask=small_mask(1, 2, 32)), ValueError,
+                                    "query has length 0 .* pass block_mask=None for empty sequences"),
+    "score_mod_returns_none": (fa(score_mod=none_score), TypeError,
+                               "score_mod 'none_score' must return the new score, a tensor or a number; got NoneType"),
+    "score_mod_item": (fa(score_mod=item_score), UntraceableModError, r"'item_score' calls Tensor\.item\(\)"),
+    "score_mod_untraceable": (fa(score_mod=lambda s, b, h, q, kv: s if q > kv else -s), UntraceableModError,
+                              r"torch\.where"),
+    "score_mod_wrong_arity": (fa(score_mod=lambda s, b: s), TypeError, "got a function of 2 arguments"),
+    "scale_str": (fa(scale="0.1"), TypeError, "scale must be a Python float"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FLEX_ATTENTION))
+def test_flex_attention(name):
+    check(*FLEX_ATTENTION[name])
+
+
+# ----------------------------------------------------------------------------------------------
+# flex_attention: the right result for odd but valid inputs (tiny launches)
+
+def assert_matches_reference(out, q, k, v, **kw):
+    ref, _ = attention_reference(q, k, v, **kw)
+    assert_close(out, ref, *TOLERANCES[q.dtype])
+
+
+def test_right_result_stride_zero_inputs():
+    # k / v broadcast over heads (GQA written with expand) and v constant along the sequence
+    q, k, v = rand_qkv(1, 3, 1, 24, 40, 16)
+    k3, v3 = k.expand(1, 3, 40, 16), v[:, :, :1].expand(1, 3, 40, 16)
+    assert k3.stride()[1] == 0 and v3.stride()[2] == 0
+    assert_matches_reference(flex_attention(q, k3, v3), q, k3, v3)
+
+
+def test_right_result_transposed_half_precision():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 24, 2, 16, generator=g).to(DEVICE, torch.float16).transpose(1, 2) for _ in range(3))
+    assert_matches_reference(flex_attention(q, k, v, block_mask=create_block_mask(causal, None, None, 24, 24, DEVICE)),
+                             q, k, v, block_mask=create_block_mask(causal, None, None, 24, 24, DEVICE))
+
+
+def test_right_result_zero_length_and_zero_batch():
+    q, k, v = qkv(Lkv=0)
+    q.requires_grad_(True)
+    out, lse = flex_attention(q, k, v, return_lse=True)
+    ref, ref_lse = attention_reference(q.detach(), k, v)  # softmax over no keys: 0, and LSE -inf (as torch)
+    assert out.shape == (1, 2, 32, 16) and out.equal(ref.float()) and torch.isneginf(lse).all()
+    assert torch.isneginf(ref_lse).all()
+    out.sum().backward()
+    assert q.grad.equal(torch.zeros_like(q))
+    for shape in ((0, 2, 8, 16), (1, 0, 8, 16), (1, 2, 0, 16)):
+        t = torch.randn(shape, device=DEVICE)
+        out, lse = flex_attention(t, t, t, return_lse=True)
+        assert out.shape == shape and lse.shape == shape[:3]
+
+
+def _with(t, index, value):
+    t = t.clone()
+    t[index] = value
+    return t
+
+
+NAN, INF = float("nan"), float("inf")
+NON_FINITE = {  # (q, k, v) -> (q, k, v) and flex_attention keyword arguments
+    "nan_in_key": (lambda q, k, v: (q, _with(k, (0, 1, 7, 2), NAN), v), {}),
+    "nan_in_value": (lambda q, k, v: (q, k, _with(v, (0, 0, 9, 0), NAN)), {}),
+    "plus_inf_in_key": (lambda q, k, v: (q, _with(k, (0, 0, 4, 0), INF), v), {}),
+    "minus_inf_in_key": (lambda q, k, v: (q, _with(k, (0, 1, 30, 3), -INF), v), {}),
+    "inf_in_value": (lambda q, k, v: (q, k, _with(v, (0, 1, 2, 5), INF)), {}),
+    "nan_scale": (lambda q, k, v: (q, k, v), {"scale": NAN}),
+    "score_mod_makes_nan_and_inf": (lambda q, k, v: (q, k, v), {"score_mod": lambda s, b, h, qi, ki: torch.where(
+        (ki == 3) & (qi >= 20), NAN, torch.where((ki == 5) & (qi < 8), INF, s))}),
+}
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy, on the NaNs we feed
+@pytest.mark.parametrize("name", sorted(NON_FINITE))
+def test_right_result_non_finite_inputs(name):
+    make, kw = NON_FINITE[name]
+    q, k, v = make(*qkv())
+    out = flex_attention(q, k, v, **kw)
+    ref, _ = attention_reference(q, k, v, **kw)
+    assert out.isnan().any() or out.isinf().any()
+    assert torch.equal(out.isnan(), ref.isnan()), f"NaN at {out.isnan().sum()} positions, reference {ref.isnan().sum()}"
+    assert not ref.isnan().all() or name == "nan_scale"  # the finite part is checked too
+    finite = ~ref.isnan()
+    assert_close(out[finite], ref[finite], *TOLERANCES[torch.float32])
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("name", sorted(NON_FINITE))
+def test_reference_propagates_non_finite_values_like_sdpa(name):
+    """The reference the kernels are held to is torch's semantics: same NaN / inf as SDPA (math, fp64).
+    (A +inf score made the reference subtract 0 instead of +inf and return inf where torch gives NaN.)"""
+    make, kw = NON_FINITE[name]
+    q, k, v = (t.double() for t in make(*qkv()))
+    ref, _ = attention_reference(q, k, v, **kw)
+    if "score_mod" in kw:
+        scores = q @ k.transpose(-1, -2) / math.sqrt(16)
+        idx = torch.arange(32, device=q.device)
+        qi, ki = idx[:, None], idx[None, :]
+        mask = torch.where((ki == 3) & (qi >= 20), NAN, torch.where((ki == 5) & (qi < 8), INF, 0.0))
+        expected = torch.softmax(torch.where(torch.isfinite(mask), scores, mask), dim=-1) @ v
+    else:
+        expected = F.scaled_dot_product_attention(q, k, v, scale=kw.get("scale"))
+    assert torch.equal(ref.isnan(), expected.isnan())
+    finite = ~expected.isnan()
+    assert_close(ref[finite], expected[finite], 1e-12, 1e-12)
+
+
+# ----------------------------------------------------------------------------------------------
+# attention_reference, kernel_source
+
+REFERENCE_AND_SOURCE = {
+    "reference_3d": (lambda: attention_reference(*(t[0] for t in qkv())), ValueError,
+                     r"attention_reference: query must be 4-D"),
+    "reference_shapes": (lambda: attention_reference(qkv()[0], qkv(Lkv=8)[1], qkv()[2]), ValueError,
+                         "attention_reference: shapes do not fit"),
+    "reference_not_tensor": (lambda: attention_reference([0.0], *qkv()[1:]), TypeError, "query must be a torch.Tensor"),
+    "reference_gqa_indivisible": (lambda: attention_reference(*rand_qkv(1, 3, 2, 4, 4, 16), enable_gqa=True),
+                                  ValueError, r"query heads \(3\) must be a multiple"),
+    "source_block_mask_str": (lambda: kernel_source(block_mask="causal"), TypeError,
+                              "kernel_source: block_mask must be a flexlite BlockMask"),
+    "source_device_unknown": (lambda: kernel_source(device="gpu"), ValueError, "kernel_source: device='gpu'"),
+    "source_device_int": (lambda: kernel_source(device=0), TypeError, "kernel_source: device must be a str"),
+    "source_mask_mod_as_score_mod": (lambda: kernel_source(causal), TypeError,
+                                     "kernel_source: score_mod 'causal' .* looks like a mask_mod"),
+    "source_score_mod_returns_none": (lambda: kernel_source(none_score), TypeError,
+                                      "kernel_source: score_mod 'none_score' must return the new score"),
+    "source_kind": (lambda: kernel_source(kernel="bwd"), ValueError, "kernel must be one of"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE_AND_SOURCE))
+def test_reference_and_kernel_source(name):
+    check(*REFERENCE_AND_SOURCE[name])
+
+
+def test_kernel_source_for_cuda_needs_no_gpu():
+    assert "def flex_fwd_kernel(" in kernel_source(device="cuda")
+
+
+# ----------------------------------------------------------------------------------------------
+# flexlite.varlen
+
+PADDED = torch.zeros(2, 1, 8, 4)
+PACKED = torch.zeros(1, 1, 8, 4)
+CU = torch.tensor([0, 3, 8], dtype=torch.int32)
+
+VARLEN = {
+    "pack_negative_length": (lambda: pack(PADDED, [-1, 3]), ValueError, r"pack: lengths must be 2 ints in \[0, 8\]"),
+    "pack_no_lengths": (lambda: pack(PADDED, []), ValueError, "pack: lengths must be 2 ints"),
+    "pack_float_lengths": (lambda: pack(PADDED, [1.0, 3.0]), TypeError, "pack: lengths must be ints; got 1.0"),
+    "pack_float_tensor": (lambda: pack(PADDED, torch.tensor([1.0, 3.0])), TypeError,
+                          "lengths must be an integer tensor or a sequence of ints; got a torch.float32"),
+    "pack_2d_tensor": (lambda: pack(PADDED, torch.tensor([[1, 3]])), ValueError, "lengths must be 1-D"),
+    "pack_none": (lambda: pack(PADDED, None), TypeError, "lengths must be a sequence of ints or an integer tensor"),
+    "pack_int": (lambda: pack(PADDED, 3), TypeError, "got int"),
+    "unpack_not_from_zero": (lambda: unpack(PACKED, torch.tensor([1, 3, 8]), 8), ValueError,
+                             r"unpack: cu_seqlens must rise from 0.*got \[1, 3, 8\]"),
+    "unpack_decreasing": (lambda: unpack(PACKED, torch.tensor([0, 5, 3, 8]), 8), ValueError, "never decrease"),
+    "unpack_total_mismatch": (lambda: unpack(PACKED, torch.tensor([0, 3, 7]), 8), ValueError,
+                              "rise from 0 to the packed length 8; got"),
+    "unpack_float": (lambda: unpack(PACKED, torch.tensor([0.0, 3.0, 8.0]), 8), TypeError,
+                     r"cu_seqlens must be an integer \(int32\) tensor; got torch\.float32"),
+    "unpack_empty": (lambda: unpack(PACKED, torch.tensor([], dtype=torch.int32), 8), ValueError,
+                     r"cu_seqlens must be 1-D with batch \+ 1 entries"),
+    "unpack_2d": (lambda: unpack(PACKED, CU[None], 8), ValueError, r"got shape \(1, 3\)"),
+    "unpack_str": (lambda: unpack(PACKED, "0,3,8", 8), TypeError, "cu_seqlens must be an int32 tensor"),
+    "unpack_max_len_float": (lambda: unpack(PACKED, CU, 5.0), TypeError, "unpack: max_len must be an int"),
+    "unpack_max_len_negative": (lambda: unpack(PACKED, CU, -1), ValueError, "max_len must be >= 0"),
+    "unpack_max_len_short": (lambda: unpack(PACKED, CU, 4), ValueError, r"longer than max_len=4 \(the longest has 5"),
+    "block_mask_not_from_zero": (lambda: varlen_block_mask(torch.tensor([1, 3, 8])), ValueError,
+                                 "varlen_block_mask: cu_seqlens must rise from 0"),
+    "block_mask_decreasing": (lambda: varlen_block_mask(torch.tensor([0, 5, 3, 8])), ValueError, "never decrease"),
+    "block_mask_float": (lambda: varlen_block_mask(torch.tensor([0.0, 8.0])), TypeError,
+                         "varlen_block_mask: cu_seqlens must be an integer"),
+    "block_mask_no_tokens": (lambda: varlen_block_mask(torch.tensor([0, 0])), ValueError,
+                             r"has no tokens \(total length 0\)"),
+    "block_mask_causal_str": (lambda: varlen_block_mask(CU, causal="no"), TypeError, "causal must be a bool"),
+    "block_mask_bad_block_size": (lambda: varlen_block_mask(CU, BLOCK_SIZE=8), ValueError, "BLOCK_SIZE"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VARLEN))
+def test_varlen(name):
+    check(*VARLEN[name])
+
+
+def test_varlen_edge_inputs_that_work():
+    x = torch.randn(2, 1, 8, 4)
+    packed, cu = pack(x, np.array([3, 5]))  # numpy ints are ints
+    assert cu.tolist() == [0, 3, 8] and packed.shape == (1, 1, 8, 4)
+    assert unpack(packed, [0, 3, 8], 5)[1, :, :5].equal(x[1, :, :5])  # a list of offsets is fine
+    packed, cu = pack(x, [0, 0])  # every sample empty
+    assert packed.shape == (1, 1, 0, 4) and unpack(packed, cu, 0).shape == (2, 1, 0, 4)
+    packed, cu = pack(x[:0], [])  # no samples at all
+    assert packed.shape == (1, 1, 0, 4) and cu.tolist() == [0] and unpack(packed, cu, 3).shape == (0, 1, 3, 4)
+    assert varlen_block_mask([0, 3, 8], BLOCK_SIZE=16).to_dense().equal(varlen_block_mask(CU, BLOCK_SIZE=16).to_dense())
+
+
+# ----------------------------------------------------------------------------------------------
+# flexlite.viz
+
+QK = torch.randn(1, 2, 8, 8), torch.randn(1, 2, 8, 8)
+
+
+def viz(path="unused.png", query=None, key=None, **kw):
+    return lambda tmp: visualize_attention_scores(QK[0] if query is None else query, QK[1] if key is None else key,
+                                                  path=tmp / path if isinstance(path, str) else path, **kw)
+
+
+VIZ = {
+    "path_int": (viz(path=3), TypeError, "path must be a str or os.PathLike"),
+    "path_none": (viz(path=None), TypeError, "path must be a str or os.PathLike"),
+    "path_missing_folder": (viz(path="no/such/folder/s.png"), ValueError, r"does not exist; create it first"),
+    "path_is_folder": (viz(path="."), ValueError, "is a folder; give a file name"),
+    "path_jpg": (viz(path="s.jpg"), ValueError, r"ends in '\.jpg', but the file written is a PNG"),
+    "empty_query": (viz(query=torch.randn(1, 2, 0, 8)), ValueError, "nothing to draw: query has length 0"),
+    "key_on_other_device": (viz(key=QK[1].to("meta")), ValueError, "key is on meta but query is on cpu"),
+    "mask_mod_untraceable": (viz(mask_mod=branchy), UntraceableModError, r"torch\.where"),
+    "mask_mod_returns_float": (viz(mask_mod=float_mask), TypeError, "mask_mod 'float_mask' must return a bool"),
+    "score_mod_returns_none": (viz(score_mod=none_score), TypeError, "must return the new score"),
+    "score_mod_vector": (viz(score_mod=lambda s, b, h, q, kv: torch.stack([s, s])), ValueError,
+                         r"must return one value per \(b, h, q_idx, kv_idx\)"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VIZ))
+def test_viz(name, tmp_path):
+    call, exc, match = VIZ[name]
+    check(lambda: call(tmp_path), exc, match)
+    assert not list(tmp_path.glob("*.*")), "nothing is written for bad input"
+
+
+def test_attention_scores_of_empty_sequences():
+    scores, keep = attention_scores(torch.randn(1, 1, 0, 8), torch.randn(1, 1, 5, 8), mask_mod=causal)
+    assert scores.shape == (0, 5) and keep.shape == (0, 5)
+
+
+# ----------------------------------------------------------------------------------------------
+# flexlite.masks registry and factories
+
+NAMES = "causal, causal_bottom_right, sliding_window"
+
+MASKS = {
+    "unknown_name": (lambda: build_named_mask("causel", 64), ValueError,
+                     f"unknown mask 'causel'; valid names: {NAMES}"),
+    "name_not_str": (lambda: build_named_mask(None, 64), TypeError, f"name must be a str, one of {NAMES}"),
+    "seq_zero": (lambda: build_named_mask("causal", 0), ValueError, "build_named_mask: seq must be >= 1; got 0"),
+    "seq_float": (lambda: build_named_mask("causal", 64.0), TypeError, "seq must be an int; got float"),
+    "unknown_option": (lambda: build_named_mask("causal", 64, windw=3), TypeError,
+                       r"unknown options \['windw'\]; valid options: kv_seq, window"),
+    "flamingo_no_images": (lambda: build_named_mask("flamingo", 64, images=0), ValueError, "images must be >= 1"),
+    "shared_prefix_too_long": (lambda: build_named_mask("shared_prefix", 64, prefix=100), ValueError,
+                               "prefix=100 is longer than seq=64"),
+    "flamingo_empty_intervals": (lambda: generate_vision_cross_attention_mask_mod([], 2), ValueError,
+                                 r"intervals must have shape \[num_images >= 1, 2\]; got \(0, 2\)"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MASKS))
+def test_masks(name):
+    check(*MASKS[name])
+
+
+# ----------------------------------------------------------------------------------------------
+# DIY API: flexlite.kernels
+
+A = torch.randn(8, 8)
+Q4 = torch.randn(1, 2, 8, 16)
+
+KERNELS = {
+    "matmul_on_meta": (lambda: triton_matmul(A.to("meta"), A.to("meta")), NotImplementedError,
+                       "triton_matmul: the inputs are on meta"),
+    "matmul_use_autotune_str": (lambda: triton_matmul(A, A, use_autotune="no"), TypeError,
+                                "use_autotune must be a bool"),
+    "matmul_other_device": (lambda: triton_matmul(A, A.to("meta")), ValueError, "a is on cpu but b is on meta"),
+    "flash_on_meta": (lambda: flash_attention(*on("meta", (Q4, Q4, Q4))), NotImplementedError,
+                      "flash_attention: the inputs are on meta"),
+    "flash_causal_str": (lambda: flash_attention(Q4, Q4, Q4, causal="no"), TypeError,
+                         "flash_attention: causal must be a bool"),
+    "flash_other_device": (lambda: flash_attention(Q4, Q4, Q4.to("meta")), ValueError, "must be on one device"),
+    "flash_seq_lens_on_meta": (lambda: flash_attention(Q4, Q4, Q4, seq_lens=torch.tensor([3], device="meta")),
+                               ValueError, "seq_lens is on meta"),
+    "flash_rank_2": (lambda: flash_attention(A, A, A), ValueError, r"expected 3-D .* or 4-D"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_kernels(name):
+    check(*KERNELS[name])
+
+
+def test_flexlite_reexports_are_the_checked_functions():
+    assert flexlite.flash_attention is flash_attention and flexlite.triton_matmul is triton_matmul
