@@ -244,9 +244,10 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options):
     rows = _decode_rows(query, key, num, sparse, options)
     kernel = _generate(score_mod, block_mask, query.device, "decode.py.jinja" if rows else "fwd.py.jinja")
     _check_captured(kernel, query.device)
-    # on every path, so that bad tile pins are reported even where decoding ignores them
-    config = forward_config(query, value, sparse, options, masked=block_mask is not None,
-                            gathers=bool(kernel.mask_mod.tensors))
+    # also when decoding if tiles are pinned, so that bad pins are reported even where decoding ignores them
+    if not rows or any(k in options for k in CONFIG_KEYS):
+        config = forward_config(query, value, sparse, options, masked=block_mask is not None,
+                                gathers=bool(kernel.mask_mod.tensors))
     module = load_module(kernel.source, interpret=query.device.type != "cuda")
     if rows:
         return launch_decode(module, kernel.mod_args(), query, key, value, num, idx, full_num, full_idx, sparse,

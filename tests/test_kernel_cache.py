@@ -53,10 +53,12 @@ def test_flex_attention_survives_a_corrupted_cache(cache):
         return score * 1.5
     q, k, v = rand_qkv(1, 1, 1, 80, 80, 16)
     compile_module._MODULES.clear()  # as in a new process: the kernel file is written to this cache
+    compile_module._BY_SOURCE.clear()
     out = flex_attention(q, k, v, score_mod=mod)
     for f in (cache / "kernels").glob("*.py"):
         f.write_bytes(b"\x00broken")
     compile_module._MODULES.clear()
+    compile_module._BY_SOURCE.clear()
     again = flex_attention(q, k, v, score_mod=mod)
     assert torch.equal(out, again)
     assert_close(again, attention_reference(q, k, v, score_mod=mod)[0], *TOLERANCES[torch.float32])

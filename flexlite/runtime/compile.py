@@ -24,6 +24,7 @@ import triton
 
 _LOCK = threading.Lock()
 _MODULES: dict = {}
+_BY_SOURCE: dict = {}  # (source text, interpret) -> module: the same modules as _MODULES
 
 
 def cache_dir() -> Path:
@@ -132,13 +133,18 @@ def import_kernel_file(path: Path, name: str, interpret: bool) -> ModuleType:
 
 def load_module(source: str, interpret: bool) -> ModuleType:
     """Import the kernel module for ``source`` (cached); ``interpret`` selects Triton's interpreter."""
+    module = _BY_SOURCE.get((source, interpret))  # the steady state: no hashing of the text (str caches its hash)
+    if module is not None:
+        return module
     key = (source_hash(source), interpret)
     with _LOCK:
         module = _MODULES.get(key)
         if module is not None:
+            _BY_SOURCE[(source, interpret)] = module
             return module
         path = write_source(source)
-        module = _MODULES[key] = import_kernel_file(path, f"flexlite_kernels.{path.stem}", interpret)
+        module = _MODULES[key] = _BY_SOURCE[(source, interpret)] = import_kernel_file(
+            path, f"flexlite_kernels.{path.stem}", interpret)
         if os.environ.get("FLEXLITE_SHOW_KERNELS", "0") not in ("", "0"):
             print(f"[flexlite] kernel {path}\n{source}", file=sys.stderr)
         return module

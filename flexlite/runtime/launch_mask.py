@@ -8,7 +8,7 @@ from .compile import interpreter_scope
 from .launch import _pow2_divisor, scalars_to
 
 # CUDA: largest tile edge (a block is evaluated tile by tile) and warps per program
-MASK_TILES = dict(cap=64, num_warps=4)
+MASK_TILES = dict(cap=32, num_warps=4)
 
 
 def launch_block_mask(module, mod_args: list, B: int, H: int, Q_LEN: int, KV_LEN: int, block_size: tuple,
