@@ -249,6 +249,10 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options):
         config = forward_config(query, value, sparse, options, masked=block_mask is not None,
                                 gathers=bool(kernel.mask_mod.tensors))
     module = load_module(kernel.source, interpret=query.device.type != "cuda")
+    if scale <= 0 and not kernel.has_score_mod:
+        # without a score_mod the kernels scale after the row max (and after masking with -inf), which needs a
+        # positive scale: the sign goes onto the query, a zero scale becomes query * 0 (NaN / inf still spread)
+        query, scale = (-query, -scale) if scale < 0 else (query * 0.0, 1.0)
     if rows:
         return launch_decode(module, kernel.mod_args(), query, key, value, num, idx, full_num, full_idx, sparse,
                              scale, kernel.has_score_mod, rows, options.get("DECODE_SPLITS"))

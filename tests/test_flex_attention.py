@@ -146,3 +146,26 @@ def test_nan_and_inf_inputs_propagate_like_torch(decode):
     assert torch.equal(torch.isnan(out).cpu(), torch.isnan(expected))
     finite = torch.isfinite(expected)
     assert_close(out.cpu()[finite], expected[finite], *TOLERANCES[torch.float32], name="finite part")
+
+
+@pytest.mark.parametrize("scale", [-0.7, 0.0, 0.3])
+@pytest.mark.parametrize("with_score_mod", [False, True])
+@pytest.mark.parametrize("Lq", [1, 50])  # the decode kernel and the forward kernel
+def test_any_sign_of_scale(scale, with_score_mod, Lq):
+    """The forward applies the scale after the row max when there is no score_mod (one FMA per score); a
+    negative or zero scale must still give the reference result, through out, LSE and the gradients."""
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + 0.01 * (q_idx - kv_idx)
+
+    q, k, v = rand_qkv(1, 2, 2, Lq, 70, 16)
+    q.requires_grad_(True)
+    bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx + 20 >= kv_idx, None, None, Lq, 70, device=DEVICE)
+    mod = bias if with_score_mod else None
+    out, lse = flex_attention(q, k, v, score_mod=mod, block_mask=bm, scale=scale, return_lse=True)
+    ref, ref_lse = attention_reference(q, k, v, score_mod=mod, block_mask=bm, scale=scale)
+    assert_close(out, ref, *TOLERANCES[torch.float32])
+    assert_close(lse, ref_lse, *LSE_TOLERANCES[torch.float32], name="lse")
+    grad = torch.randn_like(out)
+    got, = torch.autograd.grad(out, q, grad)
+    want, = torch.autograd.grad(ref, q, grad.double())
+    assert_close(got, want, 1e-5 * max(1.0, want.abs().max().item()), 1e-5, name="dq")
