@@ -235,3 +235,18 @@ def test_block_mask_builders_report_untraceable_mods():
                   lambda: flexlite.create_mask(bad, 1, 1, 8, 8, device=DEVICE)):
         with pytest.raises(UntraceableModError, match=r"torch\.where"):
             build()
+
+
+@pytest.mark.parametrize("divisor, lowered", [(30.0, "* 0.03333333333333333"), (4, "* 0.25"), (-0.5, "* -2.0"),
+                                              (1e-35, "/ 1e-35")])
+def test_division_by_a_constant_is_a_multiply(divisor, lowered):
+    """x / c (c a normal-range constant) lowers to x * (1 / c): one instruction instead of an IEEE division,
+    and the result still matches the reference."""
+    def mod(score, b, h, q_idx, kv_idx):
+        return score / divisor + q_idx / 2
+
+    source = flexlite.kernel_source(mod)
+    assert lowered in source and "q_idx.to(tl.float32) * 0.5" in source
+    q, k, v = rand_qkv(1, 1, 1, 20, 30, 16)
+    assert_close(flex_attention(q, k, v, score_mod=mod), attention_reference(q, k, v, score_mod=mod)[0],
+                 *TOLERANCES[torch.float32])

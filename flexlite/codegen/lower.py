@@ -99,6 +99,10 @@ def _float_fn(fn):
 
 def _truediv(a, kw, n):
     x, y = a
+    if y.is_literal and not isinstance(y.literal, bool) and 1e-30 < abs(y.literal) < 1e30:
+        # by a constant: a multiply by its reciprocal (an IEEE fp32 division is a multi-instruction sequence);
+        # within 1.5 ulp of the division, exact for powers of two (docs/NUMERICS.md)
+        return f"({as_float(x)} * {literal(1.0 / y.literal).expr})"
     if not x.is_float and not y.is_float:
         return f"({as_float(x)} / {as_float(y)})"
     return f"({x.expr} / {y.expr})"
