@@ -646,6 +646,12 @@ def _block_flags_kernel(mask_mod: _MaskMod, B: int, H: int, Q_LEN: int, KV_LEN: 
     if kernel.mask_mod.result_dtype not in (None, torch.bool):
         raise TypeError(f"create_block_mask: mask_mod must return a bool tensor; got {kernel.mask_mod.result_dtype}")
     for t in kernel.captured:
+        # as flex_attention's check: gathers from captured tensors of < 2**31 elements use 32-bit offsets
+        reach = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())) if t.numel() else 0
+        if t.numel() < 2**31 and reach >= 2**31:
+            raise ValueError(f"create_block_mask: a tensor captured by mask_mod (shape {tuple(t.shape)}, strides "
+                             f"{t.stride()}) reaches offset {reach}; the block-mask kernel gathers from captured "
+                             f"tensors of fewer than 2**31 elements with 32-bit offsets: capture tensor.contiguous()")
         if not _same_device(t.device, device) and not (t.dim() == 0 and t.device.type == "cpu"):
             raise ValueError(f"create_block_mask: a tensor captured by mask_mod is on {t.device}, not {device}; "
                              f"create it on {device}")

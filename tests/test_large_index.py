@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import flexlite.api as api
+import flexlite.block_mask as bm_module
 from flexlite import create_block_mask, flex_attention, kernel_source
 from flexlite.runtime import launch
 from helpers import DEVICE, rand_qkv
@@ -166,6 +167,16 @@ def test_strided_captured_tensor_past_32_bit_offsets_is_refused():
     with pytest.raises(ValueError, match=r"captured by a mod \(shape \(4,\), strides \(1073741824,\)\) reaches offset "
                                          r"3221225472.*capture tensor\.contiguous\(\) instead"):
         flex_attention(q, k, v, score_mod=mod)
+
+
+def test_block_mask_kernel_refuses_strided_captured_tensors_past_32_bit_offsets():
+    table = torch.empty_strided((4,), (2**30,), device="meta")
+
+    def mask(b, h, q_idx, kv_idx):
+        return table[q_idx % 4] >= 0
+    with pytest.raises(ValueError, match=r"create_block_mask: a tensor captured by mask_mod .* reaches offset "
+                                         r"3221225472"):
+        bm_module._block_flags_kernel(mask, 1, 1, 32, 32, torch.device(DEVICE), (16, 16))
 
 
 def test_block_mask_tensors_past_32_bit_offsets_are_refused(monkeypatch):
