@@ -113,6 +113,8 @@ def _timed(forward: Callable, pass_: str) -> Callable:
 
 
 def _git_commit() -> str:
+    if os.environ.get("FLEXLITE_COMMIT"):  # set where the checkout has no (or a stale) .git, as on the device
+        return os.environ["FLEXLITE_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
