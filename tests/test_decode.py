@@ -100,3 +100,17 @@ def test_kv_cache_steps_reuse_trace_and_kernel():
 def test_kv_cache_offset_must_be_an_int_tensor():
     with pytest.raises(TypeError, match="0-d integer tensor"):
         generate_kv_cache_causal(5)
+
+
+@pytest.mark.parametrize("programs, tiles, sms, want", [
+    (64, 512, 132, 8),    # H200, B8 x 8 KV heads: 8 splits fill 3.9 waves, 9 would leave the 5th wave 36 % full
+    (8, 2048, 132, 66),   # B1: 66 splits are exactly 4 waves
+    (64, 3, 132, 2),      # never more splits than key tiles
+    (1, 1, 2, 1),
+    (4096, 64, 132, 1),   # plenty of programs: no split
+])
+def test_decode_split_count(programs, tiles, sms, want):
+    from flexlite.runtime.launch import decode_splits
+    got = decode_splits(programs, tiles, sms, waves=4)
+    assert got == want
+    assert 1 <= got <= tiles

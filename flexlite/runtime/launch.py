@@ -202,6 +202,18 @@ def decode_rows(q: torch.Tensor, k: torch.Tensor, sparse_block: tuple, mask_head
 DECODE_TILES = dict(BLOCK_N=64, num_warps=4, num_stages=4, waves=4)
 
 
+def decode_splits(programs: int, tiles: int, sms: int, waves: int) -> int:
+    """KV splits for ``programs`` (batch x head groups) decode programs over ``tiles`` key tiles: about ``waves``
+    programs per SM, then the count among the top quarter below that whose last wave is fullest (a decode
+    program holds most of an SM's shared memory: a partly filled last wave idles bandwidth). H200: B8 x 8 KV
+    heads picks 8 splits (3.9 waves) over 9 (4.4 waves), 3 % faster; benchmarks/NOTES.md."""
+    want = max(1, min(tiles, triton.cdiv(waves * sms, programs)))
+
+    def fill(s):  # fraction of the launched waves' slots that hold a program
+        return programs * s / (triton.cdiv(programs * s, sms) * sms)
+    return max(range(max(1, (3 * want) // 4), want + 1), key=lambda s: (round(fill(s), 2), s))
+
+
 def launch_decode(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
                   full_kv_num_blocks: Optional[torch.Tensor], full_kv_indices: Optional[torch.Tensor],
                   sparse_block: tuple, scale: float, has_score_mod: bool, rows: int, num_splits: Optional[int] = None):
@@ -215,7 +227,7 @@ def launch_decode(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
     programs = B * Hq // rows
     if num_splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if cuda else 2
-        num_splits = max(1, min(triton.cdiv(Lkv, block_n), triton.cdiv(tiles["waves"] * sms, programs)))
+        num_splits = decode_splits(programs, triton.cdiv(Lkv, block_n), sms, tiles["waves"])
     out_s = torch.empty((B, Hq, num_splits, Lq, Dv), dtype=torch.float32, device=q.device)
     lse_s = torch.empty((B, Hq, num_splits, Lq), dtype=torch.float32, device=q.device)
     has_full = full_kv_num_blocks is not None
