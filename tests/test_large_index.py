@@ -45,22 +45,25 @@ def functions(source: str) -> dict:
 @pytest.mark.parametrize("kernel", ["forward", "decode", "backward"])
 def test_batch_and_head_offsets_are_64_bit(kernel):
     """Every batch / head base offset (``off * stride_<t>z``, ``off * stride_<t>h``) multiplies an int64: the
-    multiplicand is cast ``.to(tl.int64)``."""
+    multiplicand is cast ``.to(tl.int64)``, or (the decode combine kernel) derived from an int64 program id."""
     source = kernel_source(kernel=kernel, device="cpu")
     uses = re.findall(rf"(\S+) \* stride_(?:{TENSORS})[zh]\b", source)
     assert len(uses) >= 8, uses
     for name, body in functions(source).items():
         for m in re.finditer(rf"(?<!\.to\(tl\.int64\)) \* stride_(?:{TENSORS})[zh]\b", body):
             line = body[body.rfind("\n", 0, m.start()) + 1:body.find("\n", m.end())].strip()
-            raise AssertionError(f"{name}: 32-bit batch/head offset in: {line}")
+            # the only exception: off_z / off_h computed from i_row = program_id(0).to(int64)
+            assert name == "flex_decode_combine_kernel", f"{name}: 32-bit batch/head offset in: {line}"
+            assert re.search(r"i_row = tl\.program_id\(0\)\.to\(tl\.int64\)", body)
+            assert "off_zh = i_row // Q_LEN" in body and "off_z = off_zh // HQ" in body, body
 
 
 ROW_OFFSETS = {  # the lines that index the per-row buffers (LSE, delta, split partials, dS)
     "forward": ["tl.store(LSE + i_zh.to(tl.int64) * Q_LEN + offs_m"],
     "decode": ["tl.store(LSE + i_zh.to(tl.int64) * Q_LEN + offs_m",
                "row = ((off_z.to(tl.int64) * HQ + off_h) * NUM_SPLITS + i_s) * Q_LEN + pos",
-               "row0 = (off_z.to(tl.int64) * HQ + off_h) * NUM_SPLITS * Q_LEN + pos",
-               "tl.store(LSE + (off_z.to(tl.int64) * HQ + off_h) * Q_LEN + pos"],
+               "i_row = tl.program_id(0).to(tl.int64)", "off_zh = i_row // Q_LEN",
+               "rows_s = (off_zh * NUM_SPLITS + offs_s) * Q_LEN + off_m"],
     "backward": ["row = i_zh.to(tl.int64) * Q_LEN + offs_m", "LSE_h = LSE + i_zhq.to(tl.int64) * Q_LEN",
                  "DELTA_h = DELTA + i_zhq.to(tl.int64) * Q_LEN", "DS_h = DS + i_zhq.to(tl.int64) * Q_LEN * KV_LEN",
                  "p_ds = DS + offs_m[None, :].to(tl.int64) * KV_LEN", "LSE += i_zh.to(tl.int64) * Q_LEN",

@@ -217,8 +217,8 @@ def decode_splits(programs: int, tiles: int, sms: int, waves: int) -> int:
 def launch_decode(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
                   full_kv_num_blocks: Optional[torch.Tensor], full_kv_indices: Optional[torch.Tensor],
                   sparse_block: tuple, scale: float, has_score_mod: bool, rows: int, num_splits: Optional[int] = None):
-    """Split-KV decoding (``module.flex_decode_kernel``, which also merges the splits); returns (out, lse)
-    as :func:`launch_forward` does."""
+    """Split-KV decoding (``module.flex_decode_kernel``) and the combine step; returns (out, lse) as
+    :func:`launch_forward` does."""
     B, Hq, Lq, D = q.shape
     Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[-1]
     cuda = q.device.type == "cuda"
@@ -230,9 +230,6 @@ def launch_decode(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
         num_splits = decode_splits(programs, triton.cdiv(Lkv, block_n), sms, tiles["waves"])
     out_s = torch.empty((B, Hq, num_splits, Lq, Dv), dtype=torch.float32, device=q.device)
     lse_s = torch.empty((B, Hq, num_splits, Lq), dtype=torch.float32, device=q.device)
-    out = torch.empty((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
-    arrived = torch.zeros(programs, dtype=torch.int32, device=q.device)  # splits done, per program group
     has_full = full_kv_num_blocks is not None
     if not has_full:
         full_kv_num_blocks, full_kv_indices = kv_num_blocks, kv_indices
@@ -241,14 +238,19 @@ def launch_decode(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
     allow_tf32 = cuda and torch.backends.cuda.matmul.allow_tf32
     with interpreter_scope(not cuda):
         module.flex_decode_kernel[(num_splits, programs)](
-            q, k, v, out_s, lse_s, out, lse, arrived, nb, idx, full_nb, full_idx,
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(), *_mask_strides(nb)[:2], *_mask_strides(idx)[:2],
+            q, k, v, out_s, lse_s, nb, idx, full_nb, full_idx,
+            *q.stride(), *k.stride(), *v.stride(), *_mask_strides(nb)[:2], *_mask_strides(idx)[:2],
             Hq, Hq // Hkv, Lq, Lkv, float(scale), num_splits, *scalars_to(mod_args, q.device),
             ROWS=rows, BLOCK_M=max(16, triton.next_power_of_2(rows * Lq)), BLOCK_N=block_n,
             SPARSE_KV_BLOCK=sparse_block[1], D=D, DV=Dv, D_PAD=head_dim_pad(D), DV_PAD=head_dim_pad(Dv),
             EVEN_N=Lkv % sparse_block[1] == 0, HAS_FULL_BLOCKS=has_full, HAS_SCORE_MOD=has_score_mod,
             FP32_PRECISION="tf32" if allow_tf32 else "ieee", num_warps=tiles["num_warps"],
             num_stages=tiles["num_stages"])
+        out = torch.empty((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)
+        lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
+        module.flex_decode_combine_kernel[(B * Hq * Lq,)](
+            out_s, lse_s, out, lse, *out.stride(), Hq, Lq, num_splits, DV=Dv, DV_PAD=head_dim_pad(Dv),
+            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)))
     return out, lse
 
 
