@@ -20,9 +20,8 @@ SPACE = [dict(BLOCK_N=bn, num_warps=w, num_stages=s, waves=waves)
 SPLITS = [None, 8, 9, 12, 16, 17, 24, 33, 48, 66, 99, 132]  # DECODE_SPLITS pins, under the default tiles
 
 
-def splits_rows(copy_bw: float) -> list:
-    """Under the default tiles: the split count the heuristic picks against pinned ones."""
-    rows = []
+def decode_shapes():
+    """Per shape: its label, q, k, v, the fp64 reference, the bytes a decode step must read and SDPA's ms."""
     for (B, Hq, Hkv, Lkv, D) in SHAPES:
         q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
         k, v = [torch.randn(B, Hkv, Lkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
@@ -30,6 +29,13 @@ def splits_rows(copy_bw: float) -> list:
         nbytes = (q.numel() * 2 + k.numel() + v.numel()) * q.element_size()
         sdpa = triton.testing.do_bench(
             lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True), rep=50)
+        yield f"B{B} Lkv{Lkv}", q, k, v, ref, nbytes, sdpa
+
+
+def splits_rows(copy_bw: float) -> list:
+    """Under the default tiles: the split count the heuristic picks against pinned ones."""
+    rows = []
+    for label, q, k, v, ref, nbytes, sdpa in decode_shapes():
         for splits in SPLITS:
             opts = {} if splits is None else {"DECODE_SPLITS": splits}
             err = (flex_attention(q, k, v, enable_gqa=True, kernel_options=opts).double() - ref).abs().max().item()
@@ -37,7 +43,7 @@ def splits_rows(copy_bw: float) -> list:
                                          rep=50)
             graph_ms = triton.testing.do_bench_cudagraph(
                 lambda: flex_attention(q, k, v, enable_gqa=True, kernel_options=opts))
-            rows.append([f"B{B} Lkv{Lkv}", f"splits {splits or 'default'}", f"{err:.1e}", round(ms, 4),
+            rows.append([label, f"splits {splits or 'default'}", f"{err:.1e}", round(ms, 4),
                          round(graph_ms, 4), round(sdpa, 4), round(sdpa / ms, 3),
                          round(100 * nbytes / ms / 1e6 / copy_bw, 1)])
             print(rows[-1], flush=True)
@@ -53,13 +59,7 @@ def main():
         return
     default = dict(launch.DECODE_TILES)
     rows = []
-    for (B, Hq, Hkv, Lkv, D) in SHAPES:
-        q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16)
-        k, v = [torch.randn(B, Hkv, Lkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-        ref, _ = attention_reference(q, k, v, enable_gqa=True)
-        nbytes = (q.numel() * 2 + k.numel() + v.numel()) * q.element_size()
-        sdpa = triton.testing.do_bench(
-            lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True), rep=50)
+    for label, q, k, v, ref, nbytes, sdpa in decode_shapes():
         for tiles in SPACE:
             launch.DECODE_TILES.clear()
             launch.DECODE_TILES.update(tiles)
@@ -67,10 +67,10 @@ def main():
             try:
                 err = (flex_attention(q, k, v, enable_gqa=True).double() - ref).abs().max().item()
                 ms = triton.testing.do_bench(lambda: flex_attention(q, k, v, enable_gqa=True), rep=50)
-                rows.append([f"B{B} Lkv{Lkv}", name, f"{err:.1e}", round(ms, 4), round(sdpa, 4),
+                rows.append([label, name, f"{err:.1e}", round(ms, 4), round(sdpa, 4),
                              round(sdpa / ms, 3), round(100 * nbytes / ms / 1e6 / copy_bw, 1)])
             except Exception as e:  # noqa: BLE001 - a setting that does not compile or fit: note it, go on
-                rows.append([f"B{B} Lkv{Lkv}", name, type(e).__name__, "", "", "", ""])
+                rows.append([label, name, type(e).__name__, "", "", "", ""])
             print(rows[-1], flush=True)
     launch.DECODE_TILES.clear()
     launch.DECODE_TILES.update(default)
