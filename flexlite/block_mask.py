@@ -421,7 +421,15 @@ class BlockMask:
         if seq_lengths is None:
             seq_lengths = (kv_indices.shape[-2] * block_size[0], kv_indices.shape[-1] * block_size[1])
         seq_lengths = _check_seq_lengths(seq_lengths)
+        return cls._from_kv_side(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, block_size,
+                                 mask_mod, seq_lengths)
 
+    @classmethod
+    def _from_kv_side(cls, kv_num_blocks: Tensor, kv_indices: Tensor, full_kv_num_blocks: Optional[Tensor],
+                      full_kv_indices: Optional[Tensor], block_size: tuple[int, int], mask_mod: Optional[_MaskMod],
+                      seq_lengths: tuple[int, int]) -> "BlockMask":
+        """:meth:`from_kv_blocks` without its checks, for kv-side tensors already known to be valid (slices of
+        a BlockMask): its value checks read the tensors on the host, a sync per call."""
         q_num_blocks, q_indices = _transpose_ordered(kv_num_blocks, kv_indices)
         full_q_num_blocks = full_q_indices = None
         if full_kv_num_blocks is not None:
@@ -503,9 +511,9 @@ class BlockMask:
         index = tuple(self._int_to_slice(i, n) for i, n in zip(padded, sizes))
         full = ((self.full_kv_num_blocks[index], self.full_kv_indices[index])
                 if self.full_kv_num_blocks is not None else (None, None))
-        return BlockMask.from_kv_blocks(self.kv_num_blocks[index], self.kv_indices[index], *full,
-                                        BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=_sliced_mask_mod_error,
-                                        seq_lengths=self.seq_lengths)
+        # slices of valid blocks are valid: no value checks (no host sync when slicing per decode step)
+        return BlockMask._from_kv_side(self.kv_num_blocks[index], self.kv_indices[index], *full,
+                                       tuple(self.BLOCK_SIZE), _sliced_mask_mod_error, tuple(self.seq_lengths))
 
     @staticmethod
     def _check_index(index) -> tuple:
