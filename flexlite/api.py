@@ -17,8 +17,8 @@ from .codegen.trace import check_arity, trace_mod
 from .runtime.compile import load_module, write_source
 from .runtime.autotune import autotune_enabled
 from .runtime.launch import (BACKWARD_CONFIG_KEYS, CONFIG_KEYS, FLEXLITE_OPTIONS, TORCH_PERF_HINTS,
-                             backward_config, decode_rows, forward_config, launch_backward, launch_decode,
-                             launch_forward)
+                             backward_config, decode_rows, forward_config, is_host_scalar, launch_backward,
+                             launch_decode, launch_forward)
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -162,16 +162,19 @@ def _validate_block_mask(block_mask, query, key):
         check_mod_output(block_mask.mask_mod, "mask_mod", "flex_attention")
 
 
-def _check_captured(kernel: GeneratedKernel, device: torch.device):
-    for t in kernel.captured:
-        # gathers from captured tensors of at most 2**31 elements use 32-bit offsets (larger ones 64-bit)
-        if t.numel() < INDEX_LIMIT and _max_offset(t.shape, t.stride()) >= INDEX_LIMIT:
-            _fail(f"a tensor captured by a mod (shape {tuple(t.shape)}, strides {t.stride()}) reaches offset "
-                  f"{_max_offset(t.shape, t.stride())}; flexlite gathers from captured tensors of fewer than 2**31 "
-                  f"elements with 32-bit offsets: capture tensor.contiguous() instead")
-        if t.device != device and not (t.dim() == 0 and t.device.type == "cpu" and not t.requires_grad):
-            _fail(f"a tensor captured by a mod is on {t.device} but the inputs are on {device}; create it on "
-                  f"{device} (tensor.to(query.device)) before defining the mod")
+def check_captured(captured, device: torch.device, caller: str, what: str = "a mod"):
+    """The tensors a kernel will gather from (``captured`` by ``what``): on ``device`` (or host scalars, which
+    the launchers move there), and within the 32-bit offsets used for tensors of fewer than 2**31 elements
+    (larger ones are gathered with 64-bit offsets); else a ValueError saying what to do."""
+    for t in captured:
+        reach = _max_offset(t.shape, t.stride())
+        if t.numel() < INDEX_LIMIT and reach >= INDEX_LIMIT:
+            raise ValueError(f"{caller}: a tensor captured by {what} (shape {tuple(t.shape)}, strides {t.stride()}) "
+                             f"reaches offset {reach}; flexlite's kernels gather from captured tensors of fewer than "
+                             f"2**31 elements with 32-bit offsets: capture tensor.contiguous() instead")
+        if t.device != device and not is_host_scalar(t):
+            raise ValueError(f"{caller}: a tensor captured by {what} is on {t.device} but the kernel runs on {device}; "
+                             f"create it on {device} (tensor.to(query.device)) before defining the mod")
 
 
 @functools.lru_cache(maxsize=64)
@@ -243,7 +246,7 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options):
     num, idx, full_num, full_idx, sparse = _block_tensors(block_mask, Lq, Lkv, query.device)
     rows = _decode_rows(query, key, num, sparse, options)
     kernel = _generate(score_mod, block_mask, query.device, "decode.py.jinja" if rows else "fwd.py.jinja")
-    _check_captured(kernel, query.device)
+    check_captured(kernel.captured, query.device, "flex_attention")
     # also when decoding if tiles are pinned, so that bad pins are reported even where decoding ignores them
     if not rows or any(k in options for k in CONFIG_KEYS):
         config = forward_config(query, value, sparse, options, masked=block_mask is not None,
@@ -348,7 +351,7 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
     scatter = () if deterministic else tuple(want)
     mask_mod = block_mask.mask_mod if block_mask is not None else None
     kernel = generate_backward(score_mod, mask_mod, interpret=interpret, grad_captured=scatter)
-    _check_captured(kernel, query.device)
+    check_captured(kernel.captured, query.device, "flex_attention")
     module = load_module(kernel.source, interpret=interpret)
     *kv_blocks, sparse = _block_tensors(block_mask, Lq, Lkv, query.device)
     q_blocks = _q_block_tensors(block_mask, Lq, Lkv, query.device)

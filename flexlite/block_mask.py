@@ -647,34 +647,17 @@ def _block_flags_kernel(mask_mod: _MaskMod, B: int, H: int, Q_LEN: int, KV_LEN: 
     kernels): O(number of blocks) memory. On CPU it runs through Triton's interpreter (tests)."""
     from .codegen.kernel import generate
     from .runtime.compile import load_module
+    from .api import check_captured  # api imports this module
     from .runtime.launch_mask import launch_block_mask
 
+    device = check_device("create_block_mask", device)  # "cuda" names the current GPU, as captures do
     interpret = device.type != "cuda"
     kernel = generate("block_mask.py.jinja", None, mask_mod, interpret=interpret)
     if kernel.mask_mod.result_dtype not in (None, torch.bool):
         raise TypeError(f"create_block_mask: mask_mod must return a bool tensor; got {kernel.mask_mod.result_dtype}")
-    for t in kernel.captured:
-        # as flex_attention's check: gathers from captured tensors of < 2**31 elements use 32-bit offsets
-        reach = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())) if t.numel() else 0
-        if t.numel() < 2**31 and reach >= 2**31:
-            raise ValueError(f"create_block_mask: a tensor captured by mask_mod (shape {tuple(t.shape)}, strides "
-                             f"{t.stride()}) reaches offset {reach}; the block-mask kernel gathers from captured "
-                             f"tensors of fewer than 2**31 elements with 32-bit offsets: capture tensor.contiguous()")
-        if not _same_device(t.device, device) and not (t.dim() == 0 and t.device.type == "cpu"):
-            raise ValueError(f"create_block_mask: a tensor captured by mask_mod is on {t.device}, not {device}; "
-                             f"create it on {device}")
+    check_captured(kernel.captured, device, "create_block_mask", "mask_mod")
     module = load_module(kernel.source, interpret=interpret)
     return launch_block_mask(module, kernel.mod_args(), B, H, Q_LEN, KV_LEN, block_size, device)
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    """Equal devices, "cuda" meaning the current CUDA device."""
-    if a.type != b.type:
-        return False
-    if a.type != "cuda":
-        return True
-    return (torch.cuda.current_device() if a.index is None else a.index) == \
-        (torch.cuda.current_device() if b.index is None else b.index)
 
 
 def _block_flags_vmap(mask_mod: _MaskMod, B: int, H: int, Q_LEN: int, KV_LEN: int, device: torch.device,

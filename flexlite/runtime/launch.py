@@ -126,11 +126,15 @@ def run_with_fallback(kernel, grid, args: tuple, constexprs: dict, config: TileC
     raise error
 
 
+def is_host_scalar(t: torch.Tensor) -> bool:
+    """A 0-d CPU tensor without grad: torch lets one mix with CUDA tensors, and a mod that builds a constant
+    (``torch.tensor(2.0)``, ``torch.ones((), dtype=torch.bool)``) captures one; :func:`scalars_to` moves it."""
+    return t.dim() == 0 and t.device.type == "cpu" and not t.requires_grad
+
+
 def scalars_to(args: list, device: torch.device) -> list:
-    """Kernel arguments with captured 0-d tensors moved to ``device``: torch lets a CPU scalar tensor mix with
-    CUDA tensors, and a mod that builds a constant (``torch.tensor(2.0)``, ``torch.ones((), dtype=torch.bool)``)
-    captures one on the CPU."""
-    return [a.to(device) if isinstance(a, torch.Tensor) and a.dim() == 0 and a.device.type != device.type else a
+    """Kernel arguments with captured host scalars (:func:`is_host_scalar`) moved to ``device``."""
+    return [a.to(device) if isinstance(a, torch.Tensor) and device.type != "cpu" and is_host_scalar(a) else a
             for a in args]
 
 
