@@ -264,13 +264,10 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options):
                           tune=autotune_enabled(options), use_tma=bool(options.get("USE_TMA", False)))
 
 
-@functools.lru_cache(maxsize=64)
 def _all_full_q_blocks(Lq: int, Lkv: int, device: torch.device):
-    """The q side of :func:`_all_full_blocks`: every q block is full for every kv block."""
-    nq, nkv = -(-Lq // DEFAULT_SPARSE_BLOCK), -(-Lkv // DEFAULT_SPARSE_BLOCK)
-    zeros = torch.zeros((1, 1, nkv), dtype=torch.int32, device=device)
-    idx = torch.arange(nq, dtype=torch.int32, device=device).expand(1, 1, nkv, nq).contiguous()
-    return zeros, idx, torch.full_like(zeros, nq), idx
+    """The q side of :func:`_all_full_blocks`: every q block is full for every kv block (the kv side with
+    the lengths swapped)."""
+    return _all_full_blocks(Lkv, Lq, device)[:4]
 
 
 def _q_block_tensors(block_mask, Lq, Lkv, device):

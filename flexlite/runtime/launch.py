@@ -70,15 +70,20 @@ def forward_config(q: torch.Tensor, v: torch.Tensor, sparse_block: tuple, kernel
     bm = _pow2_divisor(sparse_block[0], bm)
     bn = _pow2_divisor(sparse_block[1], bn)
     cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
-    for key in CONFIG_KEYS:
-        if key in kernel_options:
-            cfg[key] = kernel_options[key]
-    for key, sparse in (("BLOCK_M", sparse_block[0]), ("BLOCK_N", sparse_block[1])):
+    return TileConfig(**_pin(cfg, kernel_options, CONFIG_KEYS,
+                             {"BLOCK_M": sparse_block[0], "BLOCK_N": sparse_block[1]}))
+
+
+def _pin(cfg: dict, kernel_options: dict, keys: tuple, sides: dict) -> dict:
+    """``cfg`` with the ``keys`` that ``kernel_options`` pins; each tile size in ``sides`` (key -> the block
+    mask's BLOCK_SIZE on its side) must then be a power of two >= 16 that divides it."""
+    cfg.update({key: kernel_options[key] for key in keys if key in kernel_options})
+    for key, sparse in sides.items():
         value = cfg[key]
         if not isinstance(value, int) or value < 16 or value & (value - 1) or sparse % value:
             raise ValueError(f"kernel_options[{key!r}]={value!r}: must be a power of two >= 16 that divides the "
                              f"block mask's BLOCK_SIZE {sparse}")
-    return TileConfig(**cfg)
+    return cfg
 
 
 def fallback_configs(config: TileConfig):
@@ -359,16 +364,9 @@ def backward_config(q: torch.Tensor, v: torch.Tensor, sparse_block: tuple, kerne
     cfg = dict(BLOCK_M1=_pow2_divisor(sparse_block[0], m1), BLOCK_N1=_pow2_divisor(sparse_block[1], n1),
                BLOCK_M2=_pow2_divisor(sparse_block[0], m2), BLOCK_N2=_pow2_divisor(sparse_block[1], n2),
                num_warps=warps, num_stages=stages)
-    for key in BACKWARD_CONFIG_KEYS:
-        if key in kernel_options:
-            cfg[key] = kernel_options[key]
-    for key, sparse in (("BLOCK_M1", sparse_block[0]), ("BLOCK_N1", sparse_block[1]),
-                        ("BLOCK_M2", sparse_block[0]), ("BLOCK_N2", sparse_block[1])):
-        value = cfg[key]
-        if not isinstance(value, int) or value < 16 or value & (value - 1) or sparse % value:
-            raise ValueError(f"kernel_options[{key!r}]={value!r}: must be a power of two >= 16 that divides the "
-                             f"block mask's BLOCK_SIZE {sparse}")
-    return BackwardTileConfig(**cfg)
+    return BackwardTileConfig(**_pin(cfg, kernel_options, BACKWARD_CONFIG_KEYS, {
+        "BLOCK_M1": sparse_block[0], "BLOCK_N1": sparse_block[1], "BLOCK_M2": sparse_block[0],
+        "BLOCK_N2": sparse_block[1]}))
 
 
 def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, grad_out,
