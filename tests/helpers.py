@@ -11,7 +11,8 @@ from flexlite import reference
 # tests run on CPU through Triton's interpreter; FLEXLITE_TEST_DEVICE=cuda runs them on a GPU
 DEVICE = os.environ.get("FLEXLITE_TEST_DEVICE", "cpu")
 
-# (atol, rtol) against the fp64 reference, per input dtype
+# every input dtype flexlite supports; (atol, rtol) against the fp64 reference, per input dtype
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOLERANCES = reference.TOLERANCES
 LSE_TOLERANCES = {torch.float32: (2e-5, 2e-5), torch.float16: (1e-3, 1e-3), torch.bfloat16: (1e-2, 1e-2)}
 # gradients (dq, dk, dv, captured tensors): atol is relative to max(1, max |reference gradient|), since

@@ -12,9 +12,8 @@ from catalog import CATALOG, USES_BH
 from flexlite import UntraceableModError, attention_reference, create_block_mask, flex_attention
 from flexlite.codegen import grad
 from flexlite.codegen.trace import trace_mod
-from helpers import DEVICE, GRAD_TOLERANCES, assert_close, rand_qkv
+from helpers import DEVICE, DTYPES, GRAD_TOLERANCES, assert_close, rand_qkv
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (B, Hq, Hkv, Lq, Lkv, D)
 SHAPES = [
     pytest.param((1, 1, 1, 1, 1, 32), id="B1-H1-L1-D32"),

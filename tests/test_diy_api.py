@@ -20,9 +20,8 @@ from flexlite.utils import (AdaptiveKernelSelector, BenchmarkResult, BenchmarkRu
                             benchmark_fn, check_hopper_features, detect_gpu, get_attention_config, get_matmul_config,
                             get_optimal_attention, get_optimal_matmul, supports_fp8, validate_attention,
                             validate_matmul)
-from helpers import DEVICE, TOLERANCES, assert_close
+from helpers import DEVICE, DTYPES, TOLERANCES, assert_close
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (rtol, atol) of triton_matmul vs float64: the output rounding (fp16 for fp16/fp32 inputs, bf16 for bf16)
 MATMUL_TOL = {torch.float16: 1e-3, torch.float32: 1e-3, torch.bfloat16: 8e-3}
 

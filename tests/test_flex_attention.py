@@ -5,9 +5,8 @@ import torch
 
 from catalog import CATALOG, USES_BH
 from flexlite import attention_reference, create_block_mask, flex_attention
-from helpers import DEVICE, LSE_TOLERANCES, TOLERANCES, assert_close, rand_qkv
+from helpers import DEVICE, DTYPES, LSE_TOLERANCES, TOLERANCES, assert_close, rand_qkv
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (B, Hq, Hkv, Lq, Lkv, D)
 SHAPES = [
     pytest.param((1, 1, 1, 1, 1, 32), id="B1-H1-L1-D32"),
