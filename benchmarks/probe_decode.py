@@ -1,10 +1,17 @@
-"""GPU probe for decode tuning (``--splits``: the split count instead): one-token decoding (bf16, D128, 32 query / 8 KV heads) under several decode
+"""GPU probe for decode tuning: one-token decoding (bf16, D128, 32 query / 8 KV heads) under several decode
 tile settings (launch.DECODE_TILES: keys per step, warps, stages, programs per SM), next to SDPA; each
 setting is first checked against the fp64 reference. Prints a table; benchmarks/NOTES.md records what it showed.
+
+``--splits``: the split count instead. ``--variants``: tensor-descriptor loads and programmatic dependent
+launch of the combine kernel, eager and CUDA-graph times. ``--host``: host time per call at a size where the
+GPU is idle most of the time, and where it goes (cProfile).
 """
 
+import cProfile
 import itertools
+import pstats
 import sys
+import time
 
 import torch
 import triton.testing
@@ -50,8 +57,74 @@ def splits_rows(copy_bw: float) -> list:
     return rows
 
 
+VARIANTS = [dict(), dict(use_pdl=True), dict(use_tma=True), dict(use_tma=True, use_pdl=True),
+            dict(use_tma=True, use_pdl=True, num_stages=3), dict(use_tma=True, use_pdl=True, BLOCK_N=128, num_stages=2),
+            dict(use_tma=True, use_pdl=True, BLOCK_N=128, num_stages=3)]
+
+
+def variant_rows(copy_bw: float) -> list:
+    default = dict(launch.DECODE_TILES)
+    rows = []
+    for label, q, k, v, ref, nbytes, sdpa in decode_shapes():
+        sdpa_graph = triton.testing.do_bench_cudagraph(
+            lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+        for variant in VARIANTS:
+            launch.DECODE_TILES.update(default, **variant)
+            name = ",".join(f"{k}={v}" for k, v in variant.items()) or "default"
+            try:
+                out = torch.full_like(q, float("nan"))
+                out.copy_(flex_attention(q, k, v, enable_gqa=True))
+                err = (out.double() - ref).abs().max().item()
+                ms = triton.testing.do_bench(lambda: flex_attention(q, k, v, enable_gqa=True), rep=100)
+                graph_ms = triton.testing.do_bench_cudagraph(lambda: flex_attention(q, k, v, enable_gqa=True))
+                rows.append([label, name, f"{err:.1e}", round(ms, 4), round(sdpa, 4), round(graph_ms, 4),
+                             round(sdpa_graph, 4), round(sdpa_graph / graph_ms, 3),
+                             round(100 * nbytes / graph_ms / 1e6 / copy_bw, 1)])
+            except Exception as e:  # noqa: BLE001 - a setting that does not compile: note it, go on
+                rows.append([label, name, f"{type(e).__name__}: {str(e)[:80]}"] + [""] * 6)
+            print(rows[-1], flush=True)
+    launch.DECODE_TILES.clear()
+    launch.DECODE_TILES.update(default)
+    return rows
+
+
+def host_report():
+    """Host microseconds per call (GPU work ~10 us, so the host is the limit), flexlite vs SDPA, then the
+    cProfile top of flexlite's calls."""
+    q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = [torch.randn(1, 8, 4096, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    calls = {"flexlite": lambda: flex_attention(q, k, v, enable_gqa=True),
+             "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+             "torch.empty x4": lambda: [torch.empty(4096, device="cuda") for _ in range(4)]}
+    for name, fn in calls.items():
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(500):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        print(f"host {name}: {(t1 - t0) / 500 * 1e6:.1f} us per call", flush=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(500):
+        calls["flexlite"]()
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+
 def main():
     copy_bw = copy_bandwidth_gbps()
+    if "--host" in sys.argv:
+        host_report()
+        return
+    if "--variants" in sys.argv:
+        rows = variant_rows(copy_bw)
+        print(tabulate(rows, headers=["shape", "variant", "max err", "flexlite ms", "sdpa ms", "graph ms",
+                                      "sdpa graph ms", "graph x sdpa", "graph % copy bw"], tablefmt="github"))
+        return
     if "--splits" in sys.argv:
         rows = splits_rows(copy_bw)
         print(tabulate(rows, headers=["shape", "splits", "max err", "flexlite ms", "cuda-graph ms", "sdpa ms",

@@ -250,3 +250,50 @@ def test_division_by_a_constant_is_a_multiply(divisor, lowered):
     q, k, v = rand_qkv(1, 1, 1, 20, 30, 16)
     assert_close(flex_attention(q, k, v, score_mod=mod), attention_reference(q, k, v, score_mod=mod)[0],
                  *TOLERANCES[torch.float32])
+
+
+def test_int_tiles_meet_floats_converted_from_their_vectors():
+    """ALiBi's ``slope * (kv_idx - q_idx)``: the int distance tile is converted to float from its q and kv
+    vectors (i2f_sub), not element by element; also through neg / abs; results match the reference."""
+    slopes = torch.tensor([0.5, 0.25], device=DEVICE)
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx) + (q_idx - kv_idx).abs() * 0.01 - (kv_idx + q_idx) * 0.001
+
+    source = flexlite.kernel_source(mod, device="cuda")
+    for text in ("* i2f_sub(kv_idx, q_idx))", "tl.abs(i2f_sub(q_idx, kv_idx))", "i2f_add(kv_idx, q_idx) * 0.001"):
+        assert text in source
+    assert ".to(tl.float32)" not in source.split("def score_mod")[1].split("def mask_mod")[0]
+    _check(score_mod=mod)
+
+
+def test_int_to_float_from_vectors_is_exact():
+    """i2f_add / i2f_sub round a + b / a - b once, as converting the int64 result would, over all of int32
+    (past 2**24, where converting a and b first would not be exact)."""
+    from flexlite.codegen.lower import identity_score_mod, noop_mask_mod
+    from flexlite.codegen.render import render
+    from flexlite.runtime.compile import interpreter_scope, load_module
+
+    probe = '''
+
+@triton.jit
+def probe(A, B, ADD, SUB, M: tl.constexpr, N: tl.constexpr):
+    a = tl.load(A + tl.arange(0, M))[:, None]
+    b = tl.load(B + tl.arange(0, N))[None, :]
+    offs = tl.arange(0, M)[:, None] * N + tl.arange(0, N)[None, :]
+    tl.store(ADD + offs, i2f_add(a, b))
+    tl.store(SUB + offs, i2f_sub(a, b))
+'''
+    module = load_module(render("common.py.jinja", identity_score_mod(), noop_mask_mod(), interpret=True) + probe,
+                         interpret=True)
+    edges = [0, 1, -1, 4095, 4096, -4096, 2**24 - 1, 2**24 + 1, -(2**24) - 3, 2**25 + 3, 2**31 - 1, -(2**31),
+             2**30 + 12345, -(2**30) - 77]
+    g = torch.Generator().manual_seed(0)
+    a = torch.tensor(edges + torch.randint(-2**31, 2**31, (32 - len(edges),), generator=g).tolist(), dtype=torch.int32)
+    b = torch.tensor(edges[::-1] + torch.randint(-2**31, 2**31, (32 - len(edges),), generator=g).tolist(),
+                     dtype=torch.int32)
+    add, sub = (torch.empty(32, 32) for _ in range(2))
+    with interpreter_scope(True):
+        module.probe[(1,)](a, b, add, sub, M=32, N=32)
+    a64, b64 = a.long()[:, None], b.long()[None, :]
+    assert torch.equal(add, (a64 + b64).float()) and torch.equal(sub, (a64 - b64).float())

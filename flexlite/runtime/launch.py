@@ -208,7 +208,9 @@ def decode_rows(q: torch.Tensor, k: torch.Tensor, sparse_block: tuple, mask_head
 
 # the decode kernel's tiles on CUDA: keys per step, warps, pipeline stages, and programs per SM that the
 # split count aims for
-DECODE_TILES = dict(BLOCK_N=64, num_warps=4, num_stages=4, waves=4)
+# (use_tma: K / V through tensor descriptors; use_pdl: the combine kernel launched as a programmatic dependent
+# launch of the decode kernel; both Hopper or newer)
+DECODE_TILES = dict(BLOCK_N=64, num_warps=4, num_stages=4, waves=4, use_tma=False, use_pdl=False)
 
 
 def decode_splits(programs: int, tiles: int, sms: int, waves: int) -> int:
@@ -245,6 +247,11 @@ def launch_decode(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
     nb, idx = kv_num_blocks.contiguous(), kv_indices.contiguous()
     full_nb, full_idx = full_kv_num_blocks.contiguous(), full_kv_indices.contiguous()
     allow_tf32 = cuda and torch.backends.cuda.matmul.allow_tf32
+    hopper = cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
+    use_tma = bool(tiles.get("use_tma")) and tma_ok(k, v)
+    use_pdl = bool(tiles.get("use_pdl")) and hopper
+    if use_tma:
+        _ensure_allocator()
     with interpreter_scope(not cuda):
         module.flex_decode_kernel[(num_splits, programs)](
             q, k, v, out_s, lse_s, nb, idx, full_nb, full_idx,
@@ -253,13 +260,14 @@ def launch_decode(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
             ROWS=rows, BLOCK_M=max(16, triton.next_power_of_2(rows * Lq)), BLOCK_N=block_n,
             SPARSE_KV_BLOCK=sparse_block[1], D=D, DV=Dv, D_PAD=head_dim_pad(D), DV_PAD=head_dim_pad(Dv),
             EVEN_N=Lkv % sparse_block[1] == 0, HAS_FULL_BLOCKS=has_full, HAS_SCORE_MOD=has_score_mod,
-            FP32_PRECISION="tf32" if allow_tf32 else "ieee", num_warps=tiles["num_warps"],
-            num_stages=tiles["num_stages"])
+            FP32_PRECISION="tf32" if allow_tf32 else "ieee", USE_TMA=use_tma, USE_PDL=use_pdl,
+            num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
         out = torch.empty((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)
         lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
         module.flex_decode_combine_kernel[(B * Hq * Lq,)](
             out_s, lse_s, out, lse, *out.stride(), Hq, Lq, num_splits, DV=Dv, DV_PAD=head_dim_pad(Dv),
-            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)))
+            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), USE_PDL=use_pdl,
+            **(dict(launch_pdl=True) if use_pdl else {}))
     return out, lse
 
 
