@@ -28,3 +28,12 @@ def poison_empty(monkeypatch):
         return t
 
     monkeypatch.setattr(torch, "empty", empty)
+
+
+# GPU runs can test decode settings that are off by default (e.g. '{"use_tma": true, "use_pdl": true}')
+if os.environ.get("FLEXLITE_TEST_DECODE_TILES"):
+    import json
+
+    from flexlite.runtime import launch
+
+    launch.DECODE_TILES.update(json.loads(os.environ["FLEXLITE_TEST_DECODE_TILES"]))
