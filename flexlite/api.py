@@ -455,6 +455,10 @@ def flex_attention(
     _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, return_lse)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
-    out, lse = FlexAttentionFunction.apply(query, key, value, score_mod, block_mask, float(scale), kernel_options,
-                                           *_captured_requiring_grad(score_mod))
+    captured = _captured_requiring_grad(score_mod)
+    if torch.is_grad_enabled() and (captured or query.requires_grad or key.requires_grad or value.requires_grad):
+        out, lse = FlexAttentionFunction.apply(query, key, value, score_mod, block_mask, float(scale),
+                                               kernel_options, *captured)
+    else:  # inference (decoding above all): no autograd node to build, ~10 us less host time per call
+        out, lse = _forward(query, key, value, score_mod, block_mask, float(scale), kernel_options)
     return (out, lse) if return_lse else out

@@ -114,3 +114,25 @@ def test_decode_split_count(programs, tiles, sms, want):
     got = decode_splits(programs, tiles, sms, waves=4)
     assert got == want
     assert 1 <= got <= tiles
+
+
+def test_inference_calls_build_no_autograd_node(monkeypatch):
+    """Without grad mode, or with no input needing a gradient, flex_attention runs the kernels directly (less
+    host time per decode step); with one, it goes through the autograd function."""
+    from flexlite import api
+
+    q, k, v = rand_qkv(1, 4, 2, 1, 100, 32, seed=2)
+    ref, _ = attention_reference(q, k, v, enable_gqa=True)
+
+    def no_autograd(*args):
+        raise AssertionError("autograd function used for an inference call")
+
+    with monkeypatch.context() as m:
+        m.setattr(api.FlexAttentionFunction, "apply", no_autograd)
+        for grad_mode in (True, False):
+            with torch.set_grad_enabled(grad_mode):
+                out = flex_attention(q, k, v, enable_gqa=True)
+            assert out.grad_fn is None
+            assert_close(out, ref, 1e-5, 1e-5)
+    q.requires_grad_(True)
+    assert flex_attention(q, k, v, enable_gqa=True).grad_fn is not None

@@ -79,3 +79,31 @@ def test_mods_building_constant_tensors_run():
     out = flex_attention(q, k, v, score_mod=shifted, block_mask=bm)
     ref, _ = attention_reference(q, k, v, score_mod=shifted, block_mask=bm)
     assert_close(out, ref, *TOLERANCES[q.dtype])
+
+
+def test_decode_falls_back_to_tiles_that_fit_without_changing_its_rows(monkeypatch):
+    """A mod's gathers are pipelined too, so the decode kernel's tiles can pass shared memory; it then takes
+    narrower kv tiles (its BLOCK_M, the packed query rows, stays) and still gives the reference result."""
+    import flexlite
+    from flexlite.runtime.compile import load_module
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 1, 32, generator=g)
+    k, v = (torch.randn(1, 2, 200, 32, generator=g) for _ in range(2))
+    module = load_module(flexlite.kernel_source(kernel="decode", device="cpu"), interpret=True)
+    real, seen = module.flex_decode_kernel, []
+
+    class Tight:  # fits only 32-wide kv tiles
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append((kw["BLOCK_M"], kw["BLOCK_N"], kw["num_stages"]))
+                if kw["BLOCK_N"] > 32:
+                    raise OutOfResources(kw["BLOCK_N"], 32, "shared memory")
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(module, "flex_decode_kernel", Tight())
+    out = flexlite.flex_attention(q, k, v, enable_gqa=True)
+    ref, _ = flexlite.attention_reference(q, k, v, enable_gqa=True)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert seen == [(16, 128, 1), (16, 64, 1), (16, 32, 1)]

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import triton
 
 from ..runtime.compile import import_kernel_file, interpreter_scope
+from ..runtime.launch import cdiv
 from ..utils.gpu import GPUCapabilities, detect_gpu
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -161,7 +161,7 @@ def _validate(a, b, blocks):
 
 def _launch(a, b, c, config: dict, interpret: bool):
     (M, K), N = a.shape, b.shape[1]
-    grid = (triton.cdiv(M, config["BLOCK_M"]) * triton.cdiv(N, config["BLOCK_N"]),)
+    grid = (cdiv(M, config["BLOCK_M"]) * cdiv(N, config["BLOCK_N"]),)
     with interpreter_scope(interpret):
         gemm_kernel(interpret)[grid](
             a, b, c, M, N, K, *a.stride(), *b.stride(), *c.stride(),

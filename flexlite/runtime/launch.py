@@ -4,6 +4,7 @@ runtime values of its captured-tensor parameters come in from the codegen pipeli
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from pathlib import Path
 from typing import Optional
@@ -33,6 +34,24 @@ class TileConfig:
     num_stages: int
 
 
+# Host-side integer helpers. triton.cdiv / triton.next_power_of_2 are constexpr functions (a few microseconds
+# of argument unwrapping per call from Python): on a per-call path like decoding that adds up to ~100 us.
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1)."""
+    return 1 << (n - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def _device_facts(device: torch.device) -> tuple:
+    """(SM count, compute capability major) of a CUDA device; cached: torch's queries cost host time per call."""
+    props = torch.cuda.get_device_properties(device)
+    return props.multi_processor_count, props.major
+
+
 def _pow2_divisor(n: int, cap: int) -> int:
     """Largest power of two <= cap that divides n."""
     b = 1
@@ -42,7 +61,7 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 
 def head_dim_pad(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
+    return max(16, next_pow2(d))
 
 
 def forward_config(q: torch.Tensor, v: torch.Tensor, sparse_block: tuple, kernel_options: dict,
@@ -56,8 +75,8 @@ def forward_config(q: torch.Tensor, v: torch.Tensor, sparse_block: tuple, kernel
     d = max(head_dim_pad(q.shape[-1]), head_dim_pad(v.shape[-1]))
     if q.device.type != "cuda":
         # the interpreter's cost is per op, not per element: big tiles, but not far past the length
-        cap_m = max(16, triton.next_power_of_2(q.shape[-2]))
-        cap_n = max(16, triton.next_power_of_2(v.shape[-2]))
+        cap_m = max(16, next_pow2(q.shape[-2]))
+        cap_n = max(16, next_pow2(v.shape[-2]))
         bm, bn, warps, stages = min(128, cap_m), min(128, cap_n), 4, 1
     elif d <= 64:
         bm, bn, warps, stages = 128, 128, 4, 3
@@ -86,9 +105,9 @@ def _pin(cfg: dict, kernel_options: dict, keys: tuple, sides: dict) -> dict:
     return cfg
 
 
-def fallback_configs(config: TileConfig):
-    """``config``, then cheaper ones: fewer pipeline stages, then narrower then shorter tiles. Mods
-    that gather from captured tensors pipeline those gathers too, which can pass shared memory."""
+def fallback_configs(config: TileConfig, shrink_m: bool = True):
+    """``config``, then cheaper ones: fewer pipeline stages, then narrower then (if ``shrink_m``) shorter
+    tiles. Mods that gather from captured tensors pipeline those gathers too, which can pass shared memory."""
     seen = set()
     bm, bn = config.BLOCK_M, config.BLOCK_N
     while True:
@@ -99,7 +118,7 @@ def fallback_configs(config: TileConfig):
                 yield cfg
         if bn > 16:
             bn //= 2
-        elif bm > 16:
+        elif bm > 16 and shrink_m:
             bm //= 2
         else:
             return
@@ -108,13 +127,15 @@ def fallback_configs(config: TileConfig):
 _WORKING_CONFIG: dict = {}  # (kernel, constexpr key, wanted config) -> config that fits
 
 
-def run_with_fallback(kernel, grid, args: tuple, constexprs: dict, config: TileConfig, pinned: bool):
+def run_with_fallback(kernel, grid, args: tuple, constexprs: dict, config: TileConfig, pinned: bool,
+                      shrink_m: bool = True):
     """Launch ``kernel`` with ``config``; if it does not fit in shared memory, with the first fallback
-    that does (remembered per kernel and constexprs). Pinned configs (kernel_options) never change."""
+    that does (remembered per kernel and constexprs). Pinned configs (kernel_options) never change.
+    ``shrink_m=False``: BLOCK_M is not a free choice (the decode kernel's rows)."""
     from triton.runtime.errors import OutOfResources
 
-    key = (id(kernel), tuple(sorted(constexprs.items())), config)
-    todo = [_WORKING_CONFIG[key]] if key in _WORKING_CONFIG else fallback_configs(config)
+    key = (id(kernel), tuple(constexprs.items()), config)  # each call site builds its dict in one order
+    todo = [_WORKING_CONFIG[key]] if key in _WORKING_CONFIG else fallback_configs(config, shrink_m)
     error = None
     for cfg in todo:
         try:
@@ -184,7 +205,7 @@ def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
     def grid(cfg):
         # the kv walk covers whole sparse blocks: unchecked only if they all end inside KV_LEN
         constexprs.update(EVEN_M=Lq % cfg.BLOCK_M == 0, EVEN_N=Lkv % sparse_block[1] == 0)
-        return (triton.cdiv(Lq, cfg.BLOCK_M), B * Hq)
+        return (cdiv(Lq, cfg.BLOCK_M), B * Hq)
 
     if tune and q.device.type == "cuda" and not pinned:
         key = (f"fwd|{Path(module.__file__).stem}|{q.dtype}|D{D}|DV{Dv}|{sparse_block}|full={has_full}|"
@@ -208,20 +229,22 @@ def decode_rows(q: torch.Tensor, k: torch.Tensor, sparse_block: tuple, mask_head
 
 # the decode kernel's tiles on CUDA: keys per step, warps, pipeline stages, and programs per SM that the
 # split count aims for
-# (use_tma: K / V through tensor descriptors; use_pdl: the combine kernel launched as a programmatic dependent
-# launch of the decode kernel; both Hopper or newer)
-DECODE_TILES = dict(BLOCK_N=64, num_warps=4, num_stages=4, waves=4, use_tma=False, use_pdl=False)
+# (use_tma: K / V through tensor descriptors, no faster on the H100 (NOTES 17); use_pdl: the combine kernel
+# launched as a programmatic dependent launch of the decode kernel, so its launch overlaps the decode tail;
+# both only on Hopper or newer)
+DECODE_TILES = dict(BLOCK_N=64, num_warps=4, num_stages=4, waves=4, use_tma=False, use_pdl=True)
 
 
+@functools.lru_cache(maxsize=4096)
 def decode_splits(programs: int, tiles: int, sms: int, waves: int) -> int:
     """KV splits for ``programs`` (batch x head groups) decode programs over ``tiles`` key tiles: about ``waves``
     programs per SM, then the count among the top quarter below that whose last wave is fullest (a decode
     program holds most of an SM's shared memory: a partly filled last wave idles bandwidth). H200: B8 x 8 KV
     heads picks 8 splits (3.9 waves) over 9 (4.4 waves), 3 % faster; benchmarks/NOTES.md."""
-    want = max(1, min(tiles, triton.cdiv(waves * sms, programs)))
+    want = max(1, min(tiles, cdiv(waves * sms, programs)))
 
     def fill(s):  # fraction of the launched waves' slots that hold a program
-        return programs * s / (triton.cdiv(programs * s, sms) * sms)
+        return programs * s / (cdiv(programs * s, sms) * sms)
     return max(range(max(1, (3 * want) // 4), want + 1), key=lambda s: (round(fill(s), 2), s))
 
 
@@ -237,8 +260,8 @@ def launch_decode(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
     block_n = _pow2_divisor(sparse_block[1], tiles["BLOCK_N"])
     programs = B * Hq // rows
     if num_splits is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if cuda else 2
-        num_splits = decode_splits(programs, triton.cdiv(Lkv, block_n), sms, tiles["waves"])
+        sms = _device_facts(q.device)[0] if cuda else 2
+        num_splits = decode_splits(programs, cdiv(Lkv, block_n), sms, tiles["waves"])
     out_s = torch.empty((B, Hq, num_splits, Lq, Dv), dtype=torch.float32, device=q.device)
     lse_s = torch.empty((B, Hq, num_splits, Lq), dtype=torch.float32, device=q.device)
     has_full = full_kv_num_blocks is not None
@@ -247,33 +270,35 @@ def launch_decode(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
     nb, idx = kv_num_blocks.contiguous(), kv_indices.contiguous()
     full_nb, full_idx = full_kv_num_blocks.contiguous(), full_kv_indices.contiguous()
     allow_tf32 = cuda and torch.backends.cuda.matmul.allow_tf32
-    hopper = cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
+    hopper = cuda and _device_facts(q.device)[1] >= 9
     use_tma = bool(tiles.get("use_tma")) and tma_ok(k, v)
     use_pdl = bool(tiles.get("use_pdl")) and hopper
     if use_tma:
         _ensure_allocator()
-    with interpreter_scope(not cuda):
-        module.flex_decode_kernel[(num_splits, programs)](
-            q, k, v, out_s, lse_s, nb, idx, full_nb, full_idx,
+    args = (q, k, v, out_s, lse_s, nb, idx, full_nb, full_idx,
             *q.stride(), *k.stride(), *v.stride(), *_mask_strides(nb)[:2], *_mask_strides(idx)[:2],
-            Hq, Hq // Hkv, Lq, Lkv, float(scale), num_splits, *scalars_to(mod_args, q.device),
-            ROWS=rows, BLOCK_M=max(16, triton.next_power_of_2(rows * Lq)), BLOCK_N=block_n,
-            SPARSE_KV_BLOCK=sparse_block[1], D=D, DV=Dv, D_PAD=head_dim_pad(D), DV_PAD=head_dim_pad(Dv),
-            EVEN_N=Lkv % sparse_block[1] == 0, HAS_FULL_BLOCKS=has_full, HAS_SCORE_MOD=has_score_mod,
-            FP32_PRECISION="tf32" if allow_tf32 else "ieee", USE_TMA=use_tma, USE_PDL=use_pdl,
-            num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
+            Hq, Hq // Hkv, Lq, Lkv, float(scale), num_splits, *scalars_to(mod_args, q.device))
+    constexprs = dict(
+        ROWS=rows, SPARSE_KV_BLOCK=sparse_block[1], D=D, DV=Dv, D_PAD=head_dim_pad(D), DV_PAD=head_dim_pad(Dv),
+        EVEN_N=Lkv % sparse_block[1] == 0, HAS_FULL_BLOCKS=has_full, HAS_SCORE_MOD=has_score_mod,
+        FP32_PRECISION="tf32" if allow_tf32 else "ieee", USE_TMA=use_tma, USE_PDL=use_pdl)
+    config = TileConfig(max(16, next_pow2(rows * Lq)), block_n, tiles["num_warps"], tiles["num_stages"])
+    with interpreter_scope(not cuda):
+        # a mod's gathers are pipelined too: with 4 stages they can pass shared memory, hence the fallback
+        run_with_fallback(module.flex_decode_kernel, lambda cfg: (num_splits, programs), args, constexprs, config,
+                          pinned=False, shrink_m=False)
         out = torch.empty((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)
         lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
         module.flex_decode_combine_kernel[(B * Hq * Lq,)](
             out_s, lse_s, out, lse, *out.stride(), Hq, Lq, num_splits, DV=Dv, DV_PAD=head_dim_pad(Dv),
-            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), USE_PDL=use_pdl,
+            SPLITS_PAD=max(2, next_pow2(num_splits)), USE_PDL=use_pdl,
             **(dict(launch_pdl=True) if use_pdl else {}))
     return out, lse
 
 
 def tma_ok(*tensors: torch.Tensor) -> bool:
     """Tensor descriptors need Hopper or newer, a unit last stride and 16-byte aligned rows and bases."""
-    if not tensors[0].is_cuda or torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+    if not tensors[0].is_cuda or _device_facts(tensors[0].device)[1] < 9:
         return False
     return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and
                all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]) for t in tensors)
@@ -358,8 +383,8 @@ def backward_config(q: torch.Tensor, v: torch.Tensor, sparse_block: tuple, kerne
     d = max(head_dim_pad(q.shape[-1]), head_dim_pad(v.shape[-1]))
     if q.device.type != "cuda":
         # the interpreter's cost is per op, not per element: big tiles, but not far past the length
-        bm = min(128, max(16, triton.next_power_of_2(q.shape[-2])))
-        bn = min(128, max(16, triton.next_power_of_2(v.shape[-2])))
+        bm = min(128, max(16, next_pow2(q.shape[-2])))
+        bn = min(128, max(16, next_pow2(v.shape[-2])))
         m1, n1, m2, n2, warps, stages = bm, bn, bm, bn, 4, 1
     elif d <= 64:  # benchmarks/probe_bwd.py on an H200 (NOTES 9): best on causal + document together
         m1, n1, m2, n2, warps, stages = 64, 64, 64, 32, 4, 3
@@ -422,7 +447,7 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
     def dkdv_grid(cfg):  # programs own BLOCK_N keys
         # the q walk covers whole sparse q blocks: unchecked only if they all end inside Q_LEN
         dkdv_constexprs.update(EVEN_M=Lq % sparse_block[0] == 0, EVEN_N=Lkv % cfg.BLOCK_N == 0)
-        return (triton.cdiv(Lkv, cfg.BLOCK_N), B * Hkv)
+        return (cdiv(Lkv, cfg.BLOCK_N), B * Hkv)
 
     dq_args = (q, k, v, grad_out, lse, delta, dq, kv_num, kv_idx, full_kv_num, full_kv_idx,
                *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *(dq.stride() if need_dq else q.stride()),
@@ -432,11 +457,11 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
 
     def dq_grid(cfg):  # programs own BLOCK_M queries
         dq_constexprs.update(EVEN_M=Lq % cfg.BLOCK_M == 0, EVEN_N=Lkv % sparse_block[1] == 0)
-        return (triton.cdiv(Lq, cfg.BLOCK_M), B * Hq)
+        return (cdiv(Lq, cfg.BLOCK_M), B * Hq)
 
-    pre_block = min(64, max(16, triton.next_power_of_2(Lq)))
+    pre_block = min(64, max(16, next_pow2(Lq)))
     with interpreter_scope(interpret):
-        module.flex_bwd_preprocess_kernel[(triton.cdiv(Lq, pre_block), B * Hq)](
+        module.flex_bwd_preprocess_kernel[(cdiv(Lq, pre_block), B * Hq)](
             out, grad_out, grad_lse.contiguous() if grad_lse is not None else lse, delta,
             *out.stride(), *grad_out.stride(), Hq, Lq,
             BLOCK_M=pre_block, DV=Dv, DV_PAD=head_dim_pad(Dv), HAS_DLSE=grad_lse is not None,
