@@ -1,24 +1,17 @@
-"""GPU probe for score_mod lowering: forward and backward ms of ALiBi + causal and softcap + causal (and plain
-causal as the yardstick) with the current lowering, and ALiBi with int tiles converted to float element by element
-(the lowering before commit "int tiles meeting floats are converted from their vectors"); each variant is first
-checked against the fp64 reference. Prints a table; benchmarks/NOTES.md records what it showed.
+"""GPU probe for what score_mods cost: forward and backward ms of ALiBi + causal (per-head slopes gathered, and
+one constant slope), softcap + causal and an identity score_mod next to plain causal; each is first checked
+against the fp64 reference. Prints a table; benchmarks/NOTES.md records
+what it showed (17: the ALiBi lowering experiment it was written for).
 
 Usage: python benchmarks/probe_mods.py [D,D,...]"""
 
 import sys
-from unittest import mock
 
 import torch
 from tabulate import tabulate
 
 from flexlite import attention_reference, create_block_mask, flex_attention
 from flexlite.bench import _median_ms, _timed, mask_cases
-from flexlite.codegen import lower
-
-
-def _fresh(fn):
-    """A new function object calling ``fn``: traced (and lowered) anew."""
-    return (lambda score, b, h, q_idx, kv_idx: fn(score, b, h, q_idx, kv_idx)) if fn is not None else None
 
 
 def _error(score_mod, mask_mod, D: int) -> float:
@@ -40,18 +33,16 @@ def main():
         cases = mask_cases(S, H, "cuda")
         q, k, v = [torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
         bm = create_block_mask(cases["causal"].mask_mod, None, None, S, S, device="cuda")
-        variants = [("causal", None, False), ("alibi_causal", cases["alibi_causal"].score_mod, False),
-                    ("alibi_causal, per-element int->float", cases["alibi_causal"].score_mod, True),
-                    ("softcap30_causal", cases["softcap30_causal"].score_mod, False)]
-        for name, score_mod, old in variants:
-            score_mod = _fresh(score_mod)
-            patch = mock.patch.object(lower, "_split_sum", lambda key, args: None) if old else mock.patch.object(
-                lower, "_split_sum", lower._split_sum)
-            with patch:
-                err = _error(score_mod, cases["causal"].mask_mod, D)
-                fwd = lambda: flex_attention(q, k, v, score_mod=score_mod, block_mask=bm)  # noqa: E731
-                row = [name, f"D{D}", f"{err:.1e}", round(_median_ms(fwd), 3),
-                       round(_median_ms(_timed(fwd, "bwd"), grad_to_none=[q, k, v]), 3)]
+        mods = {"causal": None, "identity score_mod": lambda score, b, h, q_idx, kv_idx: score,
+                "alibi_causal": cases["alibi_causal"].score_mod,
+                "alibi, one constant slope (no gather)": lambda score, b, h, q_idx, kv_idx: score + 0.0625 * (
+                    kv_idx - q_idx),
+                "softcap30_causal": cases["softcap30_causal"].score_mod}
+        for name, score_mod in mods.items():
+            err = _error(score_mod, cases["causal"].mask_mod, D)
+            fwd = lambda: flex_attention(q, k, v, score_mod=score_mod, block_mask=bm)  # noqa: E731
+            row = [name, f"D{D}", f"{err:.1e}", round(_median_ms(fwd), 3),
+                   round(_median_ms(_timed(fwd, "bwd"), grad_to_none=[q, k, v]), 3)]
             rows.append(row)
             print(row, flush=True)
     print(tabulate(rows, headers=["mods", "D", "max err (bf16, vs fp64)", "fwd ms", "bwd ms"], tablefmt="github"))

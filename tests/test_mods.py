@@ -145,7 +145,7 @@ def test_learnable_captured_tensor_gradients(which):
            "alibi_slopes": lambda: generate_alibi_bias(H, slopes=param)}[which]()
     q, k, v = rand_qkv(1, H, H, 64, 64, 16)
     g = torch.Generator().manual_seed(6)
-    w_out, w_lse = torch.randn(1, H, 64, 16, generator=g), torch.randn(1, H, 64, generator=g)
+    w_out, w_lse = torch.randn(1, H, 64, 16, generator=g).to(DEVICE), torch.randn(1, H, 64, generator=g).to(DEVICE)
     bm = create_block_mask(causal_mask, None, None, 64, 64, device=DEVICE, BLOCK_SIZE=32)
     out, lse = flex_attention(q, k, v, score_mod=mod, block_mask=bm, return_lse=True)
     _backward_or_skip((out * w_out).sum() + (lse * w_lse).sum())

@@ -34,21 +34,12 @@ INT64_INDEX_LIMIT = 2**31 - 1
 
 @dataclasses.dataclass
 class Val:
-    """A lowered value: Triton expression text, torch dtype, python value if it is a literal.
-
-    ``axes``: the tile axes it varies along (``"q"``: q_idx and h, ``"kv"``: kv_idx; score and loads of
-    tiles vary along both). ``pure``: an int32 value computed from the index inputs and int literals only
-    (no loads). ``as_f32``: float32 text equal to converting the value (one rounding) built from
-    conversions of its lower-rank parts (see :func:`_split_sum`), or None.
-    """
+    """A lowered value: Triton expression text, torch dtype, python value if it is a literal."""
 
     expr: str
     dtype: Optional[torch.dtype]
     literal: object = None
     is_literal: bool = False
-    axes: frozenset = frozenset()
-    pure: bool = False
-    as_f32: Optional[str] = None
 
     @property
     def is_float(self) -> bool:
@@ -72,7 +63,7 @@ def literal(value) -> Val:
     if isinstance(value, bool):
         return Val(repr(value), torch.bool, value, True)
     if isinstance(value, int):
-        return Val(repr(value), torch.int64, value, True, pure=-2**31 <= value < 2**31)
+        return Val(repr(value), torch.int64, value, True)
     if isinstance(value, float):
         text = repr(value) if math.isfinite(value) else f'float("{value}")'
         return Val(text, torch.float32, value, True)
@@ -88,8 +79,6 @@ def cast(v: Val, dtype: torch.dtype) -> str:
         return v.expr
     if dtype == torch.bool:
         return f"({v.expr} != 0)"
-    if dtype == torch.float32 and v.as_f32 is not None:
-        return v.as_f32
     return f"{v.expr}.to({_TL_DTYPES[dtype]})"
 
 
@@ -371,9 +360,7 @@ class _Lowerer:
     def load(self, node: fx.Node, view: _View) -> Val:
         ptr, masks = self.address(node, view)
         mask = f", mask={' & '.join(masks)}, other=0" if masks else ""
-        out = self.emit(node, f"tl.load({ptr}{mask})", view.tensor.dtype)
-        out.axes = frozenset().union(*(ix.axes for ix in view.indices))
-        return out
+        return self.emit(node, f"tl.load({ptr}{mask})", view.tensor.dtype)
 
     def address(self, node: fx.Node, view: _View) -> tuple[str, list]:
         """Pointer expression of a fully indexed captured tensor, and its in-range masks."""
@@ -448,9 +435,7 @@ class _Lowerer:
         result = None
         for node in self.traced.graph_module.graph.nodes:
             if node.op == "placeholder":
-                axes = _INDEX_AXES.get(node.target)
-                self.env[node] = Val(node.target, node.meta["dtype"], axes=_BOTH_AXES if axes is None else axes,
-                                     pure=axes is not None)
+                self.env[node] = Val(node.target, node.meta["dtype"])
             elif node.op == "get_attr":
                 view = self.capture(node)
                 self.env[node] = self.load(node, view) if view.tensor.dim() == 0 else view
@@ -480,51 +465,7 @@ class _Lowerer:
             return self.emit(node, OPS[key](args, kwargs, node), node.meta["dtype"])
         args = [self.value(node, a) if isinstance(a, (Val, _View)) else a for a in args]
         kwargs = {k: self.value(node, v) if isinstance(v, (Val, _View)) else v for k, v in kwargs.items()}
-        vals = [a for a in list(args) + list(kwargs.values()) if isinstance(a, Val)]
-        dtype = node.meta.get("dtype")
-        if dtype == torch.float32 and key in _PROMOTING and any(v.is_float for v in vals):
-            # an int operand meeting a float one is converted by Triton per element of the tile; a split one
-            # is converted from its lower-rank parts instead
-            promote = (lambda a: Val(a.as_f32, torch.float32, axes=a.axes)
-                       if isinstance(a, Val) and not a.is_float and a.as_f32 is not None else a)
-            args, kwargs = [promote(a) for a in args], {k: promote(v) for k, v in kwargs.items()}
-        out = self.emit(node, OPS[key](args, kwargs, node), dtype)
-        out.axes = frozenset().union(*(v.axes for v in vals))
-        out.pure = key in _PURE_INT_OPS and dtype is not None and not dtype.is_floating_point and \
-            dtype != torch.bool and all(v.pure for v in vals)
-        if out.pure:
-            out.as_f32 = _split_sum(key, args)
-        return out
-
-
-# tile axes of the index inputs; other inputs (score, incoming gradients) are whole tiles
-_INDEX_AXES = {"b": frozenset(), "h": frozenset({"q"}), "q_idx": frozenset({"q"}), "kv_idx": frozenset({"kv"})}
-_BOTH_AXES = frozenset({"q", "kv"})
-# int ops whose result stays int32 in Triton when their operands are int32 (literals below 2**31)
-_PURE_INT_OPS = frozenset({"add", "sub", "mul", "neg", "pos", "abs", "floordiv", "mod", "fmod", "div", "minimum",
-                           "maximum", "clamp", "clamp_min", "clamp_max", "and", "or", "xor", "invert", "lshift",
-                           "rshift", "where"})
-# ops that promote an int operand to the float type of another
-_PROMOTING = frozenset({"add", "sub", "mul", "truediv", "div", "minimum", "maximum", "where", "clamp", "clamp_min",
-                        "clamp_max", "pow"})
-
-
-def _split_sum(key: str, args: list) -> Optional[str]:
-    """float32 text for the pure int ``key(*args)`` when it is a sum or difference of a q-side and a kv-side
-    value (``kv_idx - q_idx``, ALiBi's distance) or the negation / absolute value of one that has such text.
-
-    Converting an int tile to float costs one conversion per element, at the rate of exp2 (16 per clock per
-    SM); converting the two vectors first and adding them as floats is exact and costs ``i2f_add`` /
-    ``i2f_sub``'s three fp32 adds (common.py.jinja)."""
-    if key in ("neg", "abs") and args[0].as_f32 is not None:
-        return f"(-{args[0].as_f32})" if key == "neg" else f"tl.abs({args[0].as_f32})"
-    if key not in ("add", "sub") or len(args) != 2:
-        return None
-    a, b = args
-    sides = {frozenset({"q"}), frozenset({"kv"})}
-    if a.axes in sides and b.axes in sides and a.axes != b.axes:
-        return f"i2f_{key}({a.expr}, {b.expr})"
-    return None
+        return self.emit(node, OPS[key](args, kwargs, node), node.meta.get("dtype"))
 
 
 def _tile_uniform(nodes: list) -> bool:
