@@ -258,7 +258,8 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options):
         query, scale = (-query, -scale) if scale < 0 else (query * 0.0, 1.0)
     if rows:
         return launch_decode(module, kernel.mod_args(), query, key, value, num, idx, full_num, full_idx, sparse,
-                             scale, kernel.has_score_mod, rows, options.get("DECODE_SPLITS"))
+                             scale, kernel.has_score_mod, rows, options.get("DECODE_SPLITS"),
+                             use_tma=bool(options["USE_TMA"]) if "USE_TMA" in options else None)
     return launch_forward(module, kernel.mod_args(), query, key, value, num, idx, full_num, full_idx,
                           sparse, scale, kernel.has_score_mod, config, pinned=any(k in options for k in CONFIG_KEYS),
                           tune=autotune_enabled(options), use_tma=bool(options.get("USE_TMA", False)))

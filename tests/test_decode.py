@@ -136,3 +136,12 @@ def test_inference_calls_build_no_autograd_node(monkeypatch):
             assert_close(out, ref, 1e-5, 1e-5)
     q.requires_grad_(True)
     assert flex_attention(q, k, v, enable_gqa=True).grad_fn is not None
+
+
+@pytest.mark.parametrize("use_tma", [True, False])
+def test_use_tma_option_reaches_the_decode_kernel(use_tma):
+    """kernel_options USE_TMA applies to the decode kernel too (tensor descriptors on Hopper GPUs; pointer
+    loads where they do not apply, as on CPU); the result is the reference's either way."""
+    q, k, v = rand_qkv(2, 8, 2, 1, 300, 64, seed=9)
+    out = flex_attention(q, k, v, enable_gqa=True, kernel_options={"USE_TMA": use_tma})
+    assert_close(out, attention_reference(q, k, v, enable_gqa=True)[0], *TOLERANCES[torch.float32])

@@ -46,6 +46,16 @@ def next_pow2(n: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def _has_gdc() -> bool:
+    """Whether this Triton has grid dependency control (programmatic dependent launch)."""
+    try:
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
 def _device_facts(device: torch.device) -> tuple:
     """(SM count, compute capability major) of a CUDA device; cached: torch's queries cost host time per call."""
     props = torch.cuda.get_device_properties(device)
@@ -250,9 +260,11 @@ def decode_splits(programs: int, tiles: int, sms: int, waves: int) -> int:
 
 def launch_decode(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
                   full_kv_num_blocks: Optional[torch.Tensor], full_kv_indices: Optional[torch.Tensor],
-                  sparse_block: tuple, scale: float, has_score_mod: bool, rows: int, num_splits: Optional[int] = None):
+                  sparse_block: tuple, scale: float, has_score_mod: bool, rows: int, num_splits: Optional[int] = None,
+                  use_tma: Optional[bool] = None):
     """Split-KV decoding (``module.flex_decode_kernel``) and the combine step; returns (out, lse) as
-    :func:`launch_forward` does."""
+    :func:`launch_forward` does. ``use_tma`` (kernel_options USE_TMA): tensor-descriptor loads where
+    :func:`tma_ok` allows; None: ``DECODE_TILES["use_tma"]``."""
     B, Hq, Lq, D = q.shape
     Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[-1]
     cuda = q.device.type == "cuda"
@@ -271,8 +283,8 @@ def launch_decode(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
     full_nb, full_idx = full_kv_num_blocks.contiguous(), full_kv_indices.contiguous()
     allow_tf32 = cuda and torch.backends.cuda.matmul.allow_tf32
     hopper = cuda and _device_facts(q.device)[1] >= 9
-    use_tma = bool(tiles.get("use_tma")) and tma_ok(k, v)
-    use_pdl = bool(tiles.get("use_pdl")) and hopper
+    use_tma = bool(tiles.get("use_tma") if use_tma is None else use_tma) and tma_ok(k, v)
+    use_pdl = bool(tiles.get("use_pdl")) and hopper and _has_gdc()
     if use_tma:
         _ensure_allocator()
     args = (q, k, v, out_s, lse_s, nb, idx, full_nb, full_idx,
