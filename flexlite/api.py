@@ -46,7 +46,8 @@ def _check_slice_offsets(query, key, value):
     contiguous tensors the kernels write (out [Lq, Ev]; the gradients, shaped as q, k, v), must stay below
     2**31 there."""
     for name, t in (("query", query), ("key", key), ("value", value)):
-        span = _max_offset(t.shape[2:], t.stride()[2:])
+        (n, e), (sn, se) = t.shape[2:], t.stride()[2:]
+        span = (n - 1) * abs(sn) + (e - 1) * abs(se) if n and e else 0  # _max_offset, unrolled (per call)
         if span >= INDEX_LIMIT:
             _fail(f"{name} spans {span} elements within one (batch, head) slice (shape {tuple(t.shape)}, strides "
                   f"{t.stride()}); flexlite's kernels need < 2**31 there: make it contiguous or split the sequence")

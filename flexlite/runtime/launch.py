@@ -176,7 +176,8 @@ def scalars_to(args: list, device: torch.device) -> list:
 
 def _mask_strides(t: torch.Tensor) -> tuple:
     """Strides of a [ZM, HM, n, ...] block-mask tensor, 0 along broadcast (size-1) batch/head dims."""
-    return tuple(0 if t.shape[i] == 1 else t.stride(i) for i in range(3))
+    (z, h, n), (sz, sh, sn) = t.shape[:3], t.stride()[:3]
+    return (0 if z == 1 else sz, 0 if h == 1 else sh, 0 if n == 1 else sn)
 
 
 def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
@@ -243,6 +244,8 @@ def decode_rows(q: torch.Tensor, k: torch.Tensor, sparse_block: tuple, mask_head
 # launched as a programmatic dependent launch of the decode kernel, so its launch overlaps the decode tail;
 # both only on Hopper or newer)
 DECODE_TILES = dict(BLOCK_N=64, num_warps=4, num_stages=4, waves=4, use_tma=False, use_pdl=True)
+# the interpreter's: one big tile per step, no pipelining
+_INTERPRETER_DECODE_TILES = dict(BLOCK_N=128, num_warps=4, num_stages=1, waves=1)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -258,6 +261,40 @@ def decode_splits(programs: int, tiles: int, sms: int, waves: int) -> int:
     return max(range(max(1, (3 * want) // 4), want + 1), key=lambda s: (round(fill(s), 2), s))
 
 
+class _DecodePlan:
+    """What a decode call of one shape needs besides its tensors (see :func:`_decode_plan`); ``launch`` maps a
+    decode kernel (one per pair of mods) to its keyword arguments once a tile config is known to fit it."""
+
+    def __init__(self, num_splits: int, programs: int, constexprs: dict, config: TileConfig, combine: dict):
+        self.num_splits, self.programs, self.constexprs, self.config = num_splits, programs, constexprs, config
+        self.combine = combine
+        self.launch: dict = {}
+
+
+@functools.lru_cache(maxsize=256)
+def _decode_plan(device: torch.device, B: int, Hq: int, Lq: int, D: int, Hkv: int, Lkv: int, Dv: int,
+                 sparse_block: tuple, rows: int, has_full: bool, has_score_mod: bool, num_splits: Optional[int],
+                 use_tma: bool, allow_tf32: bool, tiles_items: tuple) -> _DecodePlan:
+    """Split count, constexprs and tiles of a decode call: cached per shape (decoding repeats one shape per step,
+    and working these out costs host time that a step of ~0.1 ms cannot hide)."""
+    cuda = device.type == "cuda"
+    tiles = dict(tiles_items)
+    block_n = _pow2_divisor(sparse_block[1], tiles["BLOCK_N"])
+    programs = B * Hq // rows
+    if num_splits is None:
+        sms = _device_facts(device)[0] if cuda else 2
+        num_splits = decode_splits(programs, cdiv(Lkv, block_n), sms, tiles["waves"])
+    use_pdl = bool(tiles.get("use_pdl")) and cuda and _device_facts(device)[1] >= 9 and _has_gdc()
+    constexprs = dict(
+        ROWS=rows, SPARSE_KV_BLOCK=sparse_block[1], D=D, DV=Dv, D_PAD=head_dim_pad(D), DV_PAD=head_dim_pad(Dv),
+        EVEN_N=Lkv % sparse_block[1] == 0, HAS_FULL_BLOCKS=has_full, HAS_SCORE_MOD=has_score_mod,
+        FP32_PRECISION="tf32" if allow_tf32 else "ieee", USE_TMA=use_tma, USE_PDL=use_pdl)
+    config = TileConfig(max(16, next_pow2(rows * Lq)), block_n, tiles["num_warps"], tiles["num_stages"])
+    combine = dict(DV=Dv, DV_PAD=head_dim_pad(Dv), SPLITS_PAD=max(2, next_pow2(num_splits)), USE_PDL=use_pdl,
+                   **(dict(launch_pdl=True) if use_pdl else {}))
+    return _DecodePlan(num_splits, programs, constexprs, config, combine)
+
+
 def launch_decode(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
                   full_kv_num_blocks: Optional[torch.Tensor], full_kv_indices: Optional[torch.Tensor],
                   sparse_block: tuple, scale: float, has_score_mod: bool, rows: int, num_splits: Optional[int] = None,
@@ -268,43 +305,38 @@ def launch_decode(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
     B, Hq, Lq, D = q.shape
     Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[-1]
     cuda = q.device.type == "cuda"
-    tiles = DECODE_TILES if cuda else dict(BLOCK_N=128, num_warps=4, num_stages=1, waves=1)
-    block_n = _pow2_divisor(sparse_block[1], tiles["BLOCK_N"])
-    programs = B * Hq // rows
-    if num_splits is None:
-        sms = _device_facts(q.device)[0] if cuda else 2
-        num_splits = decode_splits(programs, cdiv(Lkv, block_n), sms, tiles["waves"])
-    out_s = torch.empty((B, Hq, num_splits, Lq, Dv), dtype=torch.float32, device=q.device)
-    lse_s = torch.empty((B, Hq, num_splits, Lq), dtype=torch.float32, device=q.device)
+    tiles = DECODE_TILES if cuda else _INTERPRETER_DECODE_TILES
+    use_tma = bool(tiles.get("use_tma") if use_tma is None else use_tma) and tma_ok(k, v)
+    if use_tma:
+        _ensure_allocator()
     has_full = full_kv_num_blocks is not None
+    plan = _decode_plan(q.device, B, Hq, Lq, D, Hkv, Lkv, Dv, tuple(sparse_block), rows, has_full, has_score_mod,
+                        num_splits, use_tma, cuda and torch.backends.cuda.matmul.allow_tf32, tuple(tiles.items()))
+    out_s = torch.empty((B, Hq, plan.num_splits, Lq, Dv), dtype=torch.float32, device=q.device)
+    lse_s = torch.empty((B, Hq, plan.num_splits, Lq), dtype=torch.float32, device=q.device)
     if not has_full:
         full_kv_num_blocks, full_kv_indices = kv_num_blocks, kv_indices
     nb, idx = kv_num_blocks.contiguous(), kv_indices.contiguous()
     full_nb, full_idx = full_kv_num_blocks.contiguous(), full_kv_indices.contiguous()
-    allow_tf32 = cuda and torch.backends.cuda.matmul.allow_tf32
-    hopper = cuda and _device_facts(q.device)[1] >= 9
-    use_tma = bool(tiles.get("use_tma") if use_tma is None else use_tma) and tma_ok(k, v)
-    use_pdl = bool(tiles.get("use_pdl")) and hopper and _has_gdc()
-    if use_tma:
-        _ensure_allocator()
     args = (q, k, v, out_s, lse_s, nb, idx, full_nb, full_idx,
             *q.stride(), *k.stride(), *v.stride(), *_mask_strides(nb)[:2], *_mask_strides(idx)[:2],
-            Hq, Hq // Hkv, Lq, Lkv, float(scale), num_splits, *scalars_to(mod_args, q.device))
-    constexprs = dict(
-        ROWS=rows, SPARSE_KV_BLOCK=sparse_block[1], D=D, DV=Dv, D_PAD=head_dim_pad(D), DV_PAD=head_dim_pad(Dv),
-        EVEN_N=Lkv % sparse_block[1] == 0, HAS_FULL_BLOCKS=has_full, HAS_SCORE_MOD=has_score_mod,
-        FP32_PRECISION="tf32" if allow_tf32 else "ieee", USE_TMA=use_tma, USE_PDL=use_pdl)
-    config = TileConfig(max(16, next_pow2(rows * Lq)), block_n, tiles["num_warps"], tiles["num_stages"])
+            Hq, Hq // Hkv, Lq, Lkv, float(scale), plan.num_splits, *scalars_to(mod_args, q.device))
+    grid = (plan.num_splits, plan.programs)
+    kernel = module.flex_decode_kernel
     with interpreter_scope(not cuda):
-        # a mod's gathers are pipelined too: with 4 stages they can pass shared memory, hence the fallback
-        run_with_fallback(module.flex_decode_kernel, lambda cfg: (num_splits, programs), args, constexprs, config,
-                          pinned=False, shrink_m=False)
+        launch = plan.launch.get(kernel)
+        if launch is None:
+            # a mod's gathers are pipelined too: with 4 stages they can pass shared memory, hence the fallback
+            cfg = run_with_fallback(kernel, lambda cfg: grid, args, plan.constexprs, plan.config, pinned=False,
+                                    shrink_m=False)
+            plan.launch[kernel] = dict(plan.constexprs, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
+                                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        else:
+            kernel[grid](*args, **launch)
         out = torch.empty((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)
         lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
         module.flex_decode_combine_kernel[(B * Hq * Lq,)](
-            out_s, lse_s, out, lse, *out.stride(), Hq, Lq, num_splits, DV=Dv, DV_PAD=head_dim_pad(Dv),
-            SPLITS_PAD=max(2, next_pow2(num_splits)), USE_PDL=use_pdl,
-            **(dict(launch_pdl=True) if use_pdl else {}))
+            out_s, lse_s, out, lse, *out.stride(), Hq, Lq, plan.num_splits, **plan.combine)
     return out, lse
 
 
