@@ -145,3 +145,19 @@ def test_use_tma_option_reaches_the_decode_kernel(use_tma):
     q, k, v = rand_qkv(2, 8, 2, 1, 300, 64, seed=9)
     out = flex_attention(q, k, v, enable_gqa=True, kernel_options={"USE_TMA": use_tma})
     assert_close(out, attention_reference(q, k, v, enable_gqa=True)[0], *TOLERANCES[torch.float32])
+
+
+def test_repeated_decode_steps_match_the_reference():
+    """A decode loop: one shape, new values each step, a mod with a captured tensor. From the second step on a
+    GPU launches the compiled kernels directly (launch.CompiledLaunch); every step still gives the reference."""
+    from flexlite.mods import generate_alibi_bias
+
+    alibi = generate_alibi_bias(8, device=DEVICE)
+    q, k, v = rand_qkv(2, 8, 2, 1, 300, 64, seed=11)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        for t in (q, k, v):
+            t.copy_(torch.randn(t.shape, generator=g))
+        out = flex_attention(q, k, v, score_mod=alibi, enable_gqa=True)
+        ref, _ = attention_reference(q, k, v, score_mod=alibi, enable_gqa=True)
+        assert_close(out, ref, *TOLERANCES[torch.float32])

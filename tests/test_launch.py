@@ -108,3 +108,76 @@ def test_decode_falls_back_to_tiles_that_fit_without_changing_its_rows(monkeypat
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
     assert all(m == 16 for m, _, _ in seen)  # the rows stay
     assert seen[-1][1] == 32 and all(n > 32 for _, n, _ in seen[:-1])
+
+
+class _Param:
+    def __init__(self, name, is_constexpr):
+        self.name, self.is_constexpr = name, is_constexpr
+
+
+class _Compiled:
+    """Stands in for Triton's CompiledKernel: records direct launches."""
+
+    function, packed_metadata = "fn", "meta"
+
+    def __init__(self):
+        self.runs = []
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    def run(self, g0, g1, g2, stream, function, metadata, launch_meta, enter, exit_, *args):
+        self.runs.append(((g0, g1, g2), args))
+
+
+class _JitKernel:
+    """Stands in for a JITFunction: X, N runtime parameters, BLOCK constexpr; compiles per specialization."""
+
+    params = [_Param("X", False), _Param("N", False), _Param("BLOCK", True)]
+
+    def __init__(self):
+        self.compiles, self.triton_launches = [], 0
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.triton_launches += 1
+            self.compiles.append(_Compiled())
+            return self.compiles[-1]
+        return launch
+
+
+def test_compiled_launch_reuses_a_kernel_only_for_the_same_argument_properties(monkeypatch):
+    from types import SimpleNamespace
+
+    from flexlite.runtime.launch import CompiledLaunch
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: SimpleNamespace(cuda_stream=0))  # no GPU needed
+    kernel = _JitKernel()
+    launch = CompiledLaunch(kernel, {"BLOCK": 64, "num_warps": 4})
+    assert launch.direct and launch.tail == (64,)
+    x = torch.zeros(64)
+    launch((2,), (x, 32))  # Triton's path, remembered
+    launch((3,), (x, 32))  # same properties: direct, constexprs appended in signature order
+    assert kernel.triton_launches == 1 and kernel.compiles[0].runs == [((3, 1, 1), (x, 32, 64))]
+    for args in [(x, 33), (x[1:], 32), (x.half(), 32)]:  # another int, address mod 256, dtype: Triton's path
+        launch((1,), args)
+    assert kernel.triton_launches == 4
+
+
+def test_compiled_launch_leaves_interpreted_or_unusual_kernels_to_triton():
+    from flexlite.runtime.launch import CompiledLaunch
+
+    class Interpreted:  # no jit parameters (Triton's interpreter)
+        def __getitem__(self, grid):
+            return lambda *args, **kw: calls.append(args)
+
+    calls = []
+    launch = CompiledLaunch(Interpreted(), {"BLOCK": 16})
+    assert not launch.direct
+    launch((1,), (1, 2))
+    launch((1,), (1, 2))
+    assert calls == [(1, 2), (1, 2)]
+    kernel = _JitKernel()
+    kernel.params = [_Param("BLOCK", True), _Param("X", False)]  # a constexpr before a runtime parameter
+    assert not CompiledLaunch(kernel, {"BLOCK": 16}).direct
+    assert not CompiledLaunch(_JitKernel(), {}).direct  # a constexpr without a value

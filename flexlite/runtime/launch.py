@@ -261,6 +261,58 @@ def decode_splits(programs: int, tiles: int, sms: int, waves: int) -> int:
     return max(range(max(1, (3 * want) // 4), want + 1), key=lambda s: (round(fill(s), 2), s))
 
 
+def _spec(a):
+    """What a repeated launch must match to reuse a compiled kernel (see :class:`CompiledLaunch`)."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 256
+    if isinstance(a, (bool, int)):
+        return type(a), a
+    if isinstance(a, float):
+        return float
+    return type(a), a
+
+
+class CompiledLaunch:
+    """``kernel[grid](*args, **kwargs)`` for repeated launches with one ``kwargs`` (constexprs and options),
+    through the compiled kernel that Triton returned for the same arguments, without JITFunction.run's
+    per-call binding, specialization and cache-key work: about half of a launch's host time, and the decode
+    path launches twice per step (benchmarks/NOTES.md, 17).
+
+    A compiled kernel is reused only for arguments equal in every int, of the same kinds otherwise, and with
+    tensors of the same dtype and address modulo 256: at least as fine as what Triton specializes on (ints
+    equal to 1 or divisible by 16, 16-byte aligned pointers), so it was compiled for these very properties.
+    Anything new goes through Triton's own launch first. Written against Triton 3.6's launcher; with another
+    Triton, or a kernel whose constexpr parameters are not all after the others, every launch is Triton's."""
+
+    def __init__(self, kernel, kwargs: dict):
+        self.kernel, self.kwargs = kernel, kwargs
+        params = getattr(kernel, "params", None)
+        runtime = [p for p in params or () if not p.is_constexpr]
+        self.tail = tuple(kwargs.get(p.name) for p in params or () if p.is_constexpr)
+        self.direct = bool(params) and triton.__version__.startswith("3.6.") and all(
+            p.is_constexpr == (i >= len(runtime)) for i, p in enumerate(params)) and all(
+            p.name in kwargs for p in params if p.is_constexpr)
+        self.compiled: dict = {}
+
+    def __call__(self, grid: tuple, args: tuple):
+        if not self.direct:
+            self.kernel[grid](*args, **self.kwargs)
+            return
+        key = tuple(_spec(a) for a in args)
+        ck = self.compiled.get(key)
+        if ck is None:
+            ck = self.kernel[grid](*args, **self.kwargs)
+            if len(self.compiled) < 64:
+                self.compiled[key] = ck.result() if hasattr(ck, "result") else ck
+            return
+        from triton import knobs
+        stream = torch.cuda.current_stream().cuda_stream
+        meta = ck.launch_metadata(grid, stream, *args, *self.tail)  # as JITFunction.run: launch hooks see it
+        ck.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, ck.function,
+               ck.packed_metadata, meta, knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *args,
+               *self.tail)
+
+
 class _DecodePlan:
     """What a decode call of one shape needs besides its tensors (see :func:`_decode_plan`); ``launch`` maps a
     decode kernel (one per pair of mods) to its keyword arguments once a tile config is known to fit it."""
@@ -268,7 +320,8 @@ class _DecodePlan:
     def __init__(self, num_splits: int, programs: int, constexprs: dict, config: TileConfig, combine: dict):
         self.num_splits, self.programs, self.constexprs, self.config = num_splits, programs, constexprs, config
         self.combine = combine
-        self.launch: dict = {}
+        self.launch: dict = {}  # decode kernel -> CompiledLaunch with the tiles that fit it
+        self.combine_launch: dict = {}  # combine kernel -> CompiledLaunch
 
 
 @functools.lru_cache(maxsize=256)
@@ -322,21 +375,24 @@ def launch_decode(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
             *q.stride(), *k.stride(), *v.stride(), *_mask_strides(nb)[:2], *_mask_strides(idx)[:2],
             Hq, Hq // Hkv, Lq, Lkv, float(scale), plan.num_splits, *scalars_to(mod_args, q.device))
     grid = (plan.num_splits, plan.programs)
-    kernel = module.flex_decode_kernel
+    kernel, combine = module.flex_decode_kernel, module.flex_decode_combine_kernel
     with interpreter_scope(not cuda):
         launch = plan.launch.get(kernel)
         if launch is None:
             # a mod's gathers are pipelined too: with 4 stages they can pass shared memory, hence the fallback
             cfg = run_with_fallback(kernel, lambda cfg: grid, args, plan.constexprs, plan.config, pinned=False,
                                     shrink_m=False)
-            plan.launch[kernel] = dict(plan.constexprs, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
-                                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            plan.launch[kernel] = CompiledLaunch(kernel, dict(
+                plan.constexprs, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages))
         else:
-            kernel[grid](*args, **launch)
+            launch(grid, args)
         out = torch.empty((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)
         lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
-        module.flex_decode_combine_kernel[(B * Hq * Lq,)](
-            out_s, lse_s, out, lse, *out.stride(), Hq, Lq, plan.num_splits, **plan.combine)
+        launch = plan.combine_launch.get(combine)
+        if launch is None:
+            launch = plan.combine_launch[combine] = CompiledLaunch(combine, plan.combine)
+        launch((B * Hq * Lq,), (out_s, lse_s, out, lse, *out.stride(), Hq, Lq, plan.num_splits))
     return out, lse
 
 
