@@ -152,6 +152,7 @@ def test_compiled_launch_reuses_a_kernel_only_for_the_same_argument_properties(m
     from flexlite.runtime.launch import CompiledLaunch
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: SimpleNamespace(cuda_stream=0))  # no GPU needed
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     kernel = _JitKernel()
     launch = CompiledLaunch(kernel, {"BLOCK": 64, "num_warps": 4})
     assert launch.direct and launch.tail == (64,)

@@ -298,7 +298,8 @@ class CompiledLaunch:
         if not self.direct:
             self.kernel[grid](*args, **self.kwargs)
             return
-        key = tuple(_spec(a) for a in args)
+        # the current device too: Triton loads a compiled kernel per device and launches on the current one
+        key = (torch.cuda.current_device(), *(_spec(a) for a in args))
         ck = self.compiled.get(key)
         if ck is None:
             ck = self.kernel[grid](*args, **self.kwargs)
@@ -315,7 +316,7 @@ class CompiledLaunch:
 
 class _DecodePlan:
     """What a decode call of one shape needs besides its tensors (see :func:`_decode_plan`); ``launch`` maps a
-    decode kernel (one per pair of mods) to its keyword arguments once a tile config is known to fit it."""
+    decode kernel (one per pair of mods) to its :class:`CompiledLaunch` once a tile config is known to fit it."""
 
     def __init__(self, num_splits: int, programs: int, constexprs: dict, config: TileConfig, combine: dict):
         self.num_splits, self.programs, self.constexprs, self.config = num_splits, programs, constexprs, config
