@@ -168,3 +168,21 @@ def test_any_sign_of_scale(scale, with_score_mod, Lq):
     got, = torch.autograd.grad(out, q, grad)
     want, = torch.autograd.grad(ref, q, grad.double())
     assert_close(got, want, 1e-5 * max(1.0, want.abs().max().item()), 1e-5, name="dq")
+
+
+@pytest.mark.parametrize("lq", [100, 4])  # the forward kernel, and the decode kernel with its combine
+def test_a_plus_inf_score_gives_lse_plus_inf_as_torch(lq):
+    """A score_mod may return +inf: that row's out is NaN (inf / inf) and its LSE +inf, as torch's logsumexp
+    and the reference give; the other rows are unaffected."""
+    q, k, v = rand_qkv(1, 2, 2, lq, 100, 32, seed=5)
+
+    def boost(score, b, h, q_idx, kv_idx):
+        return torch.where((q_idx == 3) & (kv_idx == 50), float("inf"), score)
+
+    out, lse = flex_attention(q, k, v, score_mod=boost, return_lse=True)
+    ref, ref_lse = attention_reference(q, k, v, score_mod=boost)
+    assert torch.isposinf(ref_lse[:, :, 3]).all() and torch.isposinf(lse[:, :, 3]).all()
+    assert torch.isnan(ref[:, :, 3]).all() and torch.isnan(out[:, :, 3]).all()
+    others = torch.arange(lq, device=DEVICE) != 3
+    assert_close(out[:, :, others], ref[:, :, others], *TOLERANCES[torch.float32])
+    assert_close(lse[:, :, others], ref_lse[:, :, others], *LSE_TOLERANCES[torch.float32], name="lse")

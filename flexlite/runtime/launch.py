@@ -261,17 +261,6 @@ def decode_splits(programs: int, tiles: int, sms: int, waves: int) -> int:
     return max(range(max(1, (3 * want) // 4), want + 1), key=lambda s: (round(fill(s), 2), s))
 
 
-def _spec(a):
-    """What a repeated launch must match to reuse a compiled kernel (see :class:`CompiledLaunch`)."""
-    if isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() % 256
-    if isinstance(a, (bool, int)):
-        return type(a), a
-    if isinstance(a, float):
-        return float
-    return type(a), a
-
-
 class CompiledLaunch:
     """``kernel[grid](*args, **kwargs)`` for repeated launches with one ``kwargs`` (constexprs and options),
     through the compiled kernel that Triton returned for the same arguments, without JITFunction.run's
@@ -299,7 +288,10 @@ class CompiledLaunch:
             self.kernel[grid](*args, **self.kwargs)
             return
         # the current device too: Triton loads a compiled kernel per device and launches on the current one
-        key = (torch.cuda.current_device(), *(_spec(a) for a in args))
+        # per argument: a tensor's dtype and address mod 256, a float's kind, anything else's type and value
+        key = (torch.cuda.current_device(), *[
+            (a.dtype, a.data_ptr() % 256) if isinstance(a, torch.Tensor) else float if isinstance(a, float)
+            else (a.__class__, a) for a in args])
         ck = self.compiled.get(key)
         if ck is None:
             ck = self.kernel[grid](*args, **self.kwargs)
