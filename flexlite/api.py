@@ -17,7 +17,7 @@ from .codegen.trace import check_arity, trace_mod
 from .runtime.compile import load_module, write_source
 from .runtime.autotune import autotune_enabled
 from .runtime.launch import (BACKWARD_CONFIG_KEYS, CONFIG_KEYS, FLEXLITE_OPTIONS, TORCH_PERF_HINTS,
-                             backward_config, decode_rows, forward_config, is_host_scalar, launch_backward,
+                             backward_config, cdiv, decode_rows, forward_config, is_host_scalar, launch_backward,
                              launch_decode, launch_forward)
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -139,10 +139,10 @@ def _validate_block_mask(block_mask, query, key):
               f"build it with create_block_mask(mask_mod, B, H, {Lq}, {Lkv}, ...)")
     bq, bkv = block_mask.BLOCK_SIZE
     nq, nkv = block_mask.kv_indices.shape[-2:]
-    if nq != -(-Lq // bq) or nkv != -(-Lkv // bkv):
+    if nq != cdiv(Lq, bq) or nkv != cdiv(Lkv, bkv):
         _fail(f"block_mask has {nq} x {nkv} blocks of {bq} x {bkv} "
-              f"(kv_num_blocks / kv_indices) but its seq_lengths ({mq}, {mkv}) need {-(-Lq // bq)} x "
-              f"{-(-Lkv // bkv)}: a BlockMask sliced over q blocks keeps the original seq_lengths; set "
+              f"(kv_num_blocks / kv_indices) but its seq_lengths ({mq}, {mkv}) need {cdiv(Lq, bq)} x "
+              f"{cdiv(Lkv, bkv)}: a BlockMask sliced over q blocks keeps the original seq_lengths; set "
               f"block_mask.seq_lengths to the lengths its blocks cover, or rebuild it with create_block_mask")
     for name in BlockMask._TENSOR_ATTRS:
         t = getattr(block_mask, name)
@@ -181,7 +181,7 @@ def check_captured(captured, device: torch.device, caller: str, what: str = "a m
 @functools.lru_cache(maxsize=64)
 def _all_full_blocks(Lq: int, Lkv: int, device: torch.device):
     """Block-sparse tensors of 'no mask': every kv block is full for every q block."""
-    nq, nkv = -(-Lq // DEFAULT_SPARSE_BLOCK), -(-Lkv // DEFAULT_SPARSE_BLOCK)
+    nq, nkv = cdiv(Lq, DEFAULT_SPARSE_BLOCK), cdiv(Lkv, DEFAULT_SPARSE_BLOCK)
     zeros = torch.zeros((1, 1, nq), dtype=torch.int32, device=device)
     idx = torch.arange(nkv, dtype=torch.int32, device=device).expand(1, 1, nq, nkv).contiguous()
     return zeros, idx, torch.full_like(zeros, nkv), idx, (DEFAULT_SPARSE_BLOCK, DEFAULT_SPARSE_BLOCK)

@@ -42,6 +42,7 @@ from torch import Tensor
 
 from ._vmap import index_vectors, vmap_bhqkv
 from .codegen.trace import UntraceableModError, check_arity, positional_arity, trace_mod
+from .runtime.launch import cdiv
 
 __all__ = ["BlockMask", "create_block_mask", "create_mask", "and_masks", "or_masks", "noop_mask"]
 
@@ -173,12 +174,6 @@ def check_device(caller: str, device, name: str = "device", available: bool = Tr
     return device
 
 
-def _resolve_device(device, caller: str = "create_block_mask") -> torch.device:
-    """None -> "cuda" if available, else "cpu" (torch's default is the current accelerator); see
-    :func:`check_device`."""
-    return check_device(caller, device)
-
-
 _HOST_METHODS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__")
 
 
@@ -221,10 +216,6 @@ def check_mod_output(fn, kind: str, caller: str, allow_constant: bool = True, ch
     return traced
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 # ----------------------------------------------------------------------------------------------
 # block flags <-> compressed (num_blocks, indices)
 # ----------------------------------------------------------------------------------------------
@@ -235,7 +226,7 @@ def _block_any(x: Tensor, rows: int, cols: int) -> Tensor:
     The ragged last tile of each axis is padded with False, so only in-range entries count.
     """
     R, C = x.shape[-2:]
-    nr, nc = _cdiv(R, rows), _cdiv(C, cols)
+    nr, nc = cdiv(R, rows), cdiv(C, cols)
     if (nr * rows, nc * cols) != (R, C):
         x = F.pad(x, (0, nc * cols - C, 0, nr * rows - R))
     return x.reshape(*x.shape[:-2], nr, rows, nc, cols).any(dim=-1).any(dim=-2)
@@ -584,8 +575,8 @@ class BlockMask:
         nonempty = self.dense_blocks(full=False) | full
         *batch_dims, n_rows, n_cols = nonempty.shape
         max_rows, max_cols = sizes
-        row_step = max(1, _cdiv(n_rows, max_rows)) if max_rows > 0 else 1
-        col_step = max(1, _cdiv(n_cols, max_cols)) if max_cols > 0 else 1
+        row_step = max(1, cdiv(n_rows, max_rows)) if max_rows > 0 else 1
+        col_step = max(1, cdiv(n_cols, max_cols)) if max_cols > 0 else 1
         # 0 empty, 1 some non-empty block, 2 all full (a cell always holds at least one block)
         codes = (_block_any(nonempty, row_step, col_step).to(torch.int8)
                  + _block_all(full, row_step, col_step).to(torch.int8))
@@ -663,7 +654,7 @@ def _block_flags_kernel(mask_mod: _MaskMod, B: int, H: int, Q_LEN: int, KV_LEN: 
 def _block_flags_vmap(mask_mod: _MaskMod, B: int, H: int, Q_LEN: int, KV_LEN: int, device: torch.device,
                       block_size: tuple[int, int]) -> tuple[Tensor, Tensor]:
     bq, bkv = block_size
-    n_q, n_kv = _cdiv(Q_LEN, bq), _cdiv(KV_LEN, bkv)
+    n_q, n_kv = cdiv(Q_LEN, bq), cdiv(KV_LEN, bkv)
     any_flags = torch.empty((B, H, n_q, n_kv), dtype=torch.bool, device=device)
     all_flags = torch.empty_like(any_flags)
     mask_fn = vmap_bhqkv(mask_mod)
@@ -741,7 +732,7 @@ def create_block_mask(
     if not isinstance(separate_full_blocks, bool):
         raise TypeError(f"{caller}: separate_full_blocks must be a bool; got {type(separate_full_blocks).__name__} "
                         f"{separate_full_blocks!r}")
-    device = _resolve_device(device, caller)
+    device = check_device(caller, device)
 
     any_blocks, all_blocks = _block_flags(mask_mod, B, H, Q_LEN, KV_LEN, device, block_size)
     if separate_full_blocks:
@@ -776,7 +767,7 @@ def create_mask(
     H = _check_positive_int(caller, "H", H, allow_none=True)
     Q_LEN = _check_positive_int(caller, "Q_LEN", Q_LEN)
     KV_LEN = _check_positive_int(caller, "KV_LEN", KV_LEN)
-    device = _resolve_device(device, caller)
+    device = check_device(caller, device)
     # untraceable code or a wrong result type: a clear error, not vmap's
     check_mod_output(mod_fn, "mask_mod" if n_args == 4 else "score_mod", caller, allow_constant=False,
                      check_shape=True)

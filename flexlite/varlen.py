@@ -8,18 +8,13 @@ costs about what per-sample attention would.
 
 from __future__ import annotations
 
-import numbers
 from typing import Sequence, Union
 
 import torch
 
-from .block_mask import BlockMask, create_block_mask, noop_mask
+from .block_mask import BlockMask, _is_int, create_block_mask, noop_mask
 from .masks.causal import causal_mask
 from .masks.document import generate_doc_mask_mod
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _lengths(lengths: Union[Sequence[int], torch.Tensor], batch: int, max_len: int) -> list:

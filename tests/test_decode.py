@@ -138,13 +138,21 @@ def test_inference_calls_build_no_autograd_node(monkeypatch):
     assert flex_attention(q, k, v, enable_gqa=True).grad_fn is not None
 
 
+@pytest.mark.parametrize("lq", [1, 100])  # the decode kernel, the forward kernel
 @pytest.mark.parametrize("use_tma", [True, False])
-def test_use_tma_option_reaches_the_decode_kernel(use_tma):
-    """kernel_options USE_TMA applies to the decode kernel too (tensor descriptors on Hopper GPUs; pointer
-    loads where they do not apply, as on CPU); the result is the reference's either way."""
-    q, k, v = rand_qkv(2, 8, 2, 1, 300, 64, seed=9)
+def test_use_tma_option_reaches_the_kernels(monkeypatch, lq, use_tma):
+    """kernel_options USE_TMA switches the decode kernel's K / V loads to tensor descriptors as the forward's
+    (Triton's interpreter runs descriptors too: tma_ok, which wants a Hopper GPU, is forced here); the result is
+    the reference's either way."""
+    from flexlite.runtime import launch
+
+    used = []
+    monkeypatch.setattr(launch, "tma_ok", lambda *tensors: True)
+    monkeypatch.setattr(launch, "_ensure_allocator", lambda: used.append(True))  # called only for descriptors
+    q, k, v = rand_qkv(2, 8, 2, lq, 300, 64, seed=9)
     out = flex_attention(q, k, v, enable_gqa=True, kernel_options={"USE_TMA": use_tma})
     assert_close(out, attention_reference(q, k, v, enable_gqa=True)[0], *TOLERANCES[torch.float32])
+    assert bool(used) == use_tma
 
 
 def test_repeated_decode_steps_match_the_reference():

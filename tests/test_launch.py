@@ -182,3 +182,22 @@ def test_compiled_launch_leaves_interpreted_or_unusual_kernels_to_triton():
     kernel.params = [_Param("BLOCK", True), _Param("X", False)]  # a constexpr before a runtime parameter
     assert not CompiledLaunch(kernel, {"BLOCK": 16}).direct
     assert not CompiledLaunch(_JitKernel(), {}).direct  # a constexpr without a value
+
+
+def test_device_facts_come_from_detect_gpu(monkeypatch):
+    """The decode path's SM count and compute capability are utils.gpu.detect_gpu's, asked once per device."""
+    from types import SimpleNamespace
+
+    from flexlite.runtime import launch
+    from flexlite.utils import gpu
+
+    asked = []
+    monkeypatch.setattr(gpu, "detect_gpu", lambda i: asked.append(i) or SimpleNamespace(
+        num_sms=132, compute_capability=(9, 0)))
+    launch._device_facts.cache_clear()
+    try:
+        for _ in range(2):
+            assert launch._device_facts(torch.device("cuda", 1)) == (132, 9)
+        assert asked == [1]
+    finally:
+        launch._device_facts.cache_clear()

@@ -57,9 +57,11 @@ def _has_gdc() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _device_facts(device: torch.device) -> tuple:
-    """(SM count, compute capability major) of a CUDA device; cached: torch's queries cost host time per call."""
-    props = torch.cuda.get_device_properties(device)
-    return props.multi_processor_count, props.major
+    """(SM count, compute capability major) of a CUDA device (utils.gpu.detect_gpu); cached: the query costs host
+    time per call."""
+    from ..utils.gpu import detect_gpu
+    caps = detect_gpu(device.index if device.index is not None else torch.cuda.current_device())
+    return caps.num_sms, caps.compute_capability[0]
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -264,8 +266,8 @@ def decode_splits(programs: int, tiles: int, sms: int, waves: int) -> int:
 class CompiledLaunch:
     """``kernel[grid](*args, **kwargs)`` for repeated launches with one ``kwargs`` (constexprs and options),
     through the compiled kernel that Triton returned for the same arguments, without JITFunction.run's
-    per-call binding, specialization and cache-key work: about half of a launch's host time, and the decode
-    path launches twice per step (benchmarks/NOTES.md, 17).
+    per-call binding, specialization and cache-key work (the decode path launches twice per step: on the
+    H100's host 166 -> 139 us per step, benchmarks/NOTES.md 17).
 
     A compiled kernel is reused only for arguments equal in every int, of the same kinds otherwise, and with
     tensors of the same dtype and address modulo 256: at least as fine as what Triton specializes on (ints

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .compile import interpreter_scope
-from .launch import _pow2_divisor, scalars_to
+from .launch import _pow2_divisor, cdiv, scalars_to
 
 # CUDA: largest tile edge (a block is evaluated tile by tile) and warps per program
 MASK_TILES = dict(cap=32, num_warps=4)
@@ -15,7 +15,7 @@ def launch_block_mask(module, mod_args: list, B: int, H: int, Q_LEN: int, KV_LEN
                       device: torch.device) -> tuple:
     """(any, all): bool [B, H, nQ, nKV] — whether the mask is True at any / at all in-range positions of
     each block. Memory: two int8 flags per block."""
-    n_q, n_kv = -(-Q_LEN // block_size[0]), -(-KV_LEN // block_size[1])
+    n_q, n_kv = cdiv(Q_LEN, block_size[0]), cdiv(KV_LEN, block_size[1])
     any_flags = torch.empty((B, H, n_q, n_kv), dtype=torch.int8, device=device)
     all_flags = torch.empty_like(any_flags)
     # one program per block; on a GPU the tile size keeps registers modest, the interpreter wants few steps
