@@ -4,7 +4,8 @@ setting is first checked against the fp64 reference. Prints a table; benchmarks/
 
 ``--splits``: the split count instead. ``--variants``: tensor-descriptor loads and programmatic dependent
 launch of the combine kernel, eager and CUDA-graph times. ``--host``: host time per call at a size where the
-GPU is idle most of the time, and where it goes (cProfile).
+GPU is idle most of the time, and where it goes (cProfile). ``--kernels``: each GPU kernel's time per step
+(torch.profiler), flexlite's against SDPA's, to place the gap between the two.
 """
 
 import cProfile
@@ -114,8 +115,32 @@ def host_report():
     pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 
 
+def kernel_report():
+    """Per shape: each CUDA kernel's average time over 50 steps of flexlite and of SDPA (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for label, q, k, v, ref, nbytes, sdpa in decode_shapes():
+        calls = {"flexlite": lambda: flex_attention(q, k, v, enable_gqa=True),
+                 "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)}
+        for name, fn in calls.items():
+            for _ in range(10):
+                fn()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(50):
+                    fn()
+                torch.cuda.synchronize()
+            rows = [[label, name, e.key[:70], e.count, round(e.device_time_total / e.count, 1)]
+                    for e in prof.key_averages() if e.device_time_total > 0]
+            print(tabulate(rows, headers=["shape", "call", "kernel", "launches", "us each"], tablefmt="github"),
+                  flush=True)
+
+
 def main():
     copy_bw = copy_bandwidth_gbps()
+    if "--kernels" in sys.argv:
+        kernel_report()
+        return
     if "--host" in sys.argv:
         host_report()
         return

@@ -147,19 +147,17 @@ class _JitKernel:
 
 
 def test_compiled_launch_reuses_a_kernel_only_for_the_same_argument_properties(monkeypatch):
-    from types import SimpleNamespace
-
+    from flexlite.runtime import launch as launch_module
     from flexlite.runtime.launch import CompiledLaunch
 
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: SimpleNamespace(cuda_stream=0))  # no GPU needed
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch_module, "_current_device_and_stream", lambda: (0, 0))  # no GPU needed
     kernel = _JitKernel()
     launch = CompiledLaunch(kernel, {"BLOCK": 64, "num_warps": 4})
     assert launch.direct and launch.tail == (64,)
     x = torch.zeros(64)
     launch((2,), (x, 32))  # Triton's path, remembered
-    launch((3,), (x, 32))  # same properties: direct, constexprs appended in signature order
-    assert kernel.triton_launches == 1 and kernel.compiles[0].runs == [((3, 1, 1), (x, 32, 64))]
+    launch((3,), (x, 32))  # same properties: direct, the tensor as its address, constexprs appended in order
+    assert kernel.triton_launches == 1 and kernel.compiles[0].runs == [((3, 1, 1), (x.data_ptr(), 32, 64))]
     for args in [(x, 33), (x[1:], 32), (x.half(), 32)]:  # another int, address mod 256, dtype: Triton's path
         launch((1,), args)
     assert kernel.triton_launches == 4

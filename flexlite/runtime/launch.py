@@ -12,6 +12,11 @@ from typing import Optional
 import torch
 import triton
 
+try:  # Triton >= 3.4; CompiledLaunch launches directly only on 3.6
+    from triton import knobs as _triton_knobs
+except ImportError:
+    _triton_knobs = None
+
 from . import autotune
 from .autotune import length_bucket
 from .compile import interpreter_scope
@@ -290,22 +295,37 @@ class CompiledLaunch:
             self.kernel[grid](*args, **self.kwargs)
             return
         # the current device too: Triton loads a compiled kernel per device and launches on the current one
-        # per argument: a tensor's dtype and address mod 256, a float's kind, anything else's type and value
-        key = (torch.cuda.current_device(), *[
-            (a.dtype, a.data_ptr() % 256) if isinstance(a, torch.Tensor) else float if isinstance(a, float)
-            else (a.__class__, a) for a in args])
+        device, stream = _current_device_and_stream()
+        # per argument: a tensor's dtype and address mod 256, a float's kind, anything else's type and value;
+        # tensors go to the launcher as their addresses (an int skips its data_ptr() call and driver pointer query)
+        key, flat = [device], []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                ptr = a.data_ptr()
+                key.append((a.dtype, ptr % 256))
+                flat.append(ptr)
+            else:
+                key.append(float if isinstance(a, float) else (a.__class__, a))
+                flat.append(a)
+        key = tuple(key)
         ck = self.compiled.get(key)
         if ck is None:
             ck = self.kernel[grid](*args, **self.kwargs)
             if len(self.compiled) < 64:
                 self.compiled[key] = ck.result() if hasattr(ck, "result") else ck
             return
-        from triton import knobs
-        stream = torch.cuda.current_stream().cuda_stream
-        meta = ck.launch_metadata(grid, stream, *args, *self.tail)  # as JITFunction.run: launch hooks see it
+        hooks = _triton_knobs.runtime
+        enter = hooks.launch_enter_hook
+        # as JITFunction.run: launch hooks see the launch metadata (with the tensors, as Triton's launch would)
+        meta = None if enter is None else ck.launch_metadata(grid, stream, *args, *self.tail)
         ck.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, ck.function,
-               ck.packed_metadata, meta, knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *args,
-               *self.tail)
+               ck.packed_metadata, meta, enter, hooks.launch_exit_hook, *flat, *self.tail)
+
+
+def _current_device_and_stream() -> tuple:
+    """The current CUDA device's index and its current stream's handle, as Triton's launch reads them."""
+    device = torch.cuda.current_device()
+    return device, torch._C._cuda_getCurrentRawStream(device)
 
 
 class _DecodePlan:
