@@ -60,7 +60,7 @@ def splits_rows(copy_bw: float) -> list:
 
 # (run at commit eb8953b, PDL off by default then: pdl, tma, tma+pdl, and tma+pdl with 3 stages / 128-wide tiles;
 # at a0b7442 / 60cd70a: use_pdl=False, use_tma=True)
-VARIANTS = [dict(), dict(stream_k=1), dict(stream_k=2), dict(stream_k=3), dict(stream_k=4)]
+VARIANTS = [dict(), dict(stream_k=2), dict(stream_k=3), dict(stream_k=4)]
 
 
 def variant_rows(copy_bw: float) -> list:
