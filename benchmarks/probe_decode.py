@@ -58,9 +58,8 @@ def splits_rows(copy_bw: float) -> list:
     return rows
 
 
-# (run at commit eb8953b, PDL off by default then: pdl, tma, tma+pdl, and tma+pdl with 3 stages / 128-wide tiles;
-# at a0b7442 / 60cd70a: use_pdl=False, use_tma=True)
-VARIANTS = [dict(), dict(stream_k=2), dict(stream_k=3), dict(stream_k=4)]
+# (run at commit eb8953b, PDL off by default then: pdl, tma, tma+pdl, and tma+pdl with 3 stages / 128-wide tiles)
+VARIANTS = [dict(), dict(use_pdl=False), dict(use_tma=True)]
 
 
 def variant_rows(copy_bw: float) -> list:

@@ -19,20 +19,7 @@ SHAPES = [
 ]
 
 
-@pytest.fixture
-def stream_k(monkeypatch):
-    """Sets the decode tiles' stream-K programs per SM (the interpreter counts 2 SMs) for one test."""
-    from flexlite.runtime import launch
-
-    def set_programs_per_sm(n: int):
-        for tiles in (launch.DECODE_TILES, launch._INTERPRETER_DECODE_TILES):
-            monkeypatch.setitem(tiles, "stream_k", n)
-    return set_programs_per_sm
-
-
 def _case(name, shape, dtype, splits):
-    """``splits``: a pinned split count (split-KV), or None for the default schedule (stream-K where the
-    block mask broadcasts, when the test turned it on)."""
     B, Hq, Hkv, Lq, Lkv, D = shape
     case = CATALOG[name](B, Hq, Lq, Lkv, DEVICE)
     q, k, v = rand_qkv(B, Hq, Hkv, Lq, Lkv, D, dtype=dtype, seed=Lq * 7 + Lkv)
@@ -47,11 +34,10 @@ def _case(name, shape, dtype, splits):
     assert_close(lse, ref_lse, *LSE_TOLERANCES[dtype], name=f"{name} lse")
 
 
-@pytest.mark.parametrize("splits", [1, 3, None], ids=lambda s: f"splits{s}" if s else "stream_k")
+@pytest.mark.parametrize("splits", [1, 3], ids=lambda s: f"splits{s}")
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("name", sorted(CATALOG))
-def test_catalog_decode(name, shape, splits, stream_k):
-    stream_k(3)  # 6 programs on the interpreter: shares that cross groups, groups spread over several shares
+def test_catalog_decode(name, shape, splits):
     _case(name, shape, torch.float32, splits)
 
 
@@ -92,54 +78,6 @@ def test_rows_no_split_sees_are_zero_with_lse_minus_inf():
     assert (out[:, :, 1] == 0).all() and torch.isneginf(lse[:, :, 1]).all()
     assert_close(out, ref, *TOLERANCES[torch.float32])
     assert_close(lse, ref_lse, *LSE_TOLERANCES[torch.float32], name="lse")
-
-
-def _record_plans(monkeypatch) -> list:
-    """The decode plans (schedule, grid, constexprs) that the following calls use."""
-    from flexlite.runtime import launch
-
-    plans, plan_of = [], launch._decode_plan
-    monkeypatch.setattr(launch, "_decode_plan", lambda *key: plans.append(plan_of(*key)) or plans[-1])
-    return plans
-
-
-@pytest.mark.parametrize("programs_per_sm", [1, 3, 7])
-@pytest.mark.parametrize("keys", ["all", "late", "none"])
-def test_stream_k_schedule(programs_per_sm, keys, stream_k, monkeypatch):
-    """Stream-K decoding: the programs' equal shares of all groups' tiles, crossing groups, with more programs
-    than a sparse mask leaves tiles (empty shares), or no tile at all (out 0, LSE -inf)."""
-    stream_k(programs_per_sm)
-    plans = _record_plans(monkeypatch)
-    mask_mods = {"all": lambda b, h, q_idx, kv_idx: kv_idx >= 0, "late": lambda b, h, q_idx, kv_idx: kv_idx > 950,
-                 "none": lambda b, h, q_idx, kv_idx: kv_idx < 0}
-    q, k, v = rand_qkv(3, 8, 2, 2, 1000, 32, seed=programs_per_sm)
-    bm = create_block_mask(mask_mods[keys], None, None, 2, 1000, device=DEVICE, BLOCK_SIZE=64)
-    out, lse = flex_attention(q, k, v, block_mask=bm, enable_gqa=True, return_lse=True)
-    assert [(p.constexprs["STREAM_K"], p.grid[1]) for p in plans] == [(True, 1)]
-    ref, ref_lse = attention_reference(q, k, v, block_mask=bm, enable_gqa=True)
-    if keys == "none":
-        assert (out == 0).all() and torch.isneginf(lse).all()
-    else:
-        assert_close(out, ref, *TOLERANCES[torch.float32])
-        assert_close(lse, ref_lse, *LSE_TOLERANCES[torch.float32], name="lse")
-
-
-def test_stream_k_needs_a_broadcast_mask_and_no_pinned_splits(stream_k, monkeypatch):
-    """A mask that differs per batch or head gives groups different tile counts, and DECODE_SPLITS pins the
-    split-KV schedule: both decode split-KV, still matching the reference."""
-    stream_k(3)
-    plans = _record_plans(monkeypatch)
-    q, k, v = rand_qkv(2, 4, 2, 1, 300, 32, seed=5)
-
-    def per_batch(b, h, q_idx, kv_idx):
-        return kv_idx < 100 + 150 * b
-    for bm, opts in [(create_block_mask(per_batch, 2, None, 1, 300, device=DEVICE, BLOCK_SIZE=64), {}),
-                     (None, {"DECODE_SPLITS": 3})]:
-        out = flex_attention(q, k, v, block_mask=bm, enable_gqa=True, kernel_options=opts)
-        assert_close(out, attention_reference(q, k, v, block_mask=bm, enable_gqa=True)[0],
-                     *TOLERANCES[torch.float32])
-    assert [p.constexprs["STREAM_K"] for p in plans] == [False, False]
-    assert plans[1].grid == (3, 4)
 
 
 def test_kv_cache_steps_reuse_trace_and_kernel():

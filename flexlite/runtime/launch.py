@@ -246,14 +246,13 @@ def decode_rows(q: torch.Tensor, k: torch.Tensor, sparse_block: tuple, mask_head
 
 
 # the decode kernel's tiles on CUDA: keys per step, warps, pipeline stages, and programs per SM that the
-# split count aims for; stream_k: programs per SM of the stream-K schedule (0: split-KV only), taken where the
-# block mask broadcasts over batch and heads and no split count is pinned
+# split count aims for
 # (use_tma: K / V through tensor descriptors, no faster on the H100 (NOTES 17); use_pdl: the combine kernel
 # launched as a programmatic dependent launch of the decode kernel, so its launch overlaps the decode tail;
 # both only on Hopper or newer)
-DECODE_TILES = dict(BLOCK_N=64, num_warps=4, num_stages=4, waves=4, stream_k=0, use_tma=False, use_pdl=True)
+DECODE_TILES = dict(BLOCK_N=64, num_warps=4, num_stages=4, waves=4, use_tma=False, use_pdl=True)
 # the interpreter's: one big tile per step, no pipelining
-_INTERPRETER_DECODE_TILES = dict(BLOCK_N=128, num_warps=4, num_stages=1, waves=1, stream_k=0)
+_INTERPRETER_DECODE_TILES = dict(BLOCK_N=128, num_warps=4, num_stages=1, waves=1)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -330,57 +329,45 @@ def _current_device_and_stream() -> tuple:
 
 
 class _DecodePlan:
-    """What a decode call of one shape needs besides its tensors (see :func:`_decode_plan`): the grid, the partial
-    slots per query row, the kernel arguments that follow the tensors' strides, constexprs; ``launch`` maps a
-    decode kernel (one per pair of mods) to the :class:`CompiledLaunch` of it and of its combine kernel once a
-    tile config is known to fit it."""
+    """What a decode call of one shape needs besides its tensors (see :func:`_decode_plan`); ``launch`` maps a
+    decode kernel (one per pair of mods) to its :class:`CompiledLaunch` once a tile config is known to fit it."""
 
-    def __init__(self, grid: tuple, slots: int, counts: tuple, constexprs: dict, config: TileConfig,
-                 combine: dict):
-        self.grid, self.slots, self.counts, self.constexprs, self.config = grid, slots, counts, constexprs, config
+    def __init__(self, num_splits: int, programs: int, constexprs: dict, config: TileConfig, combine: dict):
+        self.num_splits, self.programs, self.constexprs, self.config = num_splits, programs, constexprs, config
         self.combine = combine
-        self.launch: dict = {}  # decode kernel -> (CompiledLaunch of it, of the combine kernel)
+        self.launch: dict = {}  # decode kernel -> CompiledLaunch with the tiles that fit it
+        self.combine_launch: dict = {}  # combine kernel -> CompiledLaunch
 
 
 @functools.lru_cache(maxsize=256)
 def _decode_plan(device: torch.device, B: int, Hq: int, Lq: int, D: int, Hkv: int, Lkv: int, Dv: int,
-                 sparse_block: tuple, rows: int, has_full: bool, broadcast: bool, has_score_mod: bool,
-                 num_splits: Optional[int], use_tma: bool, allow_tf32: bool, tiles_items: tuple) -> _DecodePlan:
-    """Schedule, constexprs and tiles of a decode call: cached per shape (decoding repeats one shape per step,
-    and working these out costs host time that a step of ~0.1 ms cannot hide). ``broadcast``: the block mask
-    is the same for every batch and head, which the stream-K schedule needs."""
+                 sparse_block: tuple, rows: int, has_full: bool, has_score_mod: bool, num_splits: Optional[int],
+                 use_tma: bool, allow_tf32: bool, tiles_items: tuple) -> _DecodePlan:
+    """Split count, constexprs and tiles of a decode call: cached per shape (decoding repeats one shape per step,
+    and working these out costs host time that a step of ~0.1 ms cannot hide)."""
     cuda = device.type == "cuda"
     tiles = dict(tiles_items)
     block_n = _pow2_divisor(sparse_block[1], tiles["BLOCK_N"])
-    groups = B * Hq // rows
-    sms = _device_facts(device)[0] if cuda else 2
-    stream_k = bool(tiles.get("stream_k")) and broadcast and num_splits is None
-    if stream_k:
-        # every program gets the same share of all groups' tiles (no more programs than tiles without a mask;
-        # a sparser mask can leave some shares empty); the shares that cover one group's tiles are at most
-        # programs // groups + 2, each writing one partial slot
-        num_programs = max(1, min(tiles["stream_k"] * sms, groups * cdiv(Lkv, block_n)))
-        grid, slots = (num_programs, 1), num_programs // groups + 2
-    else:
-        if num_splits is None:
-            num_splits = decode_splits(groups, cdiv(Lkv, block_n), sms, tiles["waves"])
-        num_programs, grid, slots = 0, (num_splits, groups), num_splits
+    programs = B * Hq // rows
+    if num_splits is None:
+        sms = _device_facts(device)[0] if cuda else 2
+        num_splits = decode_splits(programs, cdiv(Lkv, block_n), sms, tiles["waves"])
     use_pdl = bool(tiles.get("use_pdl")) and cuda and _device_facts(device)[1] >= 9 and _has_gdc()
     constexprs = dict(
         ROWS=rows, SPARSE_KV_BLOCK=sparse_block[1], D=D, DV=Dv, D_PAD=head_dim_pad(D), DV_PAD=head_dim_pad(Dv),
         EVEN_N=Lkv % sparse_block[1] == 0, HAS_FULL_BLOCKS=has_full, HAS_SCORE_MOD=has_score_mod,
-        FP32_PRECISION="tf32" if allow_tf32 else "ieee", USE_TMA=use_tma, USE_PDL=use_pdl, STREAM_K=stream_k)
+        FP32_PRECISION="tf32" if allow_tf32 else "ieee", USE_TMA=use_tma, USE_PDL=use_pdl)
     config = TileConfig(max(16, next_pow2(rows * Lq)), block_n, tiles["num_warps"], tiles["num_stages"])
-    combine = dict(DV=Dv, DV_PAD=head_dim_pad(Dv), SPLITS_PAD=max(2, next_pow2(slots)), USE_PDL=use_pdl,
-                   STREAM_K=stream_k, HAS_FULL_BLOCKS=has_full, **(dict(launch_pdl=True) if use_pdl else {}))
-    return _DecodePlan(grid, slots, (slots, num_programs, groups), constexprs, config, combine)
+    combine = dict(DV=Dv, DV_PAD=head_dim_pad(Dv), SPLITS_PAD=max(2, next_pow2(num_splits)), USE_PDL=use_pdl,
+                   **(dict(launch_pdl=True) if use_pdl else {}))
+    return _DecodePlan(num_splits, programs, constexprs, config, combine)
 
 
 def launch_decode(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
                   full_kv_num_blocks: Optional[torch.Tensor], full_kv_indices: Optional[torch.Tensor],
                   sparse_block: tuple, scale: float, has_score_mod: bool, rows: int, num_splits: Optional[int] = None,
                   use_tma: Optional[bool] = None):
-    """Split-KV or stream-K decoding (``module.flex_decode_kernel``) and the combine step; returns (out, lse) as
+    """Split-KV decoding (``module.flex_decode_kernel``) and the combine step; returns (out, lse) as
     :func:`launch_forward` does. ``use_tma`` (kernel_options USE_TMA): tensor-descriptor loads where
     :func:`tma_ok` allows; None: ``DECODE_TILES["use_tma"]``."""
     B, Hq, Lq, D = q.shape
@@ -391,35 +378,36 @@ def launch_decode(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
     if use_tma:
         _ensure_allocator()
     has_full = full_kv_num_blocks is not None
-    plan = _decode_plan(q.device, B, Hq, Lq, D, Hkv, Lkv, Dv, tuple(sparse_block), rows, has_full,
-                        kv_num_blocks.shape[0] == kv_num_blocks.shape[1] == 1, has_score_mod, num_splits, use_tma,
-                        cuda and torch.backends.cuda.matmul.allow_tf32, tuple(tiles.items()))
-    out_s = torch.empty((B, Hq, plan.slots, Lq, Dv), dtype=torch.float32, device=q.device)
-    lse_s = torch.empty((B, Hq, plan.slots, Lq), dtype=torch.float32, device=q.device)
+    plan = _decode_plan(q.device, B, Hq, Lq, D, Hkv, Lkv, Dv, tuple(sparse_block), rows, has_full, has_score_mod,
+                        num_splits, use_tma, cuda and torch.backends.cuda.matmul.allow_tf32, tuple(tiles.items()))
+    out_s = torch.empty((B, Hq, plan.num_splits, Lq, Dv), dtype=torch.float32, device=q.device)
+    lse_s = torch.empty((B, Hq, plan.num_splits, Lq), dtype=torch.float32, device=q.device)
     if not has_full:
         full_kv_num_blocks, full_kv_indices = kv_num_blocks, kv_indices
     nb, idx = kv_num_blocks.contiguous(), kv_indices.contiguous()
     full_nb, full_idx = full_kv_num_blocks.contiguous(), full_kv_indices.contiguous()
     args = (q, k, v, out_s, lse_s, nb, idx, full_nb, full_idx,
             *q.stride(), *k.stride(), *v.stride(), *_mask_strides(nb)[:2], *_mask_strides(idx)[:2],
-            Hq, Hq // Hkv, Lq, Lkv, float(scale), *plan.counts, *scalars_to(mod_args, q.device))
+            Hq, Hq // Hkv, Lq, Lkv, float(scale), plan.num_splits, *scalars_to(mod_args, q.device))
+    grid = (plan.num_splits, plan.programs)
     kernel, combine = module.flex_decode_kernel, module.flex_decode_combine_kernel
     with interpreter_scope(not cuda):
-        launches = plan.launch.get(kernel)
-        if launches is None:
+        launch = plan.launch.get(kernel)
+        if launch is None:
             # a mod's gathers are pipelined too: with 4 stages they can pass shared memory, hence the fallback
-            cfg = run_with_fallback(kernel, lambda cfg: plan.grid, args, plan.constexprs, plan.config, pinned=False,
+            cfg = run_with_fallback(kernel, lambda cfg: grid, args, plan.constexprs, plan.config, pinned=False,
                                     shrink_m=False)
-            launches = plan.launch[kernel] = (
-                CompiledLaunch(kernel, dict(plan.constexprs, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
-                                            num_warps=cfg.num_warps, num_stages=cfg.num_stages)),
-                CompiledLaunch(combine, dict(plan.combine, SPARSE_KV_MULTIPLE=sparse_block[1] // cfg.BLOCK_N)))
+            plan.launch[kernel] = CompiledLaunch(kernel, dict(
+                plan.constexprs, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages))
         else:
-            launches[0](plan.grid, args)
+            launch(grid, args)
         out = torch.empty((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)
         lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
-        launches[1]((B * Hq * Lq,), (out_s, lse_s, out, lse, nb, full_nb, *out.stride(), Hq, Lq, *plan.counts,
-                                     rows))
+        launch = plan.combine_launch.get(combine)
+        if launch is None:
+            launch = plan.combine_launch[combine] = CompiledLaunch(combine, plan.combine)
+        launch((B * Hq * Lq,), (out_s, lse_s, out, lse, *out.stride(), Hq, Lq, plan.num_splits))
     return out, lse
 
 
