@@ -272,7 +272,8 @@ class CompiledLaunch:
     """``kernel[grid](*args, **kwargs)`` for repeated launches with one ``kwargs`` (constexprs and options),
     through the compiled kernel that Triton returned for the same arguments, without JITFunction.run's
     per-call binding, specialization and cache-key work (the decode path launches twice per step: on the
-    H100's host 166 -> 139 us per step, benchmarks/NOTES.md 17).
+    H100's host 166 -> 139 us per step; with tensors passed as addresses, 100 us on the H200's host;
+    benchmarks/NOTES.md 17, 19).
 
     A compiled kernel is reused only for arguments equal in every int, of the same kinds otherwise, and with
     tensors of the same dtype and address modulo 256: at least as fine as what Triton specializes on (ints
