@@ -2,7 +2,10 @@
 generated, written and compiled by Triton) and then again with the on-disk caches warm (flexlite's kernel
 file and Triton's compiled binary exist; tracing and code generation still run). Prints a table.
 
-Usage: python benchmarks/first_call.py  (CUDA; uses a temporary FLEXLITE_CACHE_DIR / TRITON_CACHE_DIR)
+The last column: a second new mod in the same process, once CUDA, torch's kernels and Triton are warm (what
+a user defining mods in a notebook sees). ``--profile``: cProfile of that call in the warm-cache process.
+
+Usage: python benchmarks/first_call.py [--profile]  (CUDA; uses a temporary FLEXLITE_CACHE_DIR / TRITON_CACHE_DIR)
 """
 
 import os
@@ -13,7 +16,8 @@ import tempfile
 from tabulate import tabulate
 
 CHILD = r"""
-import time, torch
+import os, time, torch
+PROFILE = os.environ.get("FIRST_CALL_PROFILE") == "1"
 t0 = time.perf_counter()
 from flexlite import create_block_mask, flex_attention
 def mod(score, b, h, q_idx, kv_idx):
@@ -29,7 +33,27 @@ torch.cuda.synchronize()
 t2 = time.perf_counter()
 flex_attention(q, k, v, score_mod=mod, block_mask=bm)
 torch.cuda.synchronize()
-print(f"{t1 - t0:.3f} {t2 - t1:.3f} {time.perf_counter() - t2:.4f}")
+t3 = time.perf_counter()
+# a second new mod in this process, now that CUDA, torch's kernels and Triton are warm
+def mod2(score, b, h, q_idx, kv_idx):
+    return score - 0.0625 * (q_idx - kv_idx)
+def mask2(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < 256)
+prof = None
+if PROFILE:
+    import cProfile
+    prof = cProfile.Profile()
+    prof.enable()
+t4 = time.perf_counter()
+bm2 = create_block_mask(mask2, None, None, 2048, 2048, device="cuda")
+flex_attention(q, k, v, score_mod=mod2, block_mask=bm2)
+torch.cuda.synchronize()
+t5 = time.perf_counter()
+print(f"{t1 - t0:.3f} {t2 - t1:.3f} {t3 - t2:.4f} {t5 - t4:.3f}")
+if prof is not None:
+    import pstats, sys
+    prof.disable()
+    pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(30)
 """
 
 
@@ -39,11 +63,15 @@ def main():
         env = dict(os.environ, FLEXLITE_CACHE_DIR=os.path.join(tmp, "flexlite"),
                    TRITON_CACHE_DIR=os.path.join(tmp, "triton"))
         for label in ("cold caches", "warm on-disk caches"):
+            if label.startswith("warm") and "--profile" in sys.argv:
+                env["FIRST_CALL_PROFILE"] = "1"
             out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, check=True)
-            imports, first, second = out.stdout.split()
-            rows.append([label, imports, first, second])
+            rows.append([label, *out.stdout.split()])
+            if out.stderr:
+                print(out.stderr[-6000:], file=sys.stderr)
     print(tabulate(rows, headers=["process", "import + inputs s", "first call s (mask + attention)",
-                                  "second call s"], tablefmt="github"))
+                                  "second call s", "a second new mod's first call s (warm process)"],
+                   tablefmt="github"))
 
 
 if __name__ == "__main__":
