@@ -3,7 +3,7 @@ generated, written and compiled by Triton) and then again with the on-disk cache
 file and Triton's compiled binary exist; tracing and code generation still run). Prints a table.
 
 The last column: a second new mod in the same process, once CUDA, torch's kernels and Triton are warm (what
-a user defining mods in a notebook sees). ``--profile``: cProfile of that call in the warm-cache process.
+a user defining mods in a notebook sees). ``--profile``: cProfile of that call in both processes (stderr).
 
 Usage: python benchmarks/first_call.py [--profile]  (CUDA; uses a temporary FLEXLITE_CACHE_DIR / TRITON_CACHE_DIR)
 """
@@ -53,7 +53,7 @@ print(f"{t1 - t0:.3f} {t2 - t1:.3f} {t3 - t2:.4f} {t5 - t4:.3f}")
 if prof is not None:
     import pstats, sys
     prof.disable()
-    pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(30)
+    pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(45)
 """
 
 
@@ -63,12 +63,12 @@ def main():
         env = dict(os.environ, FLEXLITE_CACHE_DIR=os.path.join(tmp, "flexlite"),
                    TRITON_CACHE_DIR=os.path.join(tmp, "triton"))
         for label in ("cold caches", "warm on-disk caches"):
-            if label.startswith("warm") and "--profile" in sys.argv:
+            if "--profile" in sys.argv:
                 env["FIRST_CALL_PROFILE"] = "1"
             out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, check=True)
             rows.append([label, *out.stdout.split()])
             if out.stderr:
-                print(out.stderr[-6000:], file=sys.stderr)
+                print(f"== {label}\n{out.stderr[-12000:]}", file=sys.stderr)
     print(tabulate(rows, headers=["process", "import + inputs s", "first call s (mask + attention)",
                                   "second call s", "a second new mod's first call s (warm process)"],
                    tablefmt="github"))
