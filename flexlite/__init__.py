@@ -17,6 +17,10 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
+from .runtime.compile import prewarm_triton_key as _prewarm
+
+_prewarm()  # Triton's per-process cache key, hashed in the background (runtime/compile.py)
+
 # the "DIY FlashAttention" API (docs/API.md): flexlite.kernels and flexlite.utils, re-exported here on first
 # use so that `import flexlite` (and `python -m flexlite.masks.<family>`) does not load them
 _LAZY = {"flash_attention": "kernels", "reference_attention": "kernels", "triton_matmul": "kernels",

@@ -62,3 +62,24 @@ def test_flex_attention_survives_a_corrupted_cache(cache):
     again = flex_attention(q, k, v, score_mod=mod)
     assert torch.equal(out, again)
     assert_close(again, attention_reference(q, k, v, score_mod=mod)[0], *TOLERANCES[torch.float32])
+
+
+def test_triton_cache_key_is_prewarmed_in_the_background(monkeypatch):
+    """flexlite's import starts Triton's per-process cache key (a hash of Triton's installation) in a thread
+    where torch is a CUDA build, so a process's first launch does not pay it; FLEXLITE_PREWARM=0 or a CPU build
+    of torch: no thread."""
+    import triton.runtime.cache
+
+    from flexlite.runtime.compile import prewarm_triton_key
+
+    calls = []
+    monkeypatch.setattr(triton.runtime.cache, "triton_key", lambda: calls.append(True))
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    thread = prewarm_triton_key()
+    thread.join(timeout=10)
+    assert calls == [True] and thread.daemon
+    monkeypatch.setenv("FLEXLITE_PREWARM", "0")
+    assert prewarm_triton_key() is None
+    monkeypatch.delenv("FLEXLITE_PREWARM")
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert prewarm_triton_key() is None and calls == [True]

@@ -27,6 +27,29 @@ _MODULES: dict = {}
 _BY_SOURCE: dict = {}  # (source text, interpret) -> module: the same modules as _MODULES
 
 
+def prewarm_triton_key() -> "threading.Thread | None":
+    """Start computing Triton's own cache key in a background thread; returns the thread (None where there is
+    nothing to do).
+
+    Triton keys every compiled kernel on a hash of its own installation (``triton_key``: a SHA-256 of
+    libtriton and its compiler sources, ~0.35 s on the H200's host, once per process, cached). A process's first
+    kernel launch pays it even when every kernel is in the on-disk cache; computed while the caller is still
+    importing and building inputs, it is gone from the first call (benchmarks/NOTES.md 21). Only with a CUDA
+    build of torch (the interpreter does not compile), and not with ``FLEXLITE_PREWARM=0``."""
+    if os.environ.get("FLEXLITE_PREWARM", "1") == "0":
+        return None
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:  # another Triton: nothing to warm
+        return None
+    import torch
+    if torch.version.cuda is None:  # a CPU build of torch (no device query here: that would initialize CUDA)
+        return None
+    thread = threading.Thread(target=triton_key, name="flexlite-prewarm", daemon=True)  # hashing frees the GIL
+    thread.start()
+    return thread
+
+
 def cache_dir() -> Path:
     """``$FLEXLITE_CACHE_DIR``, else ``$XDG_CACHE_HOME/flexlite``, else ``~/.cache/flexlite``."""
     root = os.environ.get("FLEXLITE_CACHE_DIR")
