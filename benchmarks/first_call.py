@@ -32,6 +32,9 @@ if os.environ.get("FIRST_CALL_PROFILE") == "first":
     import cProfile
     first = cProfile.Profile()
     first.enable()
+import sys, threading
+prewarming = any(t.name == "flexlite-prewarm" and t.is_alive() for t in threading.enumerate())
+print(f"flexlite's prewarm thread still running at the first call: {prewarming}", file=sys.stderr)
 t1 = time.perf_counter()
 bm = create_block_mask(mask, None, None, 2048, 2048, device="cuda")
 flex_attention(q, k, v, score_mod=mod, block_mask=bm)

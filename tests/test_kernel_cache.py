@@ -75,9 +75,10 @@ def test_triton_cache_key_is_prewarmed_in_the_background(monkeypatch):
     calls = []
     monkeypatch.setattr(triton.runtime.cache, "triton_key", lambda: calls.append(True))
     monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(compile_module, "_PREWARM", [])
     thread = prewarm_triton_key()
     thread.join(timeout=10)
-    assert calls == [True] and thread.daemon
+    assert calls == [True] and thread.daemon and compile_module._PREWARM == [thread]  # joined at the first load
     monkeypatch.setenv("FLEXLITE_PREWARM", "0")
     assert prewarm_triton_key() is None
     monkeypatch.delenv("FLEXLITE_PREWARM")

@@ -47,7 +47,11 @@ def prewarm_triton_key() -> "threading.Thread | None":
         return None
     thread = threading.Thread(target=triton_key, name="flexlite-prewarm", daemon=True)  # hashing frees the GIL
     thread.start()
+    _PREWARM.append(thread)
     return thread
+
+
+_PREWARM: list = []  # the running prewarm thread: the first CUDA kernel load waits for it rather than hash again
 
 
 def cache_dir() -> Path:
@@ -159,6 +163,8 @@ def load_module(source: str, interpret: bool) -> ModuleType:
     module = _BY_SOURCE.get((source, interpret))  # the steady state: no hashing of the text (str caches its hash)
     if module is not None:
         return module
+    if _PREWARM and not interpret:
+        _PREWARM.pop().join()
     key = (source_hash(source), interpret)
     with _LOCK:
         module = _MODULES.get(key)
