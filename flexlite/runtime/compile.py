@@ -164,7 +164,10 @@ def load_module(source: str, interpret: bool) -> ModuleType:
     if module is not None:
         return module
     if _PREWARM and not interpret:
-        _PREWARM.pop().join()
+        try:  # another thread may have taken it already
+            _PREWARM.pop().join()
+        except IndexError:
+            pass
     key = (source_hash(source), interpret)
     with _LOCK:
         module = _MODULES.get(key)
