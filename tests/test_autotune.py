@@ -10,8 +10,11 @@ import sys
 import pytest
 import torch
 
+from flexlite import create_block_mask
 from flexlite.runtime import autotune
-from flexlite.runtime.launch import TileConfig, forward_candidates
+from flexlite.runtime.launch import TileConfig, backward_candidates, forward_candidates
+from helpers import DEVICE, rand_qkv
+from test_backward import check_backward
 
 CANDIDATES = [{"BLOCK_M": 128, "BLOCK_N": 64}, {"BLOCK_M": 64, "BLOCK_N": 64}, {"BLOCK_M": 128, "BLOCK_N": 128}]
 TIMES = {(128, 64): 2.0, (64, 64): 1.5, (128, 128): math.inf}
@@ -101,3 +104,48 @@ def test_forward_candidates_fit_the_block_mask():
     cands = forward_candidates(q, q, (64, 32))
     assert cands and all(isinstance(c, TileConfig) and 64 % c.BLOCK_M == 0 and 32 % c.BLOCK_N == 0 for c in cands)
     assert len(cands) == len(set(cands))
+
+
+def test_backward_candidates_fit_the_block_mask():
+    q = torch.empty(1, 1, 64, 64, dtype=torch.float32)
+    for space in backward_candidates(q, q, (64, 32)):
+        assert space and all(isinstance(c, TileConfig) and 64 % c.BLOCK_M == 0 and 32 % c.BLOCK_N == 0
+                             for c in space)
+        assert len(space) == len(set(space))
+
+
+@pytest.mark.parametrize("learned_bias", [False, True], ids=["plain", "learned_bias"])
+def test_autotune_option_tunes_the_forward_and_both_backward_kernels(monkeypatch, learned_bias):
+    """kernel_options AUTOTUNE: the forward, the dK/dV and the dQ kernels are each tuned over their own space under
+    their own key and run with the choice (a stand-in tuner takes each space's last candidate other than the default; on CPU the real
+    one keeps the defaults, interpreter timings being meaningless); the gradients match the reference. A learned
+    captured tensor's gradient is scattered with atomics by the dK/dV kernel, which a timing rerun would add
+    twice: those tiles are not tuned."""
+    from flexlite.runtime import launch
+
+    tuned, ran = [], []
+
+    def take_last(kernel, grid, args, constexprs, default, candidates, key, device):
+        assert "|torch.float32|D32|DV32|(128, 128)|" in key  # dtype, head dims, sparse block
+        choice = [c for c in candidates if c != default][-1]
+        tuned.append((key.split("|")[0], default, choice))
+        return choice
+    run = launch.run_with_fallback
+
+    def recording_run(kernel, grid, args, constexprs, config, pinned, shrink_m=True):
+        ran.append(config)
+        return run(kernel, grid, args, constexprs, config, pinned, shrink_m)
+    monkeypatch.setattr(launch, "_autotune", take_last)
+    monkeypatch.setattr(launch, "run_with_fallback", recording_run)
+    q, k, v = rand_qkv(1, 2, 2, 100, 90, 32, seed=3)
+    bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 100, 90, device=DEVICE)
+    bias = torch.randn(2, device=DEVICE, requires_grad=True)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + bias[h]
+    check_backward(q, k, v, score_mod=biased if learned_bias else None, block_mask=bm,
+                   captured=(bias,) if learned_bias else (), kernel_options={"AUTOTUNE": True})
+    assert [p for p, _, _ in tuned] == (["fwd", "bwd-dq"] if learned_bias else ["fwd", "bwd-dkdv", "bwd-dq"])
+    chosen = dict((p, choice) for p, _, choice in tuned)
+    assert ran[0] == chosen["fwd"] and ran[-1] == chosen["bwd-dq"] and len(ran) == 3
+    assert (ran[1] == chosen["bwd-dkdv"]) if not learned_bias else "bwd-dkdv" not in chosen

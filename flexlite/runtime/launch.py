@@ -225,11 +225,10 @@ def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
         constexprs.update(EVEN_M=Lq % cfg.BLOCK_M == 0, EVEN_N=Lkv % sparse_block[1] == 0)
         return (cdiv(Lq, cfg.BLOCK_M), B * Hq)
 
-    if tune and q.device.type == "cuda" and not pinned:
-        key = (f"fwd|{Path(module.__file__).stem}|{q.dtype}|D{D}|DV{Dv}|{sparse_block}|full={has_full}|"
-               f"L{length_bucket(Lq)}x{length_bucket(Lkv)}")
-        candidates = [c for c in forward_candidates(q, v, sparse_block) if c != config]
-        config = _autotune(module.flex_fwd_kernel, grid, args, constexprs, [config] + candidates, key)
+    if tune and not pinned:
+        key = f"fwd|{_tuning_key(module, q, v, sparse_block, has_full)}"
+        config = _autotune(module.flex_fwd_kernel, grid, args, constexprs, config,
+                           forward_candidates(q, v, sparse_block), key, q.device)
     with interpreter_scope(q.device.type != "cuda"):
         run_with_fallback(module.flex_fwd_kernel, grid, args, constexprs, config, pinned)
     return out, lse
@@ -442,8 +441,21 @@ def forward_candidates(q: torch.Tensor, v: torch.Tensor, sparse_block: tuple) ->
                               for m, n, w, s in space))
 
 
-def _autotune(kernel, grid, args: tuple, constexprs: dict, candidates: list, key: str) -> TileConfig:
-    """Time each candidate (outputs are simply rewritten: the forward is a pure function of its inputs)."""
+def _tuning_key(module, q: torch.Tensor, v: torch.Tensor, sparse_block: tuple, has_full: bool) -> str:
+    """What a tuned choice is remembered by besides the pass: the kernel source (its file's hash name), dtype,
+    head dims, sparse block size, whether there are full blocks, and the lengths' buckets."""
+    return (f"{Path(module.__file__).stem}|{q.dtype}|D{q.shape[-1]}|DV{v.shape[-1]}|{tuple(sparse_block)}|"
+            f"full={has_full}|L{length_bucket(q.shape[-2])}x{length_bucket(v.shape[-2])}")
+
+
+def _autotune(kernel, grid, args: tuple, constexprs: dict, default: TileConfig, candidates: list, key: str,
+              device: torch.device) -> TileConfig:
+    """The fastest of ``default`` and ``candidates`` (timed on the GPU, cached on disk by ``key``); the kernel
+    must only write outputs that a rerun rewrites. Triton's interpreter (CPU) keeps ``default``: its timings
+    say nothing about a GPU."""
+    if device.type != "cuda":
+        return default
+    candidates = [default] + [c for c in candidates if c != default]
     import triton.testing
     from triton.runtime.errors import OutOfResources
 
@@ -459,7 +471,7 @@ def _autotune(kernel, grid, args: tuple, constexprs: dict, candidates: list, key
             return math.inf
         return float(triton.testing.do_bench(run, warmup=5, rep=25, return_mode="median"))
 
-    gpu = torch.cuda.get_device_name()
+    gpu = torch.cuda.get_device_name(device)
     best = autotune.tune(gpu, key, [dataclasses.asdict(c) for c in candidates], measure, label=key)
     return TileConfig(**best)
 
@@ -493,6 +505,29 @@ class BackwardTileConfig:
 BACKWARD_CONFIG_KEYS = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "num_warps", "num_stages")
 
 
+def backward_candidates(q: torch.Tensor, v: torch.Tensor, sparse_block: tuple) -> tuple:
+    """The backward's autotuning spaces per head dim (benchmarks/probe_bwd.py sweeps, NOTES 9): dK/dV tiles
+    (BLOCK_M1 queries per step x BLOCK_N1 keys, warps, stages) and dQ tiles (BLOCK_M2 queries x BLOCK_N2 keys
+    per step), tuned separately."""
+    d = max(head_dim_pad(q.shape[-1]), head_dim_pad(v.shape[-1]))
+    if d <= 64:
+        dkdv = [(64, 64, 4, 3), (32, 128, 4, 3), (64, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 2)]
+        dq = [(64, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2), (128, 64, 8, 2)]
+    elif d <= 128:
+        dkdv = [(64, 64, 4, 2), (32, 64, 4, 2), (64, 64, 4, 3), (32, 128, 4, 2), (64, 128, 8, 2)]
+        dq = [(64, 64, 4, 2), (64, 32, 4, 2), (64, 64, 4, 3), (32, 64, 4, 2), (128, 64, 8, 2)]
+    else:
+        dkdv = [(16, 32, 4, 1), (32, 32, 4, 1), (16, 64, 4, 1), (32, 32, 4, 2)]
+        dq = [(32, 16, 4, 1), (32, 32, 4, 1), (16, 32, 4, 1)]
+    shrink = 2 if q.dtype == torch.float32 else 1
+
+    def tiles(space):
+        return list(dict.fromkeys(TileConfig(_pow2_divisor(sparse_block[0], max(16, m // shrink)),
+                                             _pow2_divisor(sparse_block[1], max(16, n // shrink)), w, st)
+                                  for m, n, w, st in space))
+    return tiles(dkdv), tiles(dq)
+
+
 def backward_config(q: torch.Tensor, v: torch.Tensor, sparse_block: tuple, kernel_options: dict) -> BackwardTileConfig:
     """Backward tile sizes: heuristic defaults per head dim, dtype and device, then ``kernel_options`` pins
     (``BLOCK_M1``, ``BLOCK_N1``, ``BLOCK_M2``, ``BLOCK_N2``, ``num_warps``, ``num_stages``)."""
@@ -521,9 +556,11 @@ def backward_config(q: torch.Tensor, v: torch.Tensor, sparse_block: tuple, kerne
 def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, grad_out,
                     grad_lse: Optional[torch.Tensor], kv_blocks: tuple, q_blocks: tuple, sparse_block: tuple,
                     scale: float, has_score_mod: bool, config: BackwardTileConfig, *, need_dq: bool = True,
-                    ds: Optional[torch.Tensor] = None, scatter_captured_grads: bool = False, pinned: bool = False):
+                    ds: Optional[torch.Tensor] = None, scatter_captured_grads: bool = False, pinned: bool = False,
+                    tune: bool = False):
     """Run ``module``'s preprocess, dK/dV and dQ kernels; returns dq (None unless ``need_dq``), dk, dv in
-    the input dtype.
+    the input dtype. ``tune``: autotune the dK/dV and the dQ tiles (GPU, not pinned; not the dK/dV tiles when
+    they scatter captured-tensor gradients with atomics, which a timing rerun would add twice).
 
     ``kv_blocks`` / ``q_blocks``: (num_blocks, indices, full_num_blocks, full_indices) of each side (full
     ones may be None). ``grad_lse``: d loss / d lse [B, Hq, Lq] or None. ``ds``: a zeroed float32
@@ -576,14 +613,23 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
         return (cdiv(Lq, cfg.BLOCK_M), B * Hq)
 
     pre_block = min(64, max(16, next_pow2(Lq)))
+    dkdv_tiles, dq_tiles = config.dkdv_tiles(), config.dq_tiles()
     with interpreter_scope(interpret):
         module.flex_bwd_preprocess_kernel[(cdiv(Lq, pre_block), B * Hq)](
             out, grad_out, grad_lse.contiguous() if grad_lse is not None else lse, delta,
             *out.stride(), *grad_out.stride(), Hq, Lq,
             BLOCK_M=pre_block, DV=Dv, DV_PAD=head_dim_pad(Dv), HAS_DLSE=grad_lse is not None,
         )
-        run_with_fallback(module.flex_bwd_dkdv_kernel, dkdv_grid, dkdv_args, dkdv_constexprs, config.dkdv_tiles(),
-                          pinned)
+        if tune and not pinned:
+            key = f"{_tuning_key(module, q, v, sparse_block, q_blocks[2] is not None)}|ds={ds is not None}"
+            dkdv_space, dq_space = backward_candidates(q, v, sparse_block)
+            if not scatter_captured_grads:
+                dkdv_tiles = _autotune(module.flex_bwd_dkdv_kernel, dkdv_grid, dkdv_args, dkdv_constexprs,
+                                       dkdv_tiles, dkdv_space, f"bwd-dkdv|{key}", q.device)
+            if need_dq:
+                dq_tiles = _autotune(module.flex_bwd_dq_kernel, dq_grid, dq_args, dq_constexprs, dq_tiles, dq_space,
+                                     f"bwd-dq|{key}", q.device)
+        run_with_fallback(module.flex_bwd_dkdv_kernel, dkdv_grid, dkdv_args, dkdv_constexprs, dkdv_tiles, pinned)
         if need_dq:
-            run_with_fallback(module.flex_bwd_dq_kernel, dq_grid, dq_args, dq_constexprs, config.dq_tiles(), pinned)
+            run_with_fallback(module.flex_bwd_dq_kernel, dq_grid, dq_args, dq_constexprs, dq_tiles, pinned)
     return dq, dk, dv
