@@ -29,6 +29,9 @@ TORCH_PERF_HINTS = frozenset({
 FLEXLITE_OPTIONS = frozenset({"AUTOTUNE", "USE_TMA", "DETERMINISTIC_CAPTURED_GRADS", "DECODE", "DECODE_SPLITS",
                               "FORCE_USE_FLEX_ATTENTION", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"})
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+# the forward and dQ kernels take their q blocks last to first (the heaviest first under causal-like masks;
+# benchmarks/NOTES.md 23); False: first to last
+REVERSE_Q_BLOCKS = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,7 +217,7 @@ def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
     constexprs = dict(
         SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1],
         D=D, DV=Dv, D_PAD=head_dim_pad(D), DV_PAD=head_dim_pad(Dv), HAS_FULL_BLOCKS=has_full,
-        HAS_SCORE_MOD=has_score_mod, FP32_PRECISION="tf32" if allow_tf32 else "ieee")
+        HAS_SCORE_MOD=has_score_mod, FP32_PRECISION="tf32" if allow_tf32 else "ieee", REVERSE_M=REVERSE_Q_BLOCKS)
 
     constexprs["USE_TMA"] = use_tma and tma_ok(k, v)
     if constexprs["USE_TMA"]:
@@ -606,7 +609,7 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
                *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *(dq.stride() if need_dq else q.stride()),
                *_mask_strides(kv_num), *_mask_strides(kv_idx),
                Hq, Hq // Hkv, Lq, Lkv, float(scale), *mod_args, *grad_args)
-    dq_constexprs = dict(constexprs)
+    dq_constexprs = dict(constexprs, REVERSE_M=REVERSE_Q_BLOCKS)
 
     def dq_grid(cfg):  # programs own BLOCK_M queries
         dq_constexprs.update(EVEN_M=Lq % cfg.BLOCK_M == 0, EVEN_N=Lkv % sparse_block[1] == 0)
