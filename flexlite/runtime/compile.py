@@ -33,9 +33,11 @@ def prewarm_triton_key() -> "threading.Thread | None":
 
     Triton keys every compiled kernel on a hash of its own installation (``triton_key``: a SHA-256 of
     libtriton and its compiler sources, ~0.35 s on the H200's host, once per process, cached). A process's first
-    kernel launch pays it even when every kernel is in the on-disk cache; computed while the caller is still
-    importing and building inputs, it is gone from the first call (benchmarks/NOTES.md 21). Only with a CUDA
-    build of torch (the interpreter does not compile), and not with ``FLEXLITE_PREWARM=0``."""
+    kernel launch pays it even when every kernel is in the on-disk cache. Hashed while the caller is still
+    importing and building inputs, part of it is done by then and the first kernel load waits for the rest
+    instead of hashing again: the first call took 0.38-0.44 s instead of 0.58 s (benchmarks/NOTES.md 21; the
+    hash needs the GIL between its chunks, so a busy main thread slows it). Only with a CUDA build of torch (the
+    interpreter does not compile), and not with ``FLEXLITE_PREWARM=0``."""
     if os.environ.get("FLEXLITE_PREWARM", "1") == "0":
         return None
     try:
@@ -45,7 +47,7 @@ def prewarm_triton_key() -> "threading.Thread | None":
     import torch
     if torch.version.cuda is None:  # a CPU build of torch (no device query here: that would initialize CUDA)
         return None
-    thread = threading.Thread(target=triton_key, name="flexlite-prewarm", daemon=True)  # hashing frees the GIL
+    thread = threading.Thread(target=triton_key, name="flexlite-prewarm", daemon=True)
     thread.start()
     _PREWARM.append(thread)
     return thread
