@@ -44,17 +44,18 @@ def catalog_mask(name, B, H, Lq, Lkv):
 
 
 def oracle_dense(mask_mod, B, H, Lq, Lkv):
-    """bool [B, H, Lq, Lkv], one (b, h) at a time."""
-    q = torch.arange(Lq, dtype=torch.int32)
-    kv = torch.arange(Lkv, dtype=torch.int32)
+    """bool [B, H, Lq, Lkv] on the CPU, one (b, h) at a time (evaluated on DEVICE, where the mods' captured
+    tensors are)."""
+    q = torch.arange(Lq, dtype=torch.int32, device=DEVICE)
+    kv = torch.arange(Lkv, dtype=torch.int32, device=DEVICE)
     out = torch.empty(B, H, Lq, Lkv, dtype=torch.bool)
     for b, h in itertools.product(range(B), range(H)):
-        bt, ht = torch.tensor(b, dtype=torch.int32), torch.tensor(h, dtype=torch.int32)
+        bt, ht = (torch.tensor(i, dtype=torch.int32, device=DEVICE) for i in (b, h))
 
         def one(qi, ki):
             return mask_mod(bt, ht, qi, ki)
         grid = torch.vmap(torch.vmap(one, in_dims=(None, 0)), in_dims=(0, None))
-        out[b, h] = grid(q, kv)
+        out[b, h] = grid(q, kv).cpu()
     return out
 
 
@@ -77,6 +78,7 @@ def expand_blocks(flags, bq, bkv, Lq, Lkv):
 
 def check_ordered(num_blocks, indices, flags):
     """(num_blocks, indices) compress bool flags [..., R, C]: ascending valid prefix, permutation rows."""
+    num_blocks, indices = num_blocks.cpu(), indices.cpu()
     assert num_blocks.dtype == torch.int32 and indices.dtype == torch.int32
     assert indices.shape == flags.shape
     assert torch.equal(num_blocks, flags.sum(-1).to(torch.int32))
@@ -89,9 +91,9 @@ def check_ordered(num_blocks, indices, flags):
 
 def check_block_mask(bm, partial, full):
     """bm matches oracle block flags on both sides, through every accessor."""
-    assert torch.equal(bm.dense_blocks(full=False), partial)
-    assert torch.equal(bm.dense_blocks(full=True), full)
-    assert torch.equal(bm.to_dense(), (partial | full).to(torch.int32))
+    assert torch.equal(bm.dense_blocks(full=False).cpu(), partial)
+    assert torch.equal(bm.dense_blocks(full=True).cpu(), full)
+    assert torch.equal(bm.to_dense().cpu(), (partial | full).to(torch.int32))
     check_ordered(bm.kv_num_blocks, bm.kv_indices, partial)
     check_ordered(bm.full_kv_num_blocks, bm.full_kv_indices, full)
     check_ordered(bm.q_num_blocks, bm.q_indices, partial.transpose(-2, -1))
@@ -147,7 +149,7 @@ def test_ragged_edge_block_can_be_full():
 def test_separate_full_blocks_false():
     bm = create_block_mask(causal, 1, 1, 256, 256, device=DEVICE, separate_full_blocks=False)
     assert bm.full_kv_num_blocks is None and bm.full_q_indices is None
-    assert torch.equal(bm.dense_blocks(full=False), torch.tensor([[[[True, False], [True, True]]]]))
+    assert torch.equal(bm.dense_blocks(full=False).cpu(), torch.tensor([[[[True, False], [True, True]]]]))
     assert not bm.dense_blocks(full=True).any()
 
 
@@ -294,10 +296,10 @@ def test_getitem_out_of_range():
 def test_to_device_and_as_tuple():
     bm = create_block_mask(causal, 1, 2, 64, 64, device=DEVICE, BLOCK_SIZE=16)
     moved = bm.to("meta")
-    assert moved.device.type == "meta" and bm.device.type == "cpu"
+    assert moved.device.type == "meta" and bm.device.type == torch.device(DEVICE).type
     assert all(getattr(moved, a).device.type == "meta" for a in BlockMask._TENSOR_ATTRS)
     back = bm.to(torch.device("cpu"))
-    assert torch.equal(back.kv_indices, bm.kv_indices) and back.mask_mod is causal
+    assert torch.equal(back.kv_indices, bm.kv_indices.cpu()) and back.mask_mod is causal
     flat = bm.as_tuple()
     assert len(flat) == 13 and flat[:2] == (64, 64) and flat[-3:] == (16, 16, causal)
     assert flat[2] is bm.kv_num_blocks and flat[9] is bm.full_q_indices
@@ -376,7 +378,7 @@ def test_create_mask_matches_oracle(name):
     B, H, Lq, Lkv = 2, 2, 37, 53
     mask_mod = catalog_mask(name, B, H, Lq, Lkv)
     got = create_mask(mask_mod, B, H, Lq, Lkv, device=DEVICE)
-    assert got.dtype == torch.bool and torch.equal(got, oracle_dense(mask_mod, B, H, Lq, Lkv))
+    assert got.dtype == torch.bool and torch.equal(got.cpu(), oracle_dense(mask_mod, B, H, Lq, Lkv))
 
 
 def test_create_mask_score_mod_and_broadcast():
@@ -384,7 +386,7 @@ def test_create_mask_score_mod_and_broadcast():
         return torch.where(q_idx >= kv_idx, score, -float("inf"))
     got = create_mask(neg_inf_above_diagonal, None, None, 20, 30, device=DEVICE)
     assert got.shape == (1, 1, 20, 30) and got.dtype == torch.bool
-    assert torch.equal(got, oracle_dense(causal, 1, 1, 20, 30))
+    assert torch.equal(got.cpu(), oracle_dense(causal, 1, 1, 20, 30))
     alibi = CATALOG["alibi_causal"](1, 2, 8, 8, DEVICE).score_mod
     assert create_mask(alibi, 1, 2, 8, 8, device=DEVICE).all()
 
@@ -393,9 +395,9 @@ def test_combinators():
     sliding = catalog_mask("sliding_window", 1, 1, 90, 90)
     prefix = catalog_mask("prefix_lm", 1, 1, 90, 90)
     a, p = oracle_dense(sliding, 1, 1, 90, 90), oracle_dense(prefix, 1, 1, 90, 90)
-    assert torch.equal(create_mask(and_masks(sliding, prefix), 1, 1, 90, 90, DEVICE), a & p)
-    assert torch.equal(create_mask(or_masks(sliding, prefix), 1, 1, 90, 90, DEVICE), a | p)
-    assert torch.equal(create_mask(and_masks(sliding), 1, 1, 90, 90, DEVICE), a)
+    assert torch.equal(create_mask(and_masks(sliding, prefix), 1, 1, 90, 90, DEVICE).cpu(), a & p)
+    assert torch.equal(create_mask(or_masks(sliding, prefix), 1, 1, 90, 90, DEVICE).cpu(), a | p)
+    assert torch.equal(create_mask(and_masks(sliding), 1, 1, 90, 90, DEVICE).cpu(), a)
     assert create_mask(and_masks(), 1, 1, 9, 9, DEVICE).all()
     assert not create_mask(or_masks(), 1, 1, 9, 9, DEVICE).any()
     assert create_mask(noop_mask, 2, 1, 9, 9, DEVICE).all()

@@ -99,17 +99,17 @@ CASES = [
      lambda q, kv: kv <= q and (q - kv <= 4 or kv < 3)),
     ("prefix_lm", lambda: generate_prefix_lm_mask(10), 45, 45, lambda q, kv: kv < 10 or q >= kv),
     ("prefix_lm_0", lambda: generate_prefix_lm_mask(0), 20, 20, lambda q, kv: q >= kv),
-    ("document_causal", lambda: generate_causal_document_mask([5, 1, 12, 7, 0, 9]), 34, 34,
+    ("document_causal", lambda: generate_causal_document_mask([5, 1, 12, 7, 0, 9], device=DEVICE), 34, 34,
      dense_document([5, 1, 12, 7, 0, 9], lambda q, kv: q >= kv)),
-    ("document_bidirectional", lambda: generate_document_mask([5, 1, 12, 7, 9]), 34, 34,
+    ("document_bidirectional", lambda: generate_document_mask([5, 1, 12, 7, 9], device=DEVICE), 34, 34,
      dense_document([5, 1, 12, 7, 9], lambda q, kv: True)),
     ("document_window_offsets", lambda: generate_doc_mask_mod(
-        generate_sliding_window(2), offsets=torch.tensor([0, 5, 6, 18, 25, 34])), 34, 34,
+        generate_sliding_window(2), offsets=torch.tensor([0, 5, 6, 18, 25, 34]), device=DEVICE), 34, 34,
      dense_document([5, 1, 12, 7, 9], lambda q, kv: 0 <= q - kv <= 2)),
     ("document_prefix_ids", lambda: generate_doc_mask_mod(
-        generate_prefix_lm_mask(3), torch.tensor([0] * 5 + [1] + [2] * 12 + [3] * 7 + [4] * 9)), 34, 34,
+        generate_prefix_lm_mask(3), torch.tensor([0] * 5 + [1] + [2] * 12 + [3] * 7 + [4] * 9), device=DEVICE), 34, 34,
      dense_document([5, 1, 12, 7, 9], lambda q, kv: kv < 3 or q >= kv)),
-    ("shared_prefix", lambda: generate_shared_prefix_mask(10, [5, 7, 0, 4]), 26, 26,
+    ("shared_prefix", lambda: generate_shared_prefix_mask(10, [5, 7, 0, 4], device=DEVICE), 26, 26,
      lambda q, kv: kv <= q and (kv < 10 or dense_document([10, 5, 7, 0, 4], lambda a, b: True)(q, kv))),
     ("natten_7x5_k3x3", lambda: generate_natten(7, 5, 3, 3), 35, 35, dense_natten(7, 5, 3, 3, row_major(7))),
     ("natten_6x4_k5x3", lambda: generate_natten(6, 4, 5, 3), 24, 24, dense_natten(6, 4, 5, 3, row_major(6))),
@@ -119,13 +119,13 @@ CASES = [
      lambda q, kv: abs(q // 7 - kv // 7) <= 1 and abs(q % 7 - kv % 7) <= 1),
     ("sasa_6x6_w2", lambda: generate_sasa_mask(6, 6, 2), 36, 36,
      lambda q, kv: abs(q // 6 - kv // 6) <= 2 and abs(q % 6 - kv % 6) <= 2),
-    ("flamingo", lambda: generate_vision_cross_attention_mask_mod([[0, 7], [1, 7], [7, 12]], 3), 12, 9,
+    ("flamingo", lambda: generate_vision_cross_attention_mask_mod([[0, 7], [1, 7], [7, 12]], 3, device=DEVICE), 12, 9,
      dense_flamingo([[0, 7], [1, 7], [7, 12]], [3, 3, 3])),
     ("flamingo_var_lengths", lambda: generate_vision_cross_attention_mask_mod(
-        torch.tensor([[2, 20], [5, 9], [20, 30]]), [2, 4, 3]), 30, 9,
+        torch.tensor([[2, 20], [5, 9], [20, 30]]), [2, 4, 3], device=DEVICE), 30, 9,
      dense_flamingo([[2, 20], [5, 9], [20, 30]], [2, 4, 3])),
     ("flamingo_ranges", lambda: generate_vision_cross_attention_from_ranges(
-        [[0, 1], [1, 3], [0, 0], [2, 3], [0, 3]] * 4, [2, 4, 3]), 20, 9,
+        [[0, 1], [1, 3], [0, 0], [2, 3], [0, 3]] * 4, [2, 4, 3], device=DEVICE), 20, 9,
      lambda q, kv: [[0, 1], [1, 3], [0, 0], [2, 3], [0, 3]][q % 5][0] <= [0, 0, 1, 1, 1, 1, 2, 2, 2][kv]
      < [[0, 1], [1, 3], [0, 0], [2, 3], [0, 3]][q % 5][1]),
     ("block_causal", lambda: generate_block_causal_mask(5), 33, 33, lambda q, kv: q // 5 >= kv // 5),
@@ -148,7 +148,7 @@ def blocks_of(d: torch.Tensor, bq: int, bkv: int):
 
 @pytest.mark.parametrize("make, Lq, Lkv, keep", CASE_PARAMS)
 def test_create_mask_matches_dense_definition(make, Lq, Lkv, keep):
-    got = create_mask(make(), 1, 1, Lq, Lkv, device="cpu")
+    got = create_mask(make(), 1, 1, Lq, Lkv, device=DEVICE).cpu()
     assert got.dtype == torch.bool and got.shape == (1, 1, Lq, Lkv)
     expected = dense(keep, Lq, Lkv)
     mismatch = (got[0, 0] != expected).nonzero()
@@ -172,8 +172,8 @@ def test_traceable(make, Lq, Lkv, keep):
     traced = trace_mod(mask, "mask_mod")
     assert traced.graph_module.graph.output_node().meta["dtype"] == torch.bool
     from flexlite import kernel_source
-    bm = create_block_mask(mask, None, None, Lq, Lkv, device="cpu", BLOCK_SIZE=16)
-    assert "def " in kernel_source(None, bm, device="cpu")
+    bm = create_block_mask(mask, None, None, Lq, Lkv, device=DEVICE, BLOCK_SIZE=16)
+    assert "def " in kernel_source(None, bm, device=DEVICE)
 
 
 # ----------------------------------------------------------------------------------------------
