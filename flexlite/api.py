@@ -16,7 +16,6 @@ from .codegen.kernel import GeneratedKernel, generate, generate_backward
 from .codegen.trace import check_arity, trace_mod
 from .runtime.compile import load_module, write_source
 from .runtime.autotune import autotune_enabled
-from .runtime import launch as _launch
 from .runtime.launch import (BACKWARD_CONFIG_KEYS, CONFIG_KEYS, FLEXLITE_OPTIONS, TORCH_PERF_HINTS,
                              backward_config, cdiv, decode_rows, forward_config, is_host_scalar, launch_backward,
                              launch_decode, launch_forward)
@@ -288,15 +287,6 @@ def _captured_requiring_grad(score_mod) -> tuple:
     return tuple(t for t in trace_mod(score_mod, "score_mod").captured.values() if t.requires_grad)
 
 
-def _dq_atomic(kernel_options: dict) -> bool:
-    """Whether the dK/dV kernel accumulates dQ with atomics: ``kernel_options`` DQ_ATOMIC says so, else yes
-    (``runtime.launch.DQ_ATOMIC``) unless ``torch.use_deterministic_algorithms(True)`` asks for reproducible
-    gradients (the separate dQ kernel's)."""
-    if "DQ_ATOMIC" in kernel_options:
-        return bool(kernel_options["DQ_ATOMIC"])
-    return _launch.DQ_ATOMIC and not torch.are_deterministic_algorithms_enabled()
-
-
 def _deterministic_captured_grads(kernel_options: dict) -> bool:
     """Whether captured-tensor gradients take the deterministic path: ``kernel_options`` says so
     (``DETERMINISTIC_CAPTURED_GRADS``), else ``FLEXLITE_DETERMINISTIC_CAPTURED_GRADS=1`` or
@@ -371,7 +361,7 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
         module, kernel.mod_args(), kernel.grad_args(buffers), query, key, value, out, lse, grad_out, grad_lse,
         tuple(kv_blocks), q_blocks, sparse, scale, kernel.has_score_mod, config, need_dq=need_dq, ds=ds,
         scatter_captured_grads=bool(scatter), pinned=any(k in options for k in BACKWARD_CONFIG_KEYS),
-        tune=autotune_enabled(options), dq_atomic=_dq_atomic(options))
+        tune=autotune_enabled(options))
     if deterministic:
         wanted = iter(_captured_grads_from_ds(score_mod, query, key, scale, ds, want))
     else:

@@ -26,16 +26,9 @@ TORCH_PERF_HINTS = frozenset({
     "PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "OUTPUT_LOGSUMEXP", "OUTPUT_MAX", "WRITE_DQ",
     "BACKEND", "fwd_num_warps", "fwd_num_stages"})
 # kernel_options keys with a meaning in flexlite besides the tile config (BLOCK_M1..N2: backward tiles)
-FLEXLITE_OPTIONS = frozenset({"AUTOTUNE", "USE_TMA", "DETERMINISTIC_CAPTURED_GRADS", "DECODE", "DECODE_SPLITS", "DQ_ATOMIC",
+FLEXLITE_OPTIONS = frozenset({"AUTOTUNE", "USE_TMA", "DETERMINISTIC_CAPTURED_GRADS", "DECODE", "DECODE_SPLITS",
                               "FORCE_USE_FLEX_ATTENTION", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"})
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
-# the backward's dQ: True accumulates it in the dK/dV kernel (its dS tiles times K, added into an fp32 buffer with
-# atomics; P is computed once instead of twice, five matmuls per tile instead of seven), False runs a separate dQ
-# kernel that recomputes P (bit-reproducible). kernel_options DQ_ATOMIC overrides; benchmarks/NOTES.md 24.
-DQ_ATOMIC = True
-# with DQ_ATOMIC on Hopper: add dQ tiles with the copy engine's bulk reduce-add (tensor descriptors), else with
-# per-element atomics
-DQ_ATOMIC_TMA = True
 # the forward and dQ kernels take their q blocks last to first (the heaviest first under causal-like masks;
 # benchmarks/NOTES.md 23); False: first to last
 REVERSE_Q_BLOCKS = True
@@ -567,7 +560,7 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
                     grad_lse: Optional[torch.Tensor], kv_blocks: tuple, q_blocks: tuple, sparse_block: tuple,
                     scale: float, has_score_mod: bool, config: BackwardTileConfig, *, need_dq: bool = True,
                     ds: Optional[torch.Tensor] = None, scatter_captured_grads: bool = False, pinned: bool = False,
-                    tune: bool = False, dq_atomic: bool = False):
+                    tune: bool = False):
     """Run ``module``'s preprocess, dK/dV and dQ kernels; returns dq (None unless ``need_dq``), dk, dv in
     the input dtype. ``tune``: autotune the dK/dV and the dQ tiles (GPU, not pinned; not the dK/dV tiles when
     they scatter captured-tensor gradients with atomics, which a timing rerun would add twice).
@@ -576,7 +569,6 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
     ones may be None). ``grad_lse``: d loss / d lse [B, Hq, Lq] or None. ``ds``: a zeroed float32
     [B, Hq, Lq, Lkv] tensor to receive dS (d loss / d score_mod output), or None.
     ``scatter_captured_grads``: run the module's atomic captured-tensor gradient function.
-    ``dq_atomic``: the dK/dV kernel accumulates dQ (see :data:`DQ_ATOMIC`); no dQ kernel runs.
     """
     B, Hq, Lq, D = q.shape
     Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -588,11 +580,6 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
     dk = torch.empty((B, Hkv, Lkv, D), dtype=k.dtype, device=q.device)
     dv = torch.empty((B, Hkv, Lkv, Dv), dtype=v.dtype, device=q.device)
     dq = torch.empty((B, Hq, Lq, D), dtype=q.dtype, device=q.device) if need_dq else None
-    dq_atomic = dq_atomic and need_dq
-    dq_acc = torch.zeros((B, Hq, Lq, D), dtype=torch.float32, device=q.device) if dq_atomic else delta
-    dq_tma = dq_atomic and DQ_ATOMIC_TMA and tma_ok(dq_acc)
-    if dq_tma:
-        _ensure_allocator()
 
     def contiguous(blocks):
         num, idx, full_num, full_idx = blocks
@@ -606,14 +593,12 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
         SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1], D=D, DV=Dv, D_PAD=head_dim_pad(D),
         DV_PAD=head_dim_pad(Dv), HAS_FULL_BLOCKS=q_blocks[2] is not None, HAS_SCORE_MOD=has_score_mod,
         FP32_PRECISION="tf32" if allow_tf32 else "ieee")
-    dkdv_args = (q, k, v, grad_out, lse, delta, dk, dv, ds if ds is not None else delta, dq_acc,
+    dkdv_args = (q, k, v, grad_out, lse, delta, dk, dv, ds if ds is not None else delta,
                  q_num, q_idx, full_q_num, full_q_idx,
                  *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
-                 *(dq_acc.stride() if dq_atomic else q.stride()),
                  *_mask_strides(q_num), *_mask_strides(q_idx),
                  Hq, Hkv, Hq // Hkv, Lq, Lkv, float(scale), *mod_args, *grad_args)
-    dkdv_constexprs = dict(constexprs, WRITE_DS=ds is not None, SCATTER_CAPTURED_GRADS=scatter_captured_grads,
-                           DQ_ATOMIC=dq_atomic, DQ_TMA=dq_tma)
+    dkdv_constexprs = dict(constexprs, WRITE_DS=ds is not None, SCATTER_CAPTURED_GRADS=scatter_captured_grads)
 
     def dkdv_grid(cfg):  # programs own BLOCK_N keys
         # the q walk covers whole sparse q blocks: unchecked only if they all end inside Q_LEN
@@ -643,16 +628,11 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
             dkdv_space, dq_space = backward_candidates(q, v, sparse_block)
             if not scatter_captured_grads:
                 dkdv_tiles = _autotune(module.flex_bwd_dkdv_kernel, dkdv_grid, dkdv_args, dkdv_constexprs,
-                                       dkdv_tiles, dkdv_space, f"bwd-dkdv|dq_atomic={dq_atomic}|{key}", q.device)
-                if dq_atomic:
-                    dq_acc.zero_()  # the timing runs added into it
-            if need_dq and not dq_atomic:
+                                       dkdv_tiles, dkdv_space, f"bwd-dkdv|{key}", q.device)
+            if need_dq:
                 dq_tiles = _autotune(module.flex_bwd_dq_kernel, dq_grid, dq_args, dq_constexprs, dq_tiles, dq_space,
                                      f"bwd-dq|{key}", q.device)
         run_with_fallback(module.flex_bwd_dkdv_kernel, dkdv_grid, dkdv_args, dkdv_constexprs, dkdv_tiles, pinned)
-        if need_dq and not dq_atomic:
+        if need_dq:
             run_with_fallback(module.flex_bwd_dq_kernel, dq_grid, dq_args, dq_constexprs, dq_tiles, pinned)
-    if dq_atomic:
-        torch.mul(dq_acc, scale, out=dq_acc)
-        dq.copy_(dq_acc)
     return dq, dk, dv
