@@ -38,8 +38,8 @@ def keep_none(b, h, q_idx, kv_idx):
     return q_idx < 0
 
 
-def catalog_mask(name, B, H, Lq, Lkv):
-    mask_mod = CATALOG[name](B, H, Lq, Lkv, DEVICE).mask_mod
+def catalog_mask(name, B, H, Lq, Lkv, device=DEVICE):
+    mask_mod = CATALOG[name](B, H, Lq, Lkv, device).mask_mod
     return mask_mod if mask_mod is not None else keep_all
 
 
@@ -159,7 +159,8 @@ def test_default_device():
 
 
 # ----------------------------------------------------------------------------------------------
-# chunked evaluation
+# chunked evaluation: the builder's vmap path, which runs off CUDA (on a GPU the block-mask kernel
+# evaluates the mask block by block), so these tests build on the CPU whatever DEVICE is
 # ----------------------------------------------------------------------------------------------
 
 def counting(mask_mod):
@@ -175,11 +176,11 @@ def counting(mask_mod):
 @pytest.mark.parametrize("name", ["document", "per_batch_head", "nested_index", "sliding_window"])
 def test_chunking_gives_identical_results(monkeypatch, name, chunk_rows):
     B, H, Lq, Lkv, bq, bkv = 2, 2, 200, 150, 32, 16
-    mask_mod = catalog_mask(name, B, H, Lq, Lkv)
-    whole = create_block_mask(mask_mod, B, H, Lq, Lkv, device=DEVICE, BLOCK_SIZE=(bq, bkv))
+    mask_mod = catalog_mask(name, B, H, Lq, Lkv, "cpu")
+    whole = create_block_mask(mask_mod, B, H, Lq, Lkv, device="cpu", BLOCK_SIZE=(bq, bkv))
     counted, calls = counting(mask_mod)
     monkeypatch.setattr(bm_mod, "_CHUNK_ELEMENTS", chunk_rows * B * H * bq * Lkv)
-    chunked = create_block_mask(counted, B, H, Lq, Lkv, device=DEVICE, BLOCK_SIZE=(bq, bkv))
+    chunked = create_block_mask(counted, B, H, Lq, Lkv, device="cpu", BLOCK_SIZE=(bq, bkv))
     n_q = -(-Lq // bq)
     assert len(calls) == 1 + -(-n_q // chunk_rows)  # the trace, then one vmapped call per chunk
     for a, b in zip(whole.as_tuple()[2:10], chunked.as_tuple()[2:10]):
@@ -189,7 +190,7 @@ def test_chunking_gives_identical_results(monkeypatch, name, chunk_rows):
 def test_tiny_chunk_constant_evaluates_one_block_at_a_time(monkeypatch):
     monkeypatch.setattr(bm_mod, "_CHUNK_ELEMENTS", 1)
     counted, calls = counting(causal)
-    bm = create_block_mask(counted, 1, 1, 130, 130, device=DEVICE, BLOCK_SIZE=16)
+    bm = create_block_mask(counted, 1, 1, 130, 130, device="cpu", BLOCK_SIZE=16)
     assert len(calls) == 1 + 9 * 9  # the trace, then one call per block
     check_block_mask(bm, *oracle_blocks(oracle_dense(causal, 1, 1, 130, 130), 16, 16))
 
@@ -199,8 +200,8 @@ def test_tiny_chunk_constant_evaluates_one_block_at_a_time(monkeypatch):
 def test_chunks_smaller_than_a_row_of_all_heads(monkeypatch, name, chunk):
     # long KV x many heads: chunks go per (b, h), then per row in kv pieces; memory stays bounded
     B, H, Lq, Lkv, bq, bkv = 2, 3, 100, 150, 32, 16
-    mask_mod = catalog_mask(name, B, H, Lq, Lkv)
-    whole = create_block_mask(mask_mod, B, H, Lq, Lkv, device=DEVICE, BLOCK_SIZE=(bq, bkv))
+    mask_mod = catalog_mask(name, B, H, Lq, Lkv, "cpu")
+    whole = create_block_mask(mask_mod, B, H, Lq, Lkv, device="cpu", BLOCK_SIZE=(bq, bkv))
     limit = 2 * bq * Lkv if chunk == "one_bh_rows" else 3 * bq * bkv
     monkeypatch.setattr(bm_mod, "_CHUNK_ELEMENTS", limit)
     sizes = []
@@ -210,7 +211,7 @@ def test_chunks_smaller_than_a_row_of_all_heads(monkeypatch, name, chunk):
         sizes.append(B * H * Lq * Lkv)
         return real(B, H, Lq, Lkv, device, **offsets)
     monkeypatch.setattr(bm_mod, "index_vectors", spy)
-    chunked = create_block_mask(mask_mod, B, H, Lq, Lkv, device=DEVICE, BLOCK_SIZE=(bq, bkv))
+    chunked = create_block_mask(mask_mod, B, H, Lq, Lkv, device="cpu", BLOCK_SIZE=(bq, bkv))
     assert len(sizes) > B * H and max(sizes) <= limit
     for a, b in zip(whole.as_tuple()[2:10], chunked.as_tuple()[2:10]):
         assert torch.equal(a, b)
@@ -225,7 +226,7 @@ def test_default_chunk_is_bounded(monkeypatch):
         shapes.append((B, H, Lq, Lkv, q_start))
         return real(B, H, Lq, Lkv, device, q_start=q_start, **offsets)
     monkeypatch.setattr(bm_mod, "index_vectors", spy)
-    create_block_mask(causal, 2, 2, 8192, 4096, device=DEVICE)
+    create_block_mask(causal, 2, 2, 8192, 4096, device="cpu")
     assert len(shapes) > 1
     assert all(B * H * Lq * Lkv <= bm_mod._CHUNK_ELEMENTS for B, H, Lq, Lkv, _ in shapes)
     assert [s[-1] for s in shapes] == list(range(0, 8192, shapes[0][2]))
@@ -278,8 +279,8 @@ def test_getitem(index, monkeypatch):
     sub = bm[index]
     tup = index if isinstance(index, tuple) else (index,)
     dense_index = tuple(slice(i, i + 1 if i != -1 else None) if isinstance(i, int) else i for i in tup)
-    partial = bm.dense_blocks(full=False)[dense_index]
-    full = bm.dense_blocks(full=True)[dense_index]
+    partial = bm.dense_blocks(full=False)[dense_index].cpu()
+    full = bm.dense_blocks(full=True)[dense_index].cpu()
     assert sub.kv_num_blocks.dim() == 3 and sub.kv_indices.dim() == 4
     assert sub.seq_lengths == bm.seq_lengths and sub.BLOCK_SIZE == bm.BLOCK_SIZE
     check_block_mask(sub, partial, full)
