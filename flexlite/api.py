@@ -250,7 +250,7 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options):
     check_captured(kernel.captured, query.device, "flex_attention")
     # also when decoding if tiles are pinned, so that bad pins are reported even where decoding ignores them
     if not rows or any(k in options for k in CONFIG_KEYS):
-        config = forward_config(query, value, sparse, options, masked=block_mask is not None,
+        config = forward_config(query, value, sparse, options,
                                 gathers=bool(kernel.mask_mod.tensors))
     module = load_module(kernel.source, interpret=query.device.type != "cuda")
     if scale <= 0 and not kernel.has_score_mod:
@@ -263,7 +263,8 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options):
                              use_tma=bool(options["USE_TMA"]) if "USE_TMA" in options else None)
     return launch_forward(module, kernel.mod_args(), query, key, value, num, idx, full_num, full_idx,
                           sparse, scale, kernel.has_score_mod, config, pinned=any(k in options for k in CONFIG_KEYS),
-                          tune=autotune_enabled(options), use_tma=bool(options.get("USE_TMA", False)))
+                          tune=autotune_enabled(options),
+                          use_tma=bool(options["USE_TMA"]) if "USE_TMA" in options else None, dense=block_mask is None)
 
 
 def _all_full_q_blocks(Lq: int, Lkv: int, device: torch.device):
@@ -361,7 +362,7 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
         module, kernel.mod_args(), kernel.grad_args(buffers), query, key, value, out, lse, grad_out, grad_lse,
         tuple(kv_blocks), q_blocks, sparse, scale, kernel.has_score_mod, config, need_dq=need_dq, ds=ds,
         scatter_captured_grads=bool(scatter), pinned=any(k in options for k in BACKWARD_CONFIG_KEYS),
-        tune=autotune_enabled(options))
+        tune=autotune_enabled(options), dense=block_mask is None)
     if deterministic:
         wanted = iter(_captured_grads_from_ds(score_mod, query, key, scale, ds, want))
     else:

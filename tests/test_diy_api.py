@@ -354,13 +354,16 @@ def test_selector_attention_config_on_fake_gpu_is_flexlites_cuda_heuristic(fake_
     fake_gpu("H100")
     selector = AdaptiveKernelSelector("cuda")
     for head_dim, dtype, causal, varlen in [(64, torch.float16, False, False), (128, torch.bfloat16, True, False),
-                                            (128, torch.float16, True, True), (256, torch.float32, False, False)]:
+                                            (128, torch.float16, True, True), (256, torch.float32, False, False),
+                                            (128, torch.bfloat16, False, False)]:
         config = selector.get_attention_config(8192, head_dim, dtype, causal, varlen)
         spec = types.SimpleNamespace(shape=(1, 1, 8192, head_dim), dtype=dtype, device=torch.device("cuda"))
-        tile = forward_config(spec, spec, (128, 128), {}, masked=causal or varlen, gathers=varlen)
+        tile = forward_config(spec, spec, (128, 128), {}, gathers=varlen)
         assert (config["BLOCK_M"], config["BLOCK_N"], config["num_warps"], config["num_stages"]) == (
             tile.BLOCK_M, tile.BLOCK_N, tile.num_warps, tile.num_stages)
         assert config["arch"] == "sm_90"
+        # tensor descriptors only where the kernel takes them by default: no mask at head dims 65-128
+        assert config["use_tma"] is (head_dim == 128 and not causal and not varlen)
 
 
 @pytest.mark.parametrize("causal, varlen", [(False, False), (True, False), (True, True)])

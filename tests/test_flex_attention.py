@@ -186,3 +186,34 @@ def test_a_plus_inf_score_gives_lse_plus_inf_as_torch(lq):
     others = torch.arange(lq, device=DEVICE) != 3
     assert_close(out[:, :, others], ref[:, :, others], *TOLERANCES[torch.float32])
     assert_close(lse[:, :, others], ref_lse[:, :, others], *LSE_TOLERANCES[torch.float32], name="lse")
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["no_block_mask", "block_mask"])
+@pytest.mark.parametrize("lkv", [200, 256])  # ragged (every tile bounds-checked) and whole tiles
+def test_no_block_mask_walks_every_tile_in_one_loop(monkeypatch, masked, lkv):
+    """Without a block mask the forward, dK/dV and dQ kernels run their dense walks (DENSE: one loop over every
+    tile, no block-index loads); with one, the block lists. Both give the reference's out and gradients, with a
+    score_mod and GQA."""
+    from flexlite.runtime import launch
+
+    dense, real = [], launch.run_with_fallback
+
+    def spy(kernel, grid, args, constexprs, *rest, **kwargs):
+        dense.append(constexprs["DENSE"])
+        return real(kernel, grid, args, constexprs, *rest, **kwargs)
+    monkeypatch.setattr(launch, "run_with_fallback", spy)
+    q, k, v = (t.requires_grad_() for t in rand_qkv(1, 4, 2, 111, lkv, 32, seed=lkv))
+    bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= 0, None, None, 111, lkv, device=DEVICE,
+                           BLOCK_SIZE=64) if masked else None
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + 0.01 * (kv_idx - q_idx) * (h + 1)
+    tiles = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32}
+    out = flex_attention(q, k, v, score_mod=bias, block_mask=bm, enable_gqa=True, kernel_options=tiles)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    assert dense == [not masked] * 3  # forward, dK/dV, dQ
+    ref = attention_reference(q, k, v, score_mod=bias, block_mask=bm, enable_gqa=True)[0]
+    assert_close(out, ref, *TOLERANCES[torch.float32])
+    for name, g, want in zip(("dq", "dk", "dv"), got, torch.autograd.grad(ref, (q, k, v), grad)):
+        assert_close(g, want, *TOLERANCES[torch.float32], name=name)

@@ -85,12 +85,13 @@ def head_dim_pad(d: int) -> int:
 
 
 def forward_config(q: torch.Tensor, v: torch.Tensor, sparse_block: tuple, kernel_options: dict,
-                   masked: bool = True, gathers: bool = False) -> TileConfig:
+                   gathers: bool = False) -> TileConfig:
     """Tile sizes: heuristic defaults, then ``kernel_options`` pins.
 
     The defaults come from benchmarks/probe_fwd.py on an H200 (see benchmarks/NOTES.md): per head dim;
-    ``masked`` (some blocks are partial) favours 2 pipeline stages at D128, ``gathers`` (mask_mod reads
-    captured tensors, as document masks do) smaller 64x64 tiles, which keep the extra index math from spilling.
+    ``gathers`` (mask_mod reads captured tensors, as document masks do) favours smaller 64x64 tiles at D128,
+    which keep the extra index math from spilling. With or without a block mask 2 stages are best at D128
+    (without one the kernel walks its kv tiles in one loop, NOTES 25).
     """
     d = max(head_dim_pad(q.shape[-1]), head_dim_pad(v.shape[-1]))
     if q.device.type != "cuda":
@@ -101,7 +102,7 @@ def forward_config(q: torch.Tensor, v: torch.Tensor, sparse_block: tuple, kernel
     elif d <= 64:
         bm, bn, warps, stages = 128, 128, 4, 3
     elif d <= 128:
-        bm, bn, warps, stages = (64, 64, 4, 3) if gathers else (128, 64, 4, 2) if masked else (128, 64, 4, 3)
+        bm, bn, warps, stages = (64, 64, 4, 3) if gathers else (128, 64, 4, 2)
     else:
         bm, bn, warps, stages = 64, 32, 4, 2
     if q.dtype == torch.float32 and q.device.type == "cuda":
@@ -193,10 +194,12 @@ def _mask_strides(t: torch.Tensor) -> tuple:
 def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
                    full_kv_num_blocks: Optional[torch.Tensor], full_kv_indices: Optional[torch.Tensor],
                    sparse_block: tuple, scale: float, has_score_mod: bool, config: TileConfig,
-                   pinned: bool = False, tune: bool = False, use_tma: bool = False):
+                   pinned: bool = False, tune: bool = False, use_tma: Optional[bool] = None, dense: bool = False):
     """Run ``module.flex_fwd_kernel``; returns out [B, Hq, Lq, Dv] (q.dtype) and lse [B, Hq, Lq] fp32.
     ``tune``: autotune the tile config (CUDA, not pinned) instead of taking ``config`` as it is.
-    ``use_tma``: load K / V through tensor descriptors where :func:`tma_ok` allows."""
+    ``use_tma``: load K / V through tensor descriptors where :func:`tma_ok` allows; None: only on the dense walk
+    at head dims 65-128, where they measured faster (NOTES 25). ``dense``: there is no block mask (the blocks
+    are all full): one loop over every kv tile, no block-index loads."""
     B, Hq, Lq, D = q.shape
     Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[-1]
     out = torch.empty((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)
@@ -217,8 +220,11 @@ def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
     constexprs = dict(
         SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1],
         D=D, DV=Dv, D_PAD=head_dim_pad(D), DV_PAD=head_dim_pad(Dv), HAS_FULL_BLOCKS=has_full,
-        HAS_SCORE_MOD=has_score_mod, FP32_PRECISION="tf32" if allow_tf32 else "ieee", REVERSE_M=REVERSE_Q_BLOCKS)
+        HAS_SCORE_MOD=has_score_mod, FP32_PRECISION="tf32" if allow_tf32 else "ieee", REVERSE_M=REVERSE_Q_BLOCKS,
+        DENSE=dense)
 
+    if use_tma is None:
+        use_tma = default_use_tma(dense, D, Dv)
     constexprs["USE_TMA"] = use_tma and tma_ok(k, v)
     if constexprs["USE_TMA"]:
         _ensure_allocator()
@@ -414,6 +420,13 @@ def launch_decode(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
     return out, lse
 
 
+def default_use_tma(dense: bool, D: int, Dv: int) -> bool:
+    """Whether the forward loads K / V through tensor descriptors unless kernel_options USE_TMA says: only on
+    the dense walk (no block mask) at head dims 65-128, the one case where they measured faster (NOTES 4, 25);
+    :func:`tma_ok` still has to allow them."""
+    return dense and 64 < max(head_dim_pad(D), head_dim_pad(Dv)) <= 128
+
+
 def tma_ok(*tensors: torch.Tensor) -> bool:
     """Tensor descriptors need Hopper or newer, a unit last stride and 16-byte aligned rows and bases."""
     if not tensors[0].is_cuda or _device_facts(tensors[0].device)[1] < 9:
@@ -560,7 +573,7 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
                     grad_lse: Optional[torch.Tensor], kv_blocks: tuple, q_blocks: tuple, sparse_block: tuple,
                     scale: float, has_score_mod: bool, config: BackwardTileConfig, *, need_dq: bool = True,
                     ds: Optional[torch.Tensor] = None, scatter_captured_grads: bool = False, pinned: bool = False,
-                    tune: bool = False):
+                    tune: bool = False, dense: bool = False):
     """Run ``module``'s preprocess, dK/dV and dQ kernels; returns dq (None unless ``need_dq``), dk, dv in
     the input dtype. ``tune``: autotune the dK/dV and the dQ tiles (GPU, not pinned; not the dK/dV tiles when
     they scatter captured-tensor gradients with atomics, which a timing rerun would add twice).
@@ -569,6 +582,7 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
     ones may be None). ``grad_lse``: d loss / d lse [B, Hq, Lq] or None. ``ds``: a zeroed float32
     [B, Hq, Lq, Lkv] tensor to receive dS (d loss / d score_mod output), or None.
     ``scatter_captured_grads``: run the module's atomic captured-tensor gradient function.
+    ``dense``: there is no block mask: both kernels walk every tile of the other side, no block-index loads.
     """
     B, Hq, Lq, D = q.shape
     Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -592,7 +606,7 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
     constexprs = dict(
         SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1], D=D, DV=Dv, D_PAD=head_dim_pad(D),
         DV_PAD=head_dim_pad(Dv), HAS_FULL_BLOCKS=q_blocks[2] is not None, HAS_SCORE_MOD=has_score_mod,
-        FP32_PRECISION="tf32" if allow_tf32 else "ieee")
+        FP32_PRECISION="tf32" if allow_tf32 else "ieee", DENSE=dense)
     dkdv_args = (q, k, v, grad_out, lse, delta, dk, dv, ds if ds is not None else delta,
                  q_num, q_idx, full_q_num, full_q_idx,
                  *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),

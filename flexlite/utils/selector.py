@@ -10,7 +10,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..runtime.launch import forward_config
+from ..runtime.launch import default_use_tma, forward_config
 from .gpu import GPUCapabilities, detect_gpu
 
 _SPARSE_BLOCK = (128, 128)  # flash_attention's block masks use create_block_mask's default BLOCK_SIZE
@@ -60,13 +60,16 @@ class AdaptiveKernelSelector:
                              causal: bool = False, varlen: bool = False) -> dict:
         """The forward tiles ``flash_attention`` launches here: BLOCK_M, BLOCK_N, num_warps, num_stages
         from flexlite's heuristic for this head_dim, dtype and masking (``varlen``: ``seq_lens`` given),
-        plus ``use_tma`` (False) and ``arch``."""
+        plus ``use_tma`` (K / V through tensor descriptors: unmasked at head dims 65-128 on Hopper or newer)
+        and ``arch``."""
         from ..kernels.attention import KERNEL_OPTIONS
 
         q = _TensorSpec((1, 1, seq_len, head_dim), dtype, self.device)
-        tile = forward_config(q, q, _SPARSE_BLOCK, dict(KERNEL_OPTIONS), masked=causal or varlen, gathers=varlen)
+        tile = forward_config(q, q, _SPARSE_BLOCK, dict(KERNEL_OPTIONS), gathers=varlen)
         caps = self.capabilities
-        return dict(dataclasses.asdict(tile), use_tma=False, arch=caps.arch.value if caps else "cpu")
+        use_tma = caps is not None and caps.compute_capability >= (9, 0) and \
+            default_use_tma(not (causal or varlen), head_dim, head_dim)
+        return dict(dataclasses.asdict(tile), use_tma=use_tma, arch=caps.arch.value if caps else "cpu")
 
     def select_matmul_kernel(self) -> Callable:
         """``triton_matmul`` with ``use_autotune=False``: each call runs :meth:`get_matmul_config`'s
