@@ -154,6 +154,9 @@ def run(masks: list, shapes: list, passes: tuple = ("fwd",), dtype=torch.bfloat1
         from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
         from torch.nn.attention.flex_attention import flex_attention as torch_flex_attention
         compiled_flex = torch.compile(torch_flex_attention, dynamic=False)
+        # each mask (a new score_mod / mask_mod) and shape is a recompile of the one compiled function: past
+        # dynamo's default limit of 8 torch would silently run its unfused eager path (and run out of memory)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
     backward = "bwd" in passes
     for (B, H, S, D) in shapes:
         cases = mask_cases(S, H, device)
