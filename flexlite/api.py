@@ -362,7 +362,8 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
         module, kernel.mod_args(), kernel.grad_args(buffers), query, key, value, out, lse, grad_out, grad_lse,
         tuple(kv_blocks), q_blocks, sparse, scale, kernel.has_score_mod, config, need_dq=need_dq, ds=ds,
         scatter_captured_grads=bool(scatter), pinned=any(k in options for k in BACKWARD_CONFIG_KEYS),
-        tune=autotune_enabled(options), dense=block_mask is None)
+        tune=autotune_enabled(options), dense=block_mask is None,
+        use_tma=bool(options["USE_TMA"]) if "USE_TMA" in options else None)
     if deterministic:
         wanted = iter(_captured_grads_from_ds(score_mod, query, key, scale, ds, want))
     else:

@@ -438,3 +438,36 @@ def test_fp32_capture_with_half_inputs_regression():
         return s + slopes[h] * (kv - q) * 0.05
     q, k, v = rand_qkv(1, 1, 1, 1, 2, 16, dtype=torch.float16, seed=1)
     check_backward(q, k, v, alibi, captured=[slopes], seed=1, name="fp32 slope, fp16 inputs")
+
+
+@pytest.mark.parametrize("use_tma", [None, True, False], ids=["default", "tma", "pointers"])
+@pytest.mark.parametrize("masked", [False, True], ids=["no_block_mask", "block_mask"])
+def test_backward_tensor_descriptor_loads(monkeypatch, masked, use_tma):
+    """kernel_options USE_TMA switches the backward's walked-side loads (Q / dO for dK/dV, K / V for dQ) to tensor
+    descriptors; by default they are used without a block mask only (launch.default_use_tma). Triton's
+    interpreter runs descriptors too (tma_ok, which wants a Hopper GPU, is forced here); the gradients are the
+    reference's either way, at ragged lengths, GQA and a head dim that is not a power of two."""
+    from flexlite.runtime import launch
+
+    used, install = [], launch._ensure_allocator
+
+    def ensure_allocator():  # called only for descriptors; a GPU needs the allocator (the interpreter does not)
+        used.append(True)
+        if DEVICE == "cuda":
+            install()
+    monkeypatch.setattr(launch, "tma_ok", lambda *tensors: True)
+    monkeypatch.setattr(launch, "_ensure_allocator", ensure_allocator)
+    q, k, v = (t.requires_grad_() for t in rand_qkv(1, 4, 2, 111, 200, 48, seed=3))
+    bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx + 40 >= kv_idx, None, None, 111, 200, device=DEVICE,
+                           BLOCK_SIZE=64) if masked else None
+    options = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32}
+    if use_tma is not None:
+        options["USE_TMA"] = use_tma
+    out = flex_attention(q, k, v, block_mask=bm, enable_gqa=True, kernel_options=options)
+    used.clear()  # the forward's
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    assert bool(used) == (not masked if use_tma is None else use_tma)
+    ref = attention_reference(q, k, v, block_mask=bm, enable_gqa=True)[0]
+    for name, g, want in zip(("dq", "dk", "dv"), got, torch.autograd.grad(ref, (q, k, v), grad)):
+        assert_close(g, want, *GRAD_TOLERANCES[torch.float32], name=name)

@@ -362,8 +362,8 @@ def test_selector_attention_config_on_fake_gpu_is_flexlites_cuda_heuristic(fake_
         assert (config["BLOCK_M"], config["BLOCK_N"], config["num_warps"], config["num_stages"]) == (
             tile.BLOCK_M, tile.BLOCK_N, tile.num_warps, tile.num_stages)
         assert config["arch"] == "sm_90"
-        # tensor descriptors only where the kernel takes them by default: no mask at head dims 65-128
-        assert config["use_tma"] is (head_dim == 128 and not causal and not varlen)
+        # tensor descriptors only where the kernel takes them by default: no mask, head dims up to 128
+        assert config["use_tma"] is (head_dim <= 128 and not causal and not varlen)
 
 
 @pytest.mark.parametrize("causal, varlen", [(False, False), (True, False), (True, True)])

@@ -197,8 +197,8 @@ def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
                    pinned: bool = False, tune: bool = False, use_tma: Optional[bool] = None, dense: bool = False):
     """Run ``module.flex_fwd_kernel``; returns out [B, Hq, Lq, Dv] (q.dtype) and lse [B, Hq, Lq] fp32.
     ``tune``: autotune the tile config (CUDA, not pinned) instead of taking ``config`` as it is.
-    ``use_tma``: load K / V through tensor descriptors where :func:`tma_ok` allows; None: only on the dense walk
-    at head dims 65-128, where they measured faster (NOTES 25). ``dense``: there is no block mask (the blocks
+    ``use_tma``: load K / V through tensor descriptors where :func:`tma_ok` allows; None: :func:`default_use_tma`.
+    ``dense``: there is no block mask (the blocks
     are all full): one loop over every kv tile, no block-index loads."""
     B, Hq, Lq, D = q.shape
     Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -421,10 +421,11 @@ def launch_decode(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
 
 
 def default_use_tma(dense: bool, D: int, Dv: int) -> bool:
-    """Whether the forward loads K / V through tensor descriptors unless kernel_options USE_TMA says: only on
-    the dense walk (no block mask) at head dims 65-128, the one case where they measured faster (NOTES 4, 25);
-    :func:`tma_ok` still has to allow them."""
-    return dense and 64 < max(head_dim_pad(D), head_dim_pad(Dv)) <= 128
+    """Whether the forward and backward kernels load the walked side's tiles through tensor descriptors unless
+    kernel_options USE_TMA says: on the dense walk (no block mask) at head dims up to 128, where they measured
+    0-3 % faster; with a block mask they were slower, up to 12 % on short walks (NOTES 4, 25, 26). :func:`tma_ok`
+    still has to allow them."""
+    return dense and max(head_dim_pad(D), head_dim_pad(Dv)) <= 128
 
 
 def tma_ok(*tensors: torch.Tensor) -> bool:
@@ -573,7 +574,7 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
                     grad_lse: Optional[torch.Tensor], kv_blocks: tuple, q_blocks: tuple, sparse_block: tuple,
                     scale: float, has_score_mod: bool, config: BackwardTileConfig, *, need_dq: bool = True,
                     ds: Optional[torch.Tensor] = None, scatter_captured_grads: bool = False, pinned: bool = False,
-                    tune: bool = False, dense: bool = False):
+                    tune: bool = False, dense: bool = False, use_tma: Optional[bool] = None):
     """Run ``module``'s preprocess, dK/dV and dQ kernels; returns dq (None unless ``need_dq``), dk, dv in
     the input dtype. ``tune``: autotune the dK/dV and the dQ tiles (GPU, not pinned; not the dK/dV tiles when
     they scatter captured-tensor gradients with atomics, which a timing rerun would add twice).
@@ -583,6 +584,8 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
     [B, Hq, Lq, Lkv] tensor to receive dS (d loss / d score_mod output), or None.
     ``scatter_captured_grads``: run the module's atomic captured-tensor gradient function.
     ``dense``: there is no block mask: both kernels walk every tile of the other side, no block-index loads.
+    ``use_tma``: load the walked side's tiles (Q / dO for dK/dV, K / V for dQ) through tensor descriptors
+    where :func:`tma_ok` allows; None: :func:`default_use_tma`.
     """
     B, Hq, Lq, D = q.shape
     Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -606,7 +609,10 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
     constexprs = dict(
         SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1], D=D, DV=Dv, D_PAD=head_dim_pad(D),
         DV_PAD=head_dim_pad(Dv), HAS_FULL_BLOCKS=q_blocks[2] is not None, HAS_SCORE_MOD=has_score_mod,
-        FP32_PRECISION="tf32" if allow_tf32 else "ieee", DENSE=dense)
+        FP32_PRECISION="tf32" if allow_tf32 else "ieee", DENSE=dense,
+        USE_TMA=(default_use_tma(dense, D, Dv) if use_tma is None else use_tma) and tma_ok(q, k, v, grad_out))
+    if constexprs["USE_TMA"]:
+        _ensure_allocator()
     dkdv_args = (q, k, v, grad_out, lse, delta, dk, dv, ds if ds is not None else delta,
                  q_num, q_idx, full_q_num, full_q_idx,
                  *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),

@@ -60,7 +60,7 @@ class AdaptiveKernelSelector:
                              causal: bool = False, varlen: bool = False) -> dict:
         """The forward tiles ``flash_attention`` launches here: BLOCK_M, BLOCK_N, num_warps, num_stages
         from flexlite's heuristic for this head_dim, dtype and masking (``varlen``: ``seq_lens`` given),
-        plus ``use_tma`` (K / V through tensor descriptors: unmasked at head dims 65-128 on Hopper or newer)
+        plus ``use_tma`` (K / V through tensor descriptors: unmasked at head dims up to 128 on Hopper or newer)
         and ``arch``."""
         from ..kernels.attention import KERNEL_OPTIONS
 
