@@ -437,8 +437,8 @@ def flex_attention(
         kernel_options: pin tile sizes: ``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``; for the
             backward ``BLOCK_M1``, ``BLOCK_N1`` (dK/dV: kv tile, q step), ``BLOCK_M2``, ``BLOCK_N2`` (dQ);
             ``DETERMINISTIC_CAPTURED_GRADS`` (see Gradients); ``AUTOTUNE`` (time a small config space
-            once per kernel / dtype / head dim / length bucket, cached on disk); ``USE_TMA`` (K/V through
-            Hopper tensor descriptors); ``DECODE`` / ``DECODE_SPLITS`` (force or forbid the split-KV
+            once per kernel / dtype / head dim / length bucket, cached on disk); ``USE_TMA`` (the walked tiles
+            through Hopper tensor descriptors, forward and backward; default: only without a block mask); ``DECODE`` / ``DECODE_SPLITS`` (force or forbid the split-KV
             kernel that queries of length <= 64 use by default, and pin its split count).
 
     Returns:
