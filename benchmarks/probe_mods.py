@@ -1,5 +1,5 @@
 """GPU probe for what score_mods cost: forward and backward ms of ALiBi + causal (per-head slopes gathered, and
-one constant slope), softcap + causal and an identity score_mod next to plain causal; each is first checked
+one constant slope; the distance converted to float as an int tile or as float q / kv vectors), softcap + causal and an identity score_mod next to plain causal; each is first checked
 against the fp64 reference. Prints a table; benchmarks/NOTES.md records
 what it showed (17: the ALiBi lowering experiment it was written for).
 
@@ -12,6 +12,7 @@ from tabulate import tabulate
 
 from flexlite import attention_reference, create_block_mask, flex_attention
 from flexlite.bench import _median_ms, _timed, mask_cases
+from flexlite.mods import alibi_slopes
 
 
 def _error(score_mod, mask_mod, D: int) -> float:
@@ -33,10 +34,15 @@ def main():
         cases = mask_cases(S, H, "cuda")
         q, k, v = [torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
         bm = create_block_mask(cases["causal"].mask_mod, None, None, S, S, device="cuda")
+        slopes = alibi_slopes(H, "cuda")
         mods = {"causal": None, "identity score_mod": lambda score, b, h, q_idx, kv_idx: score,
                 "alibi_causal": cases["alibi_causal"].score_mod,
+                "alibi, float indices": lambda score, b, h, q_idx, kv_idx: score + slopes[h] * (
+                    kv_idx.float() - q_idx.float()),
                 "alibi, one constant slope (no gather)": lambda score, b, h, q_idx, kv_idx: score + 0.0625 * (
                     kv_idx - q_idx),
+                "alibi, constant slope, float indices": lambda score, b, h, q_idx, kv_idx: score + 0.0625 * (
+                    kv_idx.float() - q_idx.float()),
                 "softcap30_causal": cases["softcap30_causal"].score_mod}
         for name, score_mod in mods.items():
             err = _error(score_mod, cases["causal"].mask_mod, D)

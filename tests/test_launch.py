@@ -199,3 +199,36 @@ def test_device_facts_come_from_detect_gpu(monkeypatch):
         assert asked == [1]
     finally:
         launch._device_facts.cache_clear()
+
+
+def _gpu_spec(D, dtype=torch.bfloat16):
+    """What the tile heuristics read of a tensor, as on a GPU (no GPU needed)."""
+    import types
+    return types.SimpleNamespace(shape=(1, 1, 8192, D), dtype=dtype, device=torch.device("cuda"))
+
+
+@pytest.mark.parametrize("D, gathers, m1", [(128, False, 64), (128, True, 32), (64, False, 64), (64, True, 64)])
+def test_backward_config_steps_32_queries_when_a_d128_score_mod_gathers(D, gathers, m1):
+    from flexlite.runtime.launch import backward_config
+    spec = _gpu_spec(D)
+    cfg = backward_config(spec, spec, (128, 128), {}, score_gathers=gathers)
+    assert (cfg.BLOCK_M1, cfg.BLOCK_N1) == (m1, 64)
+    pinned = backward_config(spec, spec, (128, 128), {"BLOCK_M1": 16}, score_gathers=gathers)
+    assert pinned.BLOCK_M1 == 16  # kernel_options still win
+
+
+def test_flex_attention_tells_the_backward_heuristic_whether_score_mod_gathers(monkeypatch):
+    import flexlite.api
+    from flexlite import flex_attention
+    from flexlite.mods import generate_alibi_bias, generate_tanh_softcap
+
+    seen, real = [], flexlite.api.backward_config
+
+    def spy(*args, score_gathers=False, **kwargs):
+        seen.append(score_gathers)
+        return real(*args, score_gathers=score_gathers, **kwargs)
+    monkeypatch.setattr(flexlite.api, "backward_config", spy)
+    q, k, v = (t.requires_grad_() for t in rand_qkv(1, 2, 2, 32, 32, 16))
+    for score_mod in (generate_alibi_bias(2, device=DEVICE), generate_tanh_softcap(20.0), None):
+        flex_attention(q, k, v, score_mod=score_mod).sum().backward()
+    assert seen == [True, False, False]
