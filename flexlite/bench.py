@@ -311,7 +311,10 @@ BLOCK_MASK_COLUMNS = ["mask", "shape", "flexlite_ms", "flexlite_peak_extra_mb", 
 
 
 def markdown_table(result: dict, columns: list = ATTENTION_COLUMNS) -> str:
+    """The rows of a results dict as a markdown table under a GPU / versions / commit line; a column that no
+    row has (the tuned speedup of a run without autotuning, SDPA on masks it cannot run) is left out."""
     from tabulate import tabulate
+    columns = [c for c in columns if any(c in r for r in result["rows"])]
     body = [[r.get(c, "") for c in columns] for r in result["rows"]]
     head = (f"GPU: {result['gpu']}, torch {result['torch']}, triton {result['triton']}, commit {result['commit']}, "
             f"{result['date']}\n\n")

@@ -99,3 +99,17 @@ def test_top_level_help(capsys):
     main(["--help"])
     out = capsys.readouterr().out
     assert "show <mask>" in out and "bench" in out
+
+
+def test_bench_markdown_table_leaves_out_columns_no_row_has():
+    from flexlite.bench import markdown_table
+    result = {"gpu": "GPU", "torch": "t", "triton": "tr", "commit": "abc", "date": "2026-01-01",
+              "rows": [{"mask": "causal", "shape": "B1", "pass": "fwd", "flexlite_ms": 1.5, "torch_flex_ms": 3.0,
+                        "speedup_vs_torch_flex": 2.0},
+                       {"mask": "full", "shape": "B1", "pass": "fwd", "flexlite_ms": 2.0, "sdpa_cudnn_tflops": 10}]}
+    table = markdown_table(result)
+    header = table.splitlines()[2]
+    assert table.startswith("GPU: GPU, torch t, triton tr, commit abc, 2026-01-01")
+    assert "tuned_speedup_vs_torch_flex" not in header and "sdpa_flash_tflops" not in header
+    assert "sdpa_cudnn_tflops" in header and "torch_flex_ms" in header
+    assert len(table.splitlines()) == 6  # header line, blank, column names, rule, two rows
