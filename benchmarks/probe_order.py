@@ -7,11 +7,10 @@ Usage: python benchmarks/probe_order.py [mask,mask,...] [D,D,...]"""
 
 import sys
 
-import torch
 from tabulate import tabulate
 
-from flexlite import create_block_mask, flex_attention
-from flexlite.bench import _median_ms, _timed, check_against_reference, mask_cases
+from flexlite import flex_attention
+from flexlite.bench import _median_ms, _timed, check_against_reference, probe_cases
 from flexlite.runtime import launch
 
 
@@ -20,25 +19,17 @@ def main():
                                                               "document_8_causal", "sliding_window_1024"]
     dims = [int(d) for d in sys.argv[2].split(",")] if len(sys.argv) > 2 else [128, 64]
     rows = []
-    for (B, H, S, D) in [(4, 16, 8192, 128), (16, 16, 8192, 64)]:
-        if D not in dims:
-            continue
-        q, k, v = [torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                   for _ in range(3)]
-        cases = mask_cases(S, H, "cuda")
-        for name in masks:
-            case = cases[name]
-            bm = create_block_mask(case.mask_mod, None, None, S, S, device="cuda") if case.mask_mod else None
-            row = [name, f"D{D}"]
-            for reverse in (False, True):
-                launch.REVERSE_Q_BLOCKS = reverse
-                err = check_against_reference(case, D, "cuda", backward=True)
-                fwd = lambda: flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm)  # noqa: E731
-                row += [f"{max(err.values()):.1e}", round(_median_ms(fwd), 3),
-                        round(_median_ms(_timed(fwd, "bwd"), grad_to_none=[q, k, v]), 3)]
-            row += [round(row[3] / row[6], 3), round(row[4] / row[7], 3)]
-            rows.append(row)
-            print(row, flush=True)
+    for D, q, k, v, case, bm in probe_cases(masks, dims):
+        row = [case.name, f"D{D}"]
+        for reverse in (False, True):
+            launch.REVERSE_Q_BLOCKS = reverse
+            err = check_against_reference(case, D, "cuda", backward=True)
+            fwd = lambda: flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm)  # noqa: E731
+            row += [f"{max(err.values()):.1e}", round(_median_ms(fwd), 3),
+                    round(_median_ms(_timed(fwd, "bwd"), grad_to_none=[q, k, v]), 3)]
+        row += [round(row[3] / row[6], 3), round(row[4] / row[7], 3)]
+        rows.append(row)
+        print(row, flush=True)
     launch.REVERSE_Q_BLOCKS = True
     print(tabulate(rows, headers=["mask", "D", "max err (first to last)", "fwd ms", "bwd ms",
                                   "max err (last to first)", "fwd ms", "bwd ms", "fwd gain", "bwd gain"],

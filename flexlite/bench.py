@@ -60,6 +60,25 @@ def mask_cases(S: int, H: int, device) -> dict:
     return {c.name: c for c in cases}
 
 
+# the harness's two shapes (B, H, S, D), as the probes in benchmarks/ walk them
+PROBE_SHAPES = ((4, 16, 8192, 128), (16, 16, 8192, 64))
+
+
+def probe_cases(masks: list, dims: list, requires_grad: bool = True):
+    """For the GPU probes in benchmarks/: per harness shape whose head dim is in ``dims`` (random bf16 q, k, v on
+    CUDA) and per mask name in ``masks``, yield ``(D, q, k, v, case, block_mask)``."""
+    for (B, H, S, D) in PROBE_SHAPES:
+        if D not in dims:
+            continue
+        q, k, v = [torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=requires_grad)
+                   for _ in range(3)]
+        cases = mask_cases(S, H, "cuda")
+        for name in masks:
+            case = cases[name]
+            bm = create_block_mask(case.mask_mod, None, None, S, S, device="cuda") if case.mask_mod else None
+            yield D, q, k, v, case, bm
+
+
 def flops(B: int, H: int, S: int, D: int, density: float, pass_: str) -> float:
     f = 4.0 * B * H * S * S * D * density
     return f * 2.5 if pass_ == "bwd" else f
