@@ -13,6 +13,7 @@ import torch
 from ._vmap import index_vectors, vmap_bhqkv
 from .block_mask import BlockMask, check_device, check_mod_output
 from .codegen.kernel import GeneratedKernel, generate, generate_backward
+from .codegen.lower import FLOAT32_EXACT_INT
 from .codegen.trace import check_arity, trace_mod
 from .runtime.compile import load_module, write_source
 from .runtime.autotune import autotune_enabled
@@ -194,9 +195,18 @@ def _block_tensors(block_mask, Lq, Lkv, device):
             block_mask.full_kv_indices, tuple(block_mask.BLOCK_SIZE))
 
 
-def _generate(score_mod, block_mask, device: torch.device, template: str = "fwd.py.jinja") -> GeneratedKernel:
+def _float_index(template: str, Lq: int, Lkv: int) -> bool:
+    """Whether a kernel lowers index arithmetic that ends in float32 from float index vectors
+    (:class:`flexlite.codegen.lower._Lowerer`): the forward only, where it measured faster (ALiBi's forward,
+    benchmarks/NOTES.md 28; the backward measured slower and decoding reads memory), and only while positions
+    are exact in float32."""
+    return template == "fwd.py.jinja" and max(Lq, Lkv) <= FLOAT32_EXACT_INT
+
+
+def _generate(score_mod, block_mask, device: torch.device, template: str = "fwd.py.jinja",
+              float_index: bool = False) -> GeneratedKernel:
     mask_mod = block_mask.mask_mod if block_mask is not None else None
-    return generate(template, score_mod, mask_mod, interpret=device.type != "cuda")
+    return generate(template, score_mod, mask_mod, interpret=device.type != "cuda", float_index=float_index)
 
 
 _PASSES = {"forward": "fwd.py.jinja", "decode": "decode.py.jinja", "backward": "bwd.py.jinja"}
@@ -228,7 +238,8 @@ def kernel_source(score_mod: Optional[Callable] = None, block_mask=None, *, devi
     if kernel == "backward":
         mask_mod = block_mask.mask_mod if block_mask is not None else None
         return generate_backward(score_mod, mask_mod, interpret=device.type != "cuda").source
-    return _generate(score_mod, block_mask, device, _PASSES[kernel]).source
+    lengths = block_mask.seq_lengths if block_mask is not None else (0, 0)
+    return _generate(score_mod, block_mask, device, _PASSES[kernel], _float_index(_PASSES[kernel], *lengths)).source
 
 
 def kernel_path(score_mod: Optional[Callable] = None, block_mask=None, *, device=None,
@@ -246,7 +257,8 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options):
     options = kernel_options or {}
     num, idx, full_num, full_idx, sparse = _block_tensors(block_mask, Lq, Lkv, query.device)
     rows = _decode_rows(query, key, num, sparse, options)
-    kernel = _generate(score_mod, block_mask, query.device, "decode.py.jinja" if rows else "fwd.py.jinja")
+    template = "decode.py.jinja" if rows else "fwd.py.jinja"
+    kernel = _generate(score_mod, block_mask, query.device, template, _float_index(template, Lq, Lkv))
     check_captured(kernel.captured, query.device, "flex_attention")
     # also when decoding if tiles are pinned, so that bad pins are reported even where decoding ignores them
     if not rows or any(k in options for k in CONFIG_KEYS):

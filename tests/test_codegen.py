@@ -251,3 +251,62 @@ def test_division_by_a_constant_is_a_multiply(divisor, lowered):
     assert_close(flex_attention(q, k, v, score_mod=mod), attention_reference(q, k, v, score_mod=mod)[0],
                  *TOLERANCES[torch.float32])
 
+
+
+FLOAT_INDEX_MODS = {
+    # mod, what the forward's lowering must contain (the distance from float vectors), or None: no float form
+    "alibi": (lambda s, b, h, q, kv: s + _half.float()[h] * (kv - q), "(kv_idx.to(tl.float32) - q_idx.to(tl.float32))"),
+    "explicit_cast_abs_neg": (lambda s, b, h, q, kv: s - 0.1 * torch.abs(q - kv).float() + (-(kv - 2)) * 0.01,
+                              "tl.abs((q_idx.to(tl.float32) - kv_idx.to(tl.float32)))"),
+    "truediv": (lambda s, b, h, q, kv: s + (kv + 1) / (q + 1), "(kv_idx.to(tl.float32) + 1.0)"),
+    # two roundings could differ from converting the exact int: kept as an int tile converted once
+    "two_adds": (lambda s, b, h, q, kv: s + ((kv - q) + 5) * 0.01, None),
+    "int_only": (lambda s, b, h, q, kv: s + _table[h % 4, (kv - q) % 64], None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FLOAT_INDEX_MODS))
+def test_forward_lowers_index_distances_from_float_vectors(name):
+    """The forward computes int index arithmetic that a float32 op consumes from float32 q / kv vectors
+    (one subtraction per score instead of an int subtraction and a per-score conversion), only where that is
+    bit-identical (one add / subtract of exact values); the backward keeps the int form. Same output as the int
+    form, bit for bit, and the reference's."""
+    import flexlite.api as api
+    mod, lowered = FLOAT_INDEX_MODS[name]
+    source = flexlite.kernel_source(mod, device=DEVICE)
+    backward = flexlite.kernel_source(mod, device=DEVICE, kernel="backward")
+    if lowered is None:
+        assert "kv_idx.to(tl.float32)" not in source and "q_idx.to(tl.float32)" not in source
+    else:
+        assert lowered in source
+    assert "kv_idx.to(tl.float32)" not in backward
+    q, k, v = rand_qkv(1, 2, 2, 100, 70, 16, seed=4)  # more than 64 queries: the forward kernel
+    out = flex_attention(q, k, v, score_mod=mod)
+    assert_close(out, attention_reference(q, k, v, score_mod=mod)[0], *TOLERANCES[torch.float32])
+    real = api._float_index
+    try:
+        api._float_index = lambda *args: False
+        assert torch.equal(out, flex_attention(q, k, v, score_mod=mod))
+    finally:
+        api._float_index = real
+
+
+def test_float_index_only_while_positions_are_exact_in_float32(monkeypatch):
+    """Past 2**24 positions a float32 q_idx would round: the forward keeps the int form there (the limit is
+    lowered here to run that path at a testable length)."""
+    import flexlite.api as api
+    from flexlite.codegen import kernel as kernel_module
+    seen, real = [], kernel_module.generate
+
+    def spy(template, score_mod, mask_mod, *, interpret, float_index=False):
+        seen.append((template, float_index))
+        return real(template, score_mod, mask_mod, interpret=interpret, float_index=float_index)
+    monkeypatch.setattr(api, "generate", spy)
+    mod = FLOAT_INDEX_MODS["alibi"][0]
+    q, k, v = rand_qkv(1, 2, 2, 100, 70, 16, seed=5)  # more than 64 queries: the forward kernel, not decoding
+    monkeypatch.setattr(api, "FLOAT32_EXACT_INT", 99)
+    long = flex_attention(q, k, v, score_mod=mod)
+    monkeypatch.setattr(api, "FLOAT32_EXACT_INT", 100)
+    short = flex_attention(q, k, v, score_mod=mod)
+    assert seen == [("fwd.py.jinja", False), ("fwd.py.jinja", True)]
+    assert torch.equal(long, short)

@@ -34,12 +34,13 @@ class GeneratedKernel:
         return self.score_mod.tensors + self.mask_mod.tensors
 
 
-def _lowered(traced: Optional[TracedMod], fn_name: str, prefix: str) -> LoweredMod:
+def _lowered(traced: Optional[TracedMod], fn_name: str, prefix: str, float_index: bool = False) -> LoweredMod:
     if traced is None:
         return identity_score_mod() if fn_name == "score_mod" else noop_mask_mod()
-    if fn_name not in traced.lowered:
-        traced.lowered[fn_name] = lower_mod(traced, fn_name, prefix)
-    return traced.lowered[fn_name]
+    key = (fn_name, "float_index") if float_index else fn_name
+    if key not in traced.lowered:
+        traced.lowered[key] = lower_mod(traced, fn_name, prefix, float_index)
+    return traced.lowered[key]
 
 
 @functools.lru_cache(maxsize=512)
@@ -54,11 +55,14 @@ def _render(template: str, sm_source: str, mm_source: str, sm_params: tuple, mm_
 
 
 def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Callable], *,
-             interpret: bool) -> GeneratedKernel:
-    """Kernel source for ``template`` with ``score_mod`` / ``mask_mod`` (None: identity / keep all)."""
+             interpret: bool, float_index: bool = False) -> GeneratedKernel:
+    """Kernel source for ``template`` with ``score_mod`` / ``mask_mod`` (None: identity / keep all).
+    ``float_index``: lower index arithmetic that ends in float32 from float index vectors (the caller guarantees
+    lengths below 2**24; :class:`~flexlite.codegen.lower._Lowerer`)."""
     sm = trace_mod(score_mod, "score_mod") if score_mod is not None else None
     mm = trace_mod(mask_mod, "mask_mod") if mask_mod is not None else None
-    low_sm, low_mm = _lowered(sm, "score_mod", "sm_"), _lowered(mm, "mask_mod", "mm_")
+    low_sm = _lowered(sm, "score_mod", "sm_", float_index)
+    low_mm = _lowered(mm, "mask_mod", "mm_", float_index)
     source = _render(template, low_sm.source, low_mm.source, tuple(low_sm.params), tuple(low_mm.params),
                      interpret, sm.name if sm else "none", mm.name if mm else "none")
     return GeneratedKernel(template, source, low_sm, low_mm, has_score_mod=sm is not None)

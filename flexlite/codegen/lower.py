@@ -30,6 +30,8 @@ _TL_DTYPES = {
     torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32", torch.float64: "tl.float64",
 }
 INT64_INDEX_LIMIT = 2**31 - 1
+# integers up to this magnitude are exact in float32 (see _Lowerer.float_index)
+FLOAT32_EXACT_INT = 2**24
 
 
 @dataclasses.dataclass
@@ -321,14 +323,24 @@ class LoweredMod:
 
 
 class _Lowerer:
-    def __init__(self, traced: TracedMod, prefix: str):
+    """``float_index``: q_idx and kv_idx are below FLOAT32_EXACT_INT (the caller knows the lengths), so an int
+    value built from them by one add or subtract (plus negations / abs) that a float32 operation consumes is
+    computed in float32 from the converted vectors: ``kv_idx - q_idx`` times a float becomes
+    ``(kv_idx.to(f32) - q_idx.to(f32))`` times it, one subtraction per score instead of an int subtraction and
+    a conversion (which Triton would do per element of the tile). Bit-identical: both operands are exact in
+    float32 and one IEEE subtraction rounds the exact difference as the conversion would."""
+
+    def __init__(self, traced: TracedMod, prefix: str, float_index: bool = False):
         self.traced = traced
         self.prefix = prefix
+        self.float_index = float_index
         self.lines: list[str] = []
         self.params: list[str] = []
         self.tensors: list[torch.Tensor] = []
         self.views: dict[str, _View] = {}
         self.env: dict[fx.Node, object] = {}
+        # int value name -> (float32 expression of the same value, whether that expression is exact: no rounding)
+        self.float_forms: dict[str, tuple[str, bool]] = {}
 
     def fail(self, node: fx.Node, why: str):
         raise UntraceableModError(f"{self.traced.kind} {self.traced.name!r}: {why} (at `{node.format_node()}`)")
@@ -436,6 +448,8 @@ class _Lowerer:
         for node in self.traced.graph_module.graph.nodes:
             if node.op == "placeholder":
                 self.env[node] = Val(node.target, node.meta["dtype"])
+                if self.float_index and node.target in ("q_idx", "kv_idx"):
+                    self.float_forms[node.target] = (f"{node.target}.to(tl.float32)", True)
             elif node.op == "get_attr":
                 view = self.capture(node)
                 self.env[node] = self.load(node, view) if view.tensor.dim() == 0 else view
@@ -465,7 +479,45 @@ class _Lowerer:
             return self.emit(node, OPS[key](args, kwargs, node), node.meta["dtype"])
         args = [self.value(node, a) if isinstance(a, (Val, _View)) else a for a in args]
         kwargs = {k: self.value(node, v) if isinstance(v, (Val, _View)) else v for k, v in kwargs.items()}
-        return self.emit(node, OPS[key](args, kwargs, node), node.meta.get("dtype"))
+        dtype = node.meta.get("dtype")
+        if self.float_index and dtype == torch.float32:
+            if key == "to":
+                form = self.float_form(args[0])
+                if form is not None:
+                    return self.emit(node, form[0], dtype)
+            else:  # the op promotes its int operands to float32: hand it their float forms instead
+                args = [self.as_float_form(a) for a in args]
+                kwargs = {k: self.as_float_form(v) for k, v in kwargs.items()}
+        result = self.emit(node, OPS[key](args, kwargs, node), dtype)
+        if self.float_index and dtype is not None and not dtype.is_floating_point and dtype != torch.bool:
+            self.track_float_form(key, args, result)
+        return result
+
+    # -- float forms of int index arithmetic (see the class docstring)
+    def float_form(self, v) -> Optional[tuple[str, bool]]:
+        if not isinstance(v, Val) or v.dtype is None or v.is_float or v.is_bool:
+            return None
+        if v.is_literal:
+            ok = isinstance(v.literal, int) and abs(v.literal) <= FLOAT32_EXACT_INT
+            return (repr(float(v.literal)), True) if ok else None
+        return self.float_forms.get(v.expr)
+
+    def as_float_form(self, v):
+        form = self.float_form(v)
+        return Val(form[0], torch.float32) if form is not None and not v.is_literal else v
+
+    def track_float_form(self, key: str, args: list, result: Val):
+        forms = [self.float_form(a) for a in args]
+        if any(f is None for f in forms):
+            return
+        if key in ("add", "sub") and len(forms) == 2 and all(exact for _, exact in forms):
+            # one rounding of the exact result, as its conversion; not exact, so not an operand of another add
+            op = "+" if key == "add" else "-"
+            self.float_forms[result.expr] = (f"({forms[0][0]} {op} {forms[1][0]})", False)
+        elif key == "neg" and len(forms) == 1:
+            self.float_forms[result.expr] = (f"(-{forms[0][0]})", forms[0][1])  # rounding is symmetric
+        elif key == "abs" and len(forms) == 1:
+            self.float_forms[result.expr] = (f"tl.abs({forms[0][0]})", forms[0][1])
 
 
 def _tile_uniform(nodes: list) -> bool:
@@ -499,9 +551,10 @@ def literal_none() -> Val:
     return Val("None", None, None, True)
 
 
-def lower_mod(traced: TracedMod, fn_name: str, prefix: str) -> LoweredMod:
-    """Lower a traced mod to ``@triton.jit def fn_name(...)``; captured params are named ``prefix``c<i>."""
-    low = _Lowerer(traced, prefix)
+def lower_mod(traced: TracedMod, fn_name: str, prefix: str, float_index: bool = False) -> LoweredMod:
+    """Lower a traced mod to ``@triton.jit def fn_name(...)``; captured params are named ``prefix``c<i>.
+    ``float_index``: the kernel's q_idx / kv_idx stay below 2**24 (see :class:`_Lowerer`)."""
+    low = _Lowerer(traced, prefix, float_index)
     lines, result = low.run()
     if traced.kind == "score_mod":
         out = cast(result, torch.float32)
