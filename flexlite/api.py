@@ -262,8 +262,7 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options):
     check_captured(kernel.captured, query.device, "flex_attention")
     # also when decoding if tiles are pinned, so that bad pins are reported even where decoding ignores them
     if not rows or any(k in options for k in CONFIG_KEYS):
-        config = forward_config(query, value, sparse, options,
-                                gathers=bool(kernel.mask_mod.tensors))
+        config = forward_config(query, value, sparse, options, gathers=bool(kernel.mask_mod.tensors))
     module = load_module(kernel.source, interpret=query.device.type != "cuda")
     if scale <= 0 and not kernel.has_score_mod:
         # without a score_mod the kernels scale after the row max (and after masking with -inf), which needs a
@@ -450,8 +449,9 @@ def flex_attention(
             backward ``BLOCK_M1``, ``BLOCK_N1`` (dK/dV: kv tile, q step), ``BLOCK_M2``, ``BLOCK_N2`` (dQ);
             ``DETERMINISTIC_CAPTURED_GRADS`` (see Gradients); ``AUTOTUNE`` (time a small config space
             once per kernel / dtype / head dim / length bucket, cached on disk); ``USE_TMA`` (the walked tiles
-            through Hopper tensor descriptors, forward and backward; default: only without a block mask); ``DECODE`` / ``DECODE_SPLITS`` (force or forbid the split-KV
-            kernel that queries of length <= 64 use by default, and pin its split count).
+            through Hopper tensor descriptors, forward and backward; default: only without a block mask);
+            ``DECODE`` / ``DECODE_SPLITS`` (force or forbid the split-KV kernel that queries of length <= 64
+            use by default, and pin its split count).
 
     Returns:
         out [B, Hq, Lq, Ev] in the input dtype, and ``lse`` if ``return_lse``. A query row that every
