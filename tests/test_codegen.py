@@ -310,3 +310,46 @@ def test_float_index_only_while_positions_are_exact_in_float32(monkeypatch):
     short = flex_attention(q, k, v, score_mod=mod)
     assert seen == [("fwd.py.jinja", False), ("fwd.py.jinja", True)]
     assert torch.equal(long, short)
+
+
+_slopes = torch.rand(H, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+_bh_bias = torch.randn(B + 1, H, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+
+HOIST_MODS = {
+    # mod, the values score_mod_hoist returns (None: nothing is hoisted)
+    "alibi": (lambda s, b, h, q, kv: s + _slopes[h] * (kv - q), ("t_getitem",)),
+    "several_and_a_scalar": (lambda s, b, h, q, kv: s * _scalar + _bh_bias[b, h] - _slopes[h - 1] * (q - kv)
+                             + _table[h % 4, (kv - q) % 64],
+                             ("t__tensor_constant0", "t_getitem", "t_getitem_1", "t_mod")),
+    "ignores_score": (lambda s, b, h, q, kv: _bh_bias[b, h] * 2 + _slopes[h], ("t_add",)),  # all of it
+    "no_load": (lambda s, b, h, q, kv: s + h * 0.5 + b, None),  # nothing worth taking out of the loop
+    "per_position": (lambda s, b, h, q, kv: s + _table[h % 4, kv % 64], None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOIST_MODS))
+def test_loop_invariant_loads_are_hoisted_out_of_the_kernel_loops(name):
+    """What score_mod computes from b, h and captured tensors alone (ALiBi's slopes[h]) is computed once per
+    program, before the kv / q loop, by score_mod_hoist in every kernel (forward, decoding, backward), and
+    passed to score_mod; gradients included, the results are the reference's."""
+    mod, hoisted = HOIST_MODS[name]
+    for kernel, b, h in (("forward", "off_z", "off_h"), ("decode", "off_z", "off_h[:, None]"),
+                         ("backward", "off_z", "off_h")):
+        source = flexlite.kernel_source(mod, device=DEVICE, kernel=kernel)
+        score_mod = source[source.index("def score_mod("):source.index("@triton.jit", source.index("def score_mod("))]
+        if hoisted is None:
+            assert "score_mod_hoist" not in source
+            continue
+        kernel_names = ", ".join(f"sm_h_{n}" for n in hoisted)
+        assert f"{kernel_names} = score_mod_hoist({b}, {h}, " in source
+        assert score_mod.startswith(f"def score_mod(score, b, h, q_idx, kv_idx, {', '.join(hoisted)}, ")
+        assert "sm_c0 +" not in score_mod and "tl.load(sm_c0)" not in score_mod  # the hoisted loads left
+    for lq in (3, 100):  # decoding and the forward kernel
+        q, k, v = (t.requires_grad_() for t in rand_qkv(B + 1, H, 1, lq, 70, 16, seed=lq))
+        out = flex_attention(q, k, v, score_mod=mod, enable_gqa=True)
+        ref = attention_reference(q, k, v, score_mod=mod, enable_gqa=True)[0]
+        assert_close(out, ref, *TOLERANCES[torch.float32])
+        grad = torch.randn_like(out)
+        want = torch.autograd.grad(ref, (q, k, v), grad, allow_unused=True)
+        for g, w in zip(torch.autograd.grad(out, (q, k, v), grad), want):
+            assert_close(g, torch.zeros_like(g) if w is None else w, *TOLERANCES[torch.float32])

@@ -39,14 +39,16 @@ def _lowered(traced: Optional[TracedMod], fn_name: str, prefix: str, float_index
         return identity_score_mod() if fn_name == "score_mod" else noop_mask_mod()
     key = (fn_name, "float_index") if float_index else fn_name
     if key not in traced.lowered:
-        traced.lowered[key] = lower_mod(traced, fn_name, prefix, float_index)
+        # score_mod's loop-invariant loads are hoisted out of the kernels' loops (lower_mod's ``hoist``)
+        traced.lowered[key] = lower_mod(traced, fn_name, prefix, float_index, hoist=fn_name == "score_mod")
     return traced.lowered[key]
 
 
 @functools.lru_cache(maxsize=512)
 def _render(template: str, sm_source: str, mm_source: str, sm_params: tuple, mm_params: tuple,
-            interpret: bool, sm_name: str, mm_name: str, extra: tuple = ()) -> str:
-    sm = LoweredMod("score_mod", sm_source, list(sm_params), [])
+            interpret: bool, sm_name: str, mm_name: str, extra: tuple = (), sm_hoisted: tuple = (),
+            sm_hoist_source: str = "") -> str:
+    sm = LoweredMod("score_mod", sm_source, list(sm_params), [], hoisted=sm_hoisted, hoist_source=sm_hoist_source)
     mm = LoweredMod("mask_mod", mm_source, list(mm_params), [])
     extra_mods = {name: LoweredMod(name, src, list(params), []) if src is not None else None
                   for name, src, params in extra}
@@ -64,7 +66,8 @@ def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Ca
     low_sm = _lowered(sm, "score_mod", "sm_", float_index)
     low_mm = _lowered(mm, "mask_mod", "mm_", float_index)
     source = _render(template, low_sm.source, low_mm.source, tuple(low_sm.params), tuple(low_mm.params),
-                     interpret, sm.name if sm else "none", mm.name if mm else "none")
+                     interpret, sm.name if sm else "none", mm.name if mm else "none", (), low_sm.hoisted,
+                     low_sm.hoist_source)
     return GeneratedKernel(template, source, low_sm, low_mm, has_score_mod=sm is not None)
 
 
@@ -122,6 +125,7 @@ def generate_backward(score_mod: Optional[Callable], mask_mod: Optional[Callable
     extra = tuple((name, m.source if m is not None else None, tuple(m.params) if m is not None else ())
                   for name, m in (("score_grad", score_grad), ("captured_grad", captured_grad)))
     source = _render(template, low_sm.source, low_mm.source, tuple(low_sm.params), tuple(low_mm.params),
-                     interpret, sm.name if sm else "none", mm.name if mm else "none", extra)
+                     interpret, sm.name if sm else "none", mm.name if mm else "none", extra, low_sm.hoisted,
+                     low_sm.hoist_source)
     return BackwardKernel(template, source, low_sm, low_mm, has_score_mod=sm is not None,
                           score_grad=score_grad, captured_grad=captured_grad, buffer_slots=slots)

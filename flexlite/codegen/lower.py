@@ -311,6 +311,10 @@ class LoweredMod:
     params: list  # kernel parameter names for the captured tensors, in order
     tensors: list  # captured tensors, in order (one per pointer parameter)
     result_dtype: Optional[torch.dtype] = None  # torch dtype of the mod's value before the final cast
+    # loop-invariant values (see lower_mod's ``hoist``): their names in the mod, which takes them as parameters
+    # after its inputs, and ``hoist_source`` defines ``<fn_name>_hoist(b, h, <params>)`` that returns them
+    hoisted: tuple = ()
+    hoist_source: str = ""
 
     def kernel_args(self) -> list:
         """Runtime values for ``params``: per tensor its pointer, strides, sizes."""
@@ -445,7 +449,10 @@ class _Lowerer:
 
     def run(self) -> tuple[list[str], Val]:
         result = None
+        self.node_lines: dict[fx.Node, tuple[int, int]] = {}  # the lines each node emitted: [start, end)
         for node in self.traced.graph_module.graph.nodes:
+            start = len(self.lines)
+            self.node_lines[node] = (start, start)
             if node.op == "placeholder":
                 self.env[node] = Val(node.target, node.meta["dtype"])
                 if self.float_index and node.target in ("q_idx", "kv_idx"):
@@ -460,6 +467,7 @@ class _Lowerer:
                 result = self.value(node, self.arg(node, out))
             else:
                 self.fail(node, f"unsupported fx node kind {node.op}")
+            self.node_lines[node] = (start, len(self.lines))
         return self.lines, result
 
     def call(self, node: fx.Node):
@@ -551,11 +559,46 @@ def literal_none() -> Val:
     return Val("None", None, None, True)
 
 
-def lower_mod(traced: TracedMod, fn_name: str, prefix: str, float_index: bool = False) -> LoweredMod:
+def _hoistable(low: _Lowerer) -> tuple[set, list]:
+    """(nodes computed from b, h and captured tensors only: the same for every tile of a kernel's loop, in every
+    kernel; the values among them that the rest of the mod uses), when one of those values reads a captured
+    tensor (what is worth taking out of the loop: a load whose latency each tile would wait for)."""
+    invariant, loads = set(), set()
+    nodes = list(low.traced.graph_module.graph.nodes)
+    for node in nodes:
+        if node.op == "placeholder":
+            if node.target in ("b", "h"):
+                invariant.add(node)
+        elif node.op == "get_attr":
+            invariant.add(node)
+            loads.add(node)
+        elif node.op in ("call_function", "call_method") and op_key(node) != "index_put" and \
+                all(i in invariant for i in node.all_input_nodes):
+            invariant.add(node)
+            if any(i in loads for i in node.all_input_nodes):
+                loads.add(node)
+    used = [n for n in nodes if n in invariant and n.op != "placeholder"
+            and any(u not in invariant for u in n.users)
+            and isinstance(low.env.get(n), Val) and not low.env[n].is_literal]
+    return (invariant, used) if any(n in loads for n in used) else (set(), [])
+
+
+def lower_mod(traced: TracedMod, fn_name: str, prefix: str, float_index: bool = False,
+              hoist: bool = False) -> LoweredMod:
     """Lower a traced mod to ``@triton.jit def fn_name(...)``; captured params are named ``prefix``c<i>.
-    ``float_index``: the kernel's q_idx / kv_idx stay below 2**24 (see :class:`_Lowerer`)."""
+    ``float_index``: the kernel's q_idx / kv_idx stay below 2**24 (see :class:`_Lowerer`). ``hoist``: the values
+    the mod computes from b, h and captured tensors alone (ALiBi's ``slopes[h]``) move to ``<fn_name>_hoist``,
+    which the kernels call once before their loops (a load per tile waits for memory after the tile's matmul);
+    the mod takes them as parameters (:attr:`LoweredMod.hoisted`)."""
     low = _Lowerer(traced, prefix, float_index)
     lines, result = low.run()
+    invariant, hoisted = _hoistable(low) if hoist else (set(), [])
+    hoist_lines = [line for n in low.traced.graph_module.graph.nodes if n in invariant
+                   for line in lines[slice(*low.node_lines[n])]]
+    if hoisted:
+        lines = [line for n in low.traced.graph_module.graph.nodes if n not in invariant
+                 for line in lines[slice(*low.node_lines[n])]]
+    names = tuple(low.env[n].expr for n in hoisted)
     if traced.kind == "score_mod":
         out = cast(result, torch.float32)
         if not _uses_score(traced.graph_module):
@@ -563,12 +606,18 @@ def lower_mod(traced: TracedMod, fn_name: str, prefix: str, float_index: bool = 
     else:
         out = cast(result, torch.bool)
     inputs = list(traced.arg_names)
-    header = f"def {fn_name}({', '.join(inputs + low.params)}):"
+    header = f"def {fn_name}({', '.join(inputs + list(names) + low.params)}):"
     doc = f"    # {traced.kind} {traced.name}, traced and lowered by flexlite"
     body = [f"    {line}" for line in lines] + [f"    return {out}"]
     source = "\n".join(["@triton.jit", header, doc] + body) + "\n"
+    hoist_source = ""
+    if hoisted:
+        hoist_source = "\n".join(
+            ["@triton.jit", f"def {fn_name}_hoist({', '.join(['b', 'h'] + low.params)}):",
+             f"    # the loop-invariant values of {traced.kind} {traced.name} (b, h and captured tensors only)"]
+            + [f"    {line}" for line in hoist_lines] + [f"    return {', '.join(names)}"]) + "\n"
     return LoweredMod(fn_name=fn_name, source=source, params=low.params, tensors=low.tensors,
-                      result_dtype=result.dtype)
+                      result_dtype=result.dtype, hoisted=names, hoist_source=hoist_source)
 
 
 def identity_score_mod() -> LoweredMod:

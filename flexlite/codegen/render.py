@@ -46,6 +46,15 @@ def render(template: str, score_mod: LoweredMod, mask_mod: LoweredMod, *, interp
     """
     extra = {}
     extra_params = []
+    # score_mod's hoisted values: computed once per kernel (``score_hoist(b, h)`` gives the line that does it) and
+    # passed down the kernel's functions under these names
+    hoisted = [f"sm_h_{name}" for name in score_mod.hoisted]
+
+    def score_hoist(b: str, h: str) -> str:
+        if not hoisted:
+            return "pass  # score_mod has no loop-invariant values"
+        return f"{', '.join(hoisted)} = score_mod_hoist({', '.join([b, h] + score_mod.params)})"
+
     for name, mod in (extra_mods or {}).items():
         extra[f"{name}_source"] = mod.source if mod is not None else ""
         extra[f"{name}_args"] = _param_list(mod.params) if mod is not None else ""
@@ -53,13 +62,15 @@ def render(template: str, score_mod: LoweredMod, mask_mod: LoweredMod, *, interp
     return load_template(template).render(
         template_name=template,
         interpret=interpret,
-        score_mod_source=score_mod.source,
+        score_mod_source=score_mod.source + ("\n\n" + score_mod.hoist_source if score_mod.hoist_source else ""),
         mask_mod_source=mask_mod.source,
         score_mod_name=score_mod_name,
         mask_mod_name=mask_mod_name,
-        score_args=_param_list(score_mod.params),
+        score_args=_param_list(hoisted + score_mod.params),
         mask_args=_param_list(mask_mod.params),
         mod_params=_param_list(score_mod.params + mask_mod.params),
+        inner_params=_param_list(score_mod.params + mask_mod.params + hoisted),
+        score_hoist=score_hoist,
         extra_params=_param_list(extra_params),
         **extra,
     )
