@@ -415,7 +415,7 @@ class _Lowerer:
         ptr, masks = self.address(node, _View(view.param, view.tensor, self.arg(node, index)))
         v = as_float(self.value(node, self.arg(node, value)))
         mask = f", mask={' & '.join(masks)}" if masks else ""
-        if _tile_uniform([i for i in index if isinstance(i, fx.Node)]):
+        if all(i in _bh_only(self.traced.graph_module)[0] for i in index if isinstance(i, fx.Node)):
             return self.emit(node, f"tl.atomic_add({ptr}, tl.sum({v}){mask}, sem=\"relaxed\")", torch.float32)
         p, v_tile = f"t_{node.name}_p", f"t_{node.name}_v"
         self.lines.append(f"{p}, {v_tile} = tl.broadcast({ptr}, {v})")
@@ -528,18 +528,24 @@ class _Lowerer:
             self.float_forms[result.expr] = (f"tl.abs({forms[0][0]})", forms[0][1])
 
 
-def _tile_uniform(nodes: list) -> bool:
-    """Whether values computed from ``nodes`` are the same across a tile: they read no mod input but
-    ``b`` and ``h``, which are scalars in every kernel (score, q_idx and kv_idx are tiles)."""
-    stack, seen = list(nodes), set()
-    while stack:
-        node = stack.pop()
-        if node.op == "placeholder" and node.target not in ("b", "h"):
-            return False
-        if node not in seen:
-            seen.add(node)
-            stack.extend(node.all_input_nodes)
-    return True
+def _bh_only(gm: fx.GraphModule) -> tuple[set, set]:
+    """(the nodes whose values read no mod input but ``b`` and ``h``, besides captured tensors and constants;
+    the subset of them that reads a captured tensor). b and h are loop-invariant in every kernel and scalars in
+    all but decoding (score, q_idx and kv_idx change from tile to tile)."""
+    invariant, loads = set(), set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            if node.target in ("b", "h"):
+                invariant.add(node)
+        elif node.op == "get_attr":
+            invariant.add(node)
+            loads.add(node)
+        elif node.op in ("call_function", "call_method") and op_key(node) != "index_put" and \
+                all(i in invariant for i in node.all_input_nodes):
+            invariant.add(node)
+            if any(i in loads for i in node.all_input_nodes):
+                loads.add(node)
+    return invariant, loads
 
 
 def _uses_score(gm: fx.GraphModule) -> bool:
@@ -563,21 +569,8 @@ def _hoistable(low: _Lowerer) -> tuple[set, list]:
     """(nodes computed from b, h and captured tensors only: the same for every tile of a kernel's loop, in every
     kernel; the values among them that the rest of the mod uses), when one of those values reads a captured
     tensor (what is worth taking out of the loop: a load whose latency each tile would wait for)."""
-    invariant, loads = set(), set()
-    nodes = list(low.traced.graph_module.graph.nodes)
-    for node in nodes:
-        if node.op == "placeholder":
-            if node.target in ("b", "h"):
-                invariant.add(node)
-        elif node.op == "get_attr":
-            invariant.add(node)
-            loads.add(node)
-        elif node.op in ("call_function", "call_method") and op_key(node) != "index_put" and \
-                all(i in invariant for i in node.all_input_nodes):
-            invariant.add(node)
-            if any(i in loads for i in node.all_input_nodes):
-                loads.add(node)
-    used = [n for n in nodes if n in invariant and n.op != "placeholder"
+    invariant, loads = _bh_only(low.traced.graph_module)
+    used = [n for n in low.traced.graph_module.graph.nodes if n in invariant and n.op != "placeholder"
             and any(u not in invariant for u in n.users)
             and isinstance(low.env.get(n), Val) and not low.env[n].is_literal]
     return (invariant, used) if any(n in loads for n in used) else (set(), [])
