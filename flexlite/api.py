@@ -195,6 +195,12 @@ def _block_tensors(block_mask, Lq, Lkv, device):
             block_mask.full_kv_indices, tuple(block_mask.BLOCK_SIZE))
 
 
+def _use_tma(options: dict) -> Optional[bool]:
+    """kernel_options USE_TMA, or None: each launcher's default (:func:`flexlite.runtime.launch.default_use_tma`,
+    the decode tiles' setting)."""
+    return bool(options["USE_TMA"]) if "USE_TMA" in options else None
+
+
 def _float_index(template: str, Lq: int, Lkv: int) -> bool:
     """Whether a kernel lowers index arithmetic that ends in float32 from float index vectors
     (:class:`flexlite.codegen.lower._Lowerer`): the forward only, where it measured faster (ALiBi's forward,
@@ -271,11 +277,11 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options):
     if rows:
         return launch_decode(module, kernel.mod_args(), query, key, value, num, idx, full_num, full_idx, sparse,
                              scale, kernel.has_score_mod, rows, options.get("DECODE_SPLITS"),
-                             use_tma=bool(options["USE_TMA"]) if "USE_TMA" in options else None)
+                             use_tma=_use_tma(options))
     return launch_forward(module, kernel.mod_args(), query, key, value, num, idx, full_num, full_idx,
                           sparse, scale, kernel.has_score_mod, config, pinned=any(k in options for k in CONFIG_KEYS),
                           tune=autotune_enabled(options),
-                          use_tma=bool(options["USE_TMA"]) if "USE_TMA" in options else None, dense=block_mask is None)
+                          use_tma=_use_tma(options), dense=block_mask is None)
 
 
 def _all_full_q_blocks(Lq: int, Lkv: int, device: torch.device):
@@ -374,7 +380,7 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
         tuple(kv_blocks), q_blocks, sparse, scale, kernel.has_score_mod, config, need_dq=need_dq, ds=ds,
         scatter_captured_grads=bool(scatter), pinned=any(k in options for k in BACKWARD_CONFIG_KEYS),
         tune=autotune_enabled(options), dense=block_mask is None,
-        use_tma=bool(options["USE_TMA"]) if "USE_TMA" in options else None)
+        use_tma=_use_tma(options))
     if deterministic:
         wanted = iter(_captured_grads_from_ds(score_mod, query, key, scale, ds, want))
     else:
