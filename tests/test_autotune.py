@@ -127,6 +127,7 @@ def test_autotune_option_tunes_the_forward_and_both_backward_kernels(monkeypatch
 
     def take_last(kernel, grid, args, constexprs, default, candidates, key, device):
         assert "|torch.float32|D32|DV32|(128, 128)|" in key  # dtype, head dims, sparse block
+        assert "|dense=False|tma=False|" in key  # the kernel variant the launch picked (a block mask, pointers)
         choice = [c for c in candidates if c != default][-1]
         tuned.append((key.split("|")[0], default, choice))
         return choice

@@ -198,8 +198,8 @@ def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
     """Run ``module.flex_fwd_kernel``; returns out [B, Hq, Lq, Dv] (q.dtype) and lse [B, Hq, Lq] fp32.
     ``tune``: autotune the tile config (CUDA, not pinned) instead of taking ``config`` as it is.
     ``use_tma``: load K / V through tensor descriptors where :func:`tma_ok` allows; None: :func:`default_use_tma`.
-    ``dense``: there is no block mask (the blocks
-    are all full): one loop over every kv tile, no block-index loads."""
+    ``dense``: there is no block mask (the blocks are all full): one loop over every kv tile, no block-index
+    loads."""
     B, Hq, Lq, D = q.shape
     Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[-1]
     out = torch.empty((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)
@@ -235,7 +235,7 @@ def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
         return (cdiv(Lq, cfg.BLOCK_M), B * Hq)
 
     if tune and not pinned:
-        key = f"fwd|{_tuning_key(module, q, v, sparse_block, has_full)}"
+        key = f"fwd|{_tuning_key(module, q, v, sparse_block, has_full, constexprs)}"
         config = _autotune(module.flex_fwd_kernel, grid, args, constexprs, config,
                            forward_candidates(q, v, sparse_block), key, q.device)
     with interpreter_scope(q.device.type != "cuda"):
@@ -458,10 +458,13 @@ def forward_candidates(q: torch.Tensor, v: torch.Tensor, sparse_block: tuple) ->
                               for m, n, w, s in space))
 
 
-def _tuning_key(module, q: torch.Tensor, v: torch.Tensor, sparse_block: tuple, has_full: bool) -> str:
-    """What a tuned choice is remembered by besides the pass: the kernel source (its file's hash name), dtype,
-    head dims, sparse block size, whether there are full blocks, and the lengths' buckets."""
-    return (f"{Path(module.__file__).stem}|{q.dtype}|D{q.shape[-1]}|DV{v.shape[-1]}|{tuple(sparse_block)}|"
+def _tuning_key(module, q: torch.Tensor, v: torch.Tensor, sparse_block: tuple, has_full: bool,
+                constexprs: dict) -> str:
+    """What a tuned choice is remembered by besides the pass: the kernel source (its file's hash name), the
+    walk and loads the launch picks among its variants (DENSE, USE_TMA), dtype, head dims, sparse block size,
+    whether there are full blocks, and the lengths' buckets."""
+    return (f"{Path(module.__file__).stem}|dense={constexprs['DENSE']}|tma={constexprs['USE_TMA']}|{q.dtype}|"
+            f"D{q.shape[-1]}|DV{v.shape[-1]}|{tuple(sparse_block)}|"
             f"full={has_full}|L{length_bucket(q.shape[-2])}x{length_bucket(v.shape[-2])}")
 
 
@@ -647,7 +650,7 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
             BLOCK_M=pre_block, DV=Dv, DV_PAD=head_dim_pad(Dv), HAS_DLSE=grad_lse is not None,
         )
         if tune and not pinned:
-            key = f"{_tuning_key(module, q, v, sparse_block, q_blocks[2] is not None)}|ds={ds is not None}"
+            key = f"{_tuning_key(module, q, v, sparse_block, q_blocks[2] is not None, constexprs)}|ds={ds is not None}"
             dkdv_space, dq_space = backward_candidates(q, v, sparse_block)
             if not scatter_captured_grads:
                 dkdv_tiles = _autotune(module.flex_bwd_dkdv_kernel, dkdv_grid, dkdv_args, dkdv_constexprs,
