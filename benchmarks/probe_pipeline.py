@@ -7,9 +7,13 @@ issued, then the softmax and P·V of tile j). Each variant is checked against SD
 timed at the harness shapes; the number of ``warp_group_dot_wait`` ops and their pending counts in the TTGIR show
 where Triton waits on the asynchronous matmuls. Prints a table; benchmarks/NOTES.md (30) records what it showed.
 
-Usage: python benchmarks/probe_pipeline.py"""
+``--rows``: the plain loop only, over query tiles of 64 to 256 rows (256 rows in 8 warps: two warpgroups of 128 rows
+sharing each K / V tile, one program per SM).
+
+Usage: python benchmarks/probe_pipeline.py [--rows]"""
 
 import re
+import sys
 
 import torch
 import triton
@@ -76,8 +80,15 @@ def main():
     triton.set_allocator(_alloc)
     from torch.nn.attention import SDPBackend, sdpa_kernel
     rows = []
-    for (B, H, L, D), tiles in [((4, 16, 8192, 128), [(128, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2)]),
-                                ((16, 16, 8192, 64), [(128, 128, 4, 3), (128, 64, 4, 3), (128, 128, 8, 2)])]:
+    sweep = "--rows" in sys.argv
+    shapes = [((4, 16, 8192, 128), [(128, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2)]),
+              ((16, 16, 8192, 64), [(128, 128, 4, 3), (128, 64, 4, 3), (128, 128, 8, 2)])]
+    if sweep:
+        shapes = [((4, 16, 8192, 128), [(128, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (256, 64, 8, 2),
+                                        (256, 64, 8, 3), (256, 128, 8, 2)]),
+                  ((16, 16, 8192, 64), [(128, 64, 4, 3), (128, 128, 4, 3), (64, 128, 4, 3), (256, 64, 8, 3),
+                                        (256, 128, 8, 2), (256, 128, 8, 3)])]
+    for (B, H, L, D), tiles in shapes:
         g = torch.Generator(device="cuda").manual_seed(0)
         qs, ks, vs = [torch.randn(1, 2, 1024, D, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3)]
         with sdpa_kernel(SDPBackend.MATH):
@@ -89,7 +100,7 @@ def main():
         rows.append(["cuDNN", f"D{D}", "", "", round(cudnn, 3), round(flops / cudnn / 1e9), ""])
         for tile in tiles:
             base = None
-            for pipelined in (False, True):
+            for pipelined in (False,) if sweep else (False, True):
                 label = "pipelined" if pipelined else "plain"
                 try:
                     out, kern = run(qs, ks, vs, tile, pipelined)
