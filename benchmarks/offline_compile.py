@@ -1,0 +1,152 @@
+"""Compile flexlite's forward kernel for Hopper (sm_90a) on a machine without a GPU, through the real launch path,
+and report what the compiler made of it: whether it compiled, registers and spill bytes (ptxas), whether Triton
+warp-specialized the kv loop, and a few SASS instruction counts.
+
+Triton's wheel ships its CUDA backend, ptxas and cuobjdump, so compiling needs no GPU: a stand-in driver answers
+JITFunction.run's questions (target sm_90, device 0, stream 0) and every launch becomes a compile-only warmup.
+The arguments are CPU tensors with the same dtypes, strides and 16-byte alignment as the GPU run's, so Triton
+specializes the kernel the same way. Costs no device time; times nothing (use the probes for that).
+
+Usage: python benchmarks/offline_compile.py [D,...]"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+from tabulate import tabulate
+from triton.backends.compiler import GPUTarget
+from triton.runtime.jit import JITFunction
+
+from flexlite import create_block_mask
+from flexlite.api import _block_tensors, _generate
+from flexlite.masks import causal_mask
+from flexlite.runtime import launch
+from flexlite.runtime.compile import load_module
+
+_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+_SASS_OPS = ("MUFU", "HGMMA", "FFMA", "FMUL", "FADD", "FMNMX", "LDG", "STL", "LDL")
+
+
+class _OfflineDriver:
+    """What JITFunction.run asks the active driver for, answered for an sm_90 target without a GPU."""
+
+    def __init__(self, target: GPUTarget):
+        self.target = target
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def is_active(self):
+        return True
+
+
+@contextlib.contextmanager
+def offline_cuda(capability: int = 90):
+    """Kernel launches inside compile for ``sm_<capability>`` and return the compiled kernel without running."""
+    compiled = []
+    run = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.append(kernel)
+        return kernel
+
+    saved = (launch.tma_ok, launch._ensure_allocator, launch.interpreter_scope)
+    active = triton.runtime.driver._active  # None until a driver is asked for (reset_active would create one)
+    triton.runtime.driver.set_active(_OfflineDriver(GPUTarget("cuda", capability, 32)))
+    JITFunction.run = compile_only
+    launch.tma_ok = lambda *tensors: all(t.stride(-1) == 1 for t in tensors)
+    launch._ensure_allocator = lambda: None
+    launch.interpreter_scope = lambda interpret: contextlib.nullcontext()
+    try:
+        yield compiled
+    finally:
+        JITFunction.run = run
+        launch.tma_ok, launch._ensure_allocator, launch.interpreter_scope = saved
+        triton.runtime.driver._active = active
+
+
+def ptxas_report(ptx: str) -> dict:
+    """Registers, spill bytes and SASS op counts of one kernel's PTX, from the wheel's ptxas and cuobjdump."""
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, "k.ptx"), "w") as f:
+            f.write(ptx)
+        info = subprocess.run([os.path.join(_BIN, "ptxas"), "-arch=sm_90a", "-v", f.name, "-o",
+                               os.path.join(d, "k.cubin")], capture_output=True, text=True).stderr
+        sass = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-sass", os.path.join(d, "k.cubin")],
+                              capture_output=True, text=True).stdout
+    regs = re.search(r"Used (\d+) registers", info)
+    spills = re.search(r"(\d+) bytes spill stores", info)
+    ops = collections.Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", sass, re.M))
+    return dict(regs=int(regs.group(1)) if regs else None, spill_bytes=int(spills.group(1)) if spills else None,
+                **{op: ops.get(op, 0) for op in _SASS_OPS})
+
+
+def compile_forward(score_mod, block_mask, D: int, tile: tuple, use_tma: bool, warp_specialize: bool,
+                    L: int = 1024, dtype=torch.bfloat16):
+    """The compiled forward kernel for these mods at head dim ``D`` and ``tile`` (BLOCK_M, BLOCK_N, warps,
+    stages); the block mask's tensors must already exist (they are built on the CPU, before going offline)."""
+    q, k, v = [torch.randn(1, 2, L, D, dtype=dtype) for _ in range(3)]
+    kernel = _generate(score_mod, block_mask, torch.device("cuda"), "fwd.py.jinja")
+    module = load_module(kernel.source, interpret=False)
+    num, idx, full_num, full_idx, sparse = _block_tensors(block_mask, L, L, torch.device("cpu"))
+    config = launch.TileConfig(*tile)
+    with offline_cuda() as compiled:
+        launch.launch_forward(module, kernel.mod_args(), q, k, v, num, idx, full_num, full_idx, sparse, D ** -0.5,
+                              kernel.has_score_mod, config, pinned=True, use_tma=use_tma,
+                              dense=block_mask is None, warp_specialize=warp_specialize)
+    return compiled[-1]
+
+
+def _softcap(score, b, h, q_idx, kv_idx):
+    return 30.0 * torch.tanh(score / 30.0)
+
+
+def main():
+    dims = [int(d) for d in sys.argv[1].split(",")] if len(sys.argv) > 1 else [128, 64]
+    L = 1024
+    doc = (torch.arange(L) // 256).to(torch.int32)
+
+    def document(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    masks = {"none": None, "causal": create_block_mask(causal_mask, None, None, L, L, device="cpu"),
+             "document": create_block_mask(document, None, None, L, L, device="cpu")}
+    cases = [("full", None, "none"), ("causal", None, "causal"), ("document", None, "document"),
+             ("softcap causal", _softcap, "causal")]
+    tiles = {128: [(128, 64, 4, 2)], 64: [(128, 128, 4, 3)]}
+    rows = []
+    for D in dims:
+        for name, score_mod, mask in cases:
+            for tile in tiles[D]:
+                for tma, ws in [(False, False), (True, False), (True, True)]:
+                    label = [name, f"D{D}", "{}x{} {}w {}s".format(*tile), "tma" if tma else "", "ws" if ws else ""]
+                    try:
+                        ck = compile_forward(score_mod, masks[mask], D, tile, tma, ws, L)
+                        rep = ptxas_report(ck.asm["ptx"])
+                        row = label + ["ok", "yes" if "ttg.warp_specialize" in ck.asm["ttgir"] else "no"] + \
+                            list(rep.values())
+                    except Exception as e:  # noqa: BLE001 - a variant that fails to compile is a finding
+                        row = label + [f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"]
+                    print(row, flush=True)
+                    rows.append(row)
+    print(tabulate(rows, headers=["mods", "D", "tile", "tma", "ws", "compiled", "specialized", "regs",
+                                  "spill bytes", *_SASS_OPS], tablefmt="github"))
+
+
+if __name__ == "__main__":
+    main()
