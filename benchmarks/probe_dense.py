@@ -1,9 +1,9 @@
 """GPU probe for the forward without a block mask: the block walk (a BlockMask whose blocks are all full: index
 loads, block lists) against the dense walk that ``block_mask=None`` takes (one loop over every kv tile), each
 with and without tensor descriptors (kernel_options USE_TMA), over a few tiles; torch's flex and SDPA (cuDNN) in
-the same process, and the dense walk with Triton's warp specialization (kernel_options WARP_SPECIALIZE; it compiles
-once Q too comes through a tensor descriptor). Each variant is first checked against the fp64 reference. Prints a
-table; benchmarks/NOTES.md (25, 33) records what it showed.
+the same process. Each variant is first checked against the fp64 reference. Prints a table; benchmarks/NOTES.md
+(25) records what it showed. (The run in NOTES 25 also tried Triton's warp specialization on the dense loop
+through a switch that was removed since: it did not compile at 4 warps.)
 
 Usage: python benchmarks/probe_dense.py [D,D,...]"""
 
@@ -17,9 +17,9 @@ from flexlite.bench import _median_ms
 
 TILES = {128: [(128, 64, 4, 3), (128, 128, 4, 2), (128, 64, 4, 2), (128, 128, 8, 2)],
          64: [(128, 128, 4, 3), (128, 128, 4, 4), (128, 64, 4, 3), (128, 128, 8, 2)]}
-# label: (walk the blocks of an all-full BlockMask, USE_TMA, WARP_SPECIALIZE)
-VARIANTS = {"block walk": (True, False, False), "block walk+tma": (True, True, False), "dense": (False, False, False),
-            "dense+tma": (False, True, False), "dense+tma+ws": (False, True, True)}
+# label: (walk the blocks of an all-full BlockMask, USE_TMA)
+VARIANTS = {"block walk": (True, False), "block walk+tma": (True, True), "dense": (False, False),
+            "dense+tma": (False, True)}
 
 
 def _keep_all(b, h, q_idx, kv_idx):
@@ -51,10 +51,10 @@ def main():
             cudnn_ms = _median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))
         rows.append(["torch flex", f"D{D}", "", "", round(torch_ms, 3), 1.0, ""])
         rows.append(["sdpa cudnn", f"D{D}", "", "", round(cudnn_ms, 3), round(torch_ms / cudnn_ms, 3), ""])
-        for label, (block_walk, tma, ws) in VARIANTS.items():
+        for label, (block_walk, tma) in VARIANTS.items():
             bm = full if block_walk else None
             for m, n, w, st in TILES[D]:
-                opts = dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st, USE_TMA=tma, WARP_SPECIALIZE=ws)
+                opts = dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st, USE_TMA=tma)
                 tile = f"{m}x{n} {w}w {st}s"
                 try:
                     err = _error(D, opts, block_walk)

@@ -274,9 +274,6 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options):
         # without a score_mod the kernels scale after the row max (and after masking with -inf), which needs a
         # positive scale: the sign goes onto the query, a zero scale becomes query * 0 (NaN / inf still spread)
         query, scale = (-query, -scale) if scale < 0 else (query * 0.0, 1.0)
-    if options.get("WARP_SPECIALIZE") and block_mask is not None:
-        raise NotImplementedError("flex_attention: kernel_options WARP_SPECIALIZE needs block_mask=None (Triton 3.6 "
-                                  "cannot warp-specialize the block-sparse walk); drop the option to use a block mask")
     if rows:
         return launch_decode(module, kernel.mod_args(), query, key, value, num, idx, full_num, full_idx, sparse,
                              scale, kernel.has_score_mod, rows, options.get("DECODE_SPLITS"),
@@ -284,8 +281,7 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options):
     return launch_forward(module, kernel.mod_args(), query, key, value, num, idx, full_num, full_idx,
                           sparse, scale, kernel.has_score_mod, config, pinned=any(k in options for k in CONFIG_KEYS),
                           tune=autotune_enabled(options),
-                          use_tma=_use_tma(options), dense=block_mask is None,
-                          warp_specialize=bool(options.get("WARP_SPECIALIZE", False)))
+                          use_tma=_use_tma(options), dense=block_mask is None)
 
 
 def _all_full_q_blocks(Lq: int, Lkv: int, device: torch.device):

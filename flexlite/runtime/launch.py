@@ -26,8 +26,8 @@ TORCH_PERF_HINTS = frozenset({
     "PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "OUTPUT_LOGSUMEXP", "OUTPUT_MAX", "WRITE_DQ",
     "BACKEND", "fwd_num_warps", "fwd_num_stages"})
 # kernel_options keys with a meaning in flexlite besides the tile config (BLOCK_M1..N2: backward tiles)
-FLEXLITE_OPTIONS = frozenset({"AUTOTUNE", "USE_TMA", "WARP_SPECIALIZE", "DETERMINISTIC_CAPTURED_GRADS", "DECODE",
-                              "DECODE_SPLITS", "FORCE_USE_FLEX_ATTENTION", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"})
+FLEXLITE_OPTIONS = frozenset({"AUTOTUNE", "USE_TMA", "DETERMINISTIC_CAPTURED_GRADS", "DECODE", "DECODE_SPLITS",
+                              "FORCE_USE_FLEX_ATTENTION", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"})
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 # the forward and dQ kernels take their q blocks last to first (the heaviest first under causal-like masks;
 # benchmarks/NOTES.md 23); False: first to last
@@ -194,14 +194,12 @@ def _mask_strides(t: torch.Tensor) -> tuple:
 def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
                    full_kv_num_blocks: Optional[torch.Tensor], full_kv_indices: Optional[torch.Tensor],
                    sparse_block: tuple, scale: float, has_score_mod: bool, config: TileConfig,
-                   pinned: bool = False, tune: bool = False, use_tma: Optional[bool] = None, dense: bool = False,
-                   warp_specialize: bool = False):
+                   pinned: bool = False, tune: bool = False, use_tma: Optional[bool] = None, dense: bool = False):
     """Run ``module.flex_fwd_kernel``; returns out [B, Hq, Lq, Dv] (q.dtype) and lse [B, Hq, Lq] fp32.
     ``tune``: autotune the tile config (CUDA, not pinned) instead of taking ``config`` as it is.
     ``use_tma``: load K / V through tensor descriptors where :func:`tma_ok` allows; None: :func:`default_use_tma`.
     ``dense``: there is no block mask (the blocks are all full): one loop over every kv tile, no block-index
-    loads. ``warp_specialize``: Triton's warp specialization of the dense walk's loop, where its loads go through
-    tensor descriptors (it needs them; the caller rejects it with a block mask)."""
+    loads."""
     B, Hq, Lq, D = q.shape
     Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[-1]
     out = torch.empty((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)
@@ -227,8 +225,7 @@ def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
 
     if use_tma is None:
         use_tma = default_use_tma(dense, D, Dv)
-    constexprs["USE_TMA"] = use_tma and tma_ok(q, k, v)
-    constexprs["WARP_SPECIALIZE"] = bool(warp_specialize) and dense and constexprs["USE_TMA"]
+    constexprs["USE_TMA"] = use_tma and tma_ok(k, v)
     if constexprs["USE_TMA"]:
         _ensure_allocator()
 
@@ -464,10 +461,9 @@ def forward_candidates(q: torch.Tensor, v: torch.Tensor, sparse_block: tuple) ->
 def _tuning_key(module, q: torch.Tensor, v: torch.Tensor, sparse_block: tuple, has_full: bool,
                 constexprs: dict) -> str:
     """What a tuned choice is remembered by besides the pass: the kernel source (its file's hash name), the
-    walk and loads the launch picks among its variants (DENSE, USE_TMA, WARP_SPECIALIZE), dtype, head dims, sparse
-    block size, whether there are full blocks, and the lengths' buckets."""
-    ws = "|ws" if constexprs.get("WARP_SPECIALIZE") else ""
-    return (f"{Path(module.__file__).stem}|dense={constexprs['DENSE']}|tma={constexprs['USE_TMA']}{ws}|{q.dtype}|"
+    walk and loads the launch picks among its variants (DENSE, USE_TMA), dtype, head dims, sparse block size,
+    whether there are full blocks, and the lengths' buckets."""
+    return (f"{Path(module.__file__).stem}|dense={constexprs['DENSE']}|tma={constexprs['USE_TMA']}|{q.dtype}|"
             f"D{q.shape[-1]}|DV{v.shape[-1]}|{tuple(sparse_block)}|"
             f"full={has_full}|L{length_bucket(q.shape[-2])}x{length_bucket(v.shape[-2])}")
 
