@@ -7,7 +7,7 @@ JITFunction.run's questions (target sm_90, device 0, stream 0) and every launch 
 The arguments are CPU tensors with the same dtypes, strides and 16-byte alignment as the GPU run's, so Triton
 specializes the kernel the same way. Costs no device time; times nothing (use the probes for that).
 
-Usage: python benchmarks/offline_compile.py [D,...]"""
+Usage: python benchmarks/offline_compile.py [D,...] [--backward]"""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime.jit import JITFunction
 
 from flexlite import create_block_mask
-from flexlite.api import _block_tensors, _generate
+from flexlite.api import _block_tensors, _generate, _q_block_tensors
+from flexlite.codegen.kernel import generate_backward
 from flexlite.masks import causal_mask
 from flexlite.runtime import launch
 from flexlite.runtime.compile import load_module
@@ -112,12 +113,32 @@ def compile_forward(score_mod, block_mask, D: int, tile: tuple, use_tma: bool, L
     return compiled[-1]
 
 
+def compile_backward(score_mod, block_mask, D: int, config, use_tma: bool = False, L: int = 1024,
+                     dtype=torch.bfloat16) -> dict:
+    """The compiled backward kernels (name -> kernel: preprocess, dK/dV, dQ) for these mods at head dim ``D`` with
+    ``config`` (a launch.BackwardTileConfig)."""
+    q, k, v, out, grad_out = [torch.randn(1, 2, L, D, dtype=dtype) for _ in range(5)]
+    lse = torch.randn(1, 2, L)
+    mask_mod = block_mask.mask_mod if block_mask is not None else None
+    kernel = generate_backward(score_mod, mask_mod, interpret=False)
+    module = load_module(kernel.source, interpret=False)
+    *kv_blocks, sparse = _block_tensors(block_mask, L, L, torch.device("cpu"))
+    q_blocks = _q_block_tensors(block_mask, L, L, torch.device("cpu"))
+    with offline_cuda() as compiled:
+        launch.launch_backward(module, kernel.mod_args(), kernel.grad_args([]), q, k, v, out, lse, grad_out, None,
+                               tuple(kv_blocks), q_blocks, sparse, D ** -0.5, kernel.has_score_mod, config,
+                               pinned=True, dense=block_mask is None, use_tma=use_tma)
+    return {ck.name: ck for ck in compiled}
+
+
 def _softcap(score, b, h, q_idx, kv_idx):
     return 30.0 * torch.tanh(score / 30.0)
 
 
 def main():
-    dims = [int(d) for d in sys.argv[1].split(",")] if len(sys.argv) > 1 else [128, 64]
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    dims = [int(d) for d in args[0].split(",")] if args else [128, 64]
+    backward = "--backward" in sys.argv
     L = 1024
     doc = (torch.arange(L) // 256).to(torch.int32)
 
@@ -129,6 +150,8 @@ def main():
     cases = [("full", None, "none"), ("causal", None, "causal"), ("document", None, "document"),
              ("softcap causal", _softcap, "causal")]
     tiles = {128: [(128, 64, 4, 2), (64, 64, 4, 3)], 64: [(128, 128, 4, 3)]}
+    if backward:
+        return _main_backward(dims, cases, masks, L)
     rows = []
     for D in dims:
         for name, score_mod, mask in cases:
@@ -143,6 +166,31 @@ def main():
                     print(row, flush=True)
                     rows.append(row)
     print(tabulate(rows, headers=["mods", "D", "tile", "tma", "compiled", "regs", "spill bytes", *_SASS_OPS],
+                   tablefmt="github"))
+
+
+def _main_backward(dims, cases, masks, L):
+    # (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, warps, stages): the defaults first, then alternatives of the sweeps
+    tiles = {128: [(64, 64, 64, 64, 4, 2), (32, 64, 64, 64, 4, 2), (64, 128, 128, 64, 8, 2)],
+             64: [(64, 64, 64, 32, 4, 3), (32, 128, 64, 64, 4, 3)]}
+    rows = []
+    for D in dims:
+        for name, score_mod, mask in cases:
+            for tile in tiles[D]:
+                label = [name, f"D{D}", "{}x{}/{}x{} {}w {}s".format(*tile)]
+                try:
+                    kernels = compile_backward(score_mod, masks[mask], D, launch.BackwardTileConfig(*tile), L=L)
+                    for kname, ck in kernels.items():
+                        if "preprocess" in kname:
+                            continue
+                        row = label + [kname] + list(ptxas_report(ck.asm["ptx"]).values())
+                        print(row, flush=True)
+                        rows.append(row)
+                except Exception as e:  # noqa: BLE001 - a variant that fails to compile is a finding
+                    row = label + [f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"]
+                    print(row, flush=True)
+                    rows.append(row)
+    print(tabulate(rows, headers=["mods", "D", "tiles (dK/dV, dQ)", "kernel", "regs", "spill bytes", *_SASS_OPS],
                    tablefmt="github"))
 
 

@@ -3,7 +3,10 @@ into the dK/dV kernel (query without grad: preprocess + dK/dV only) and the dQ k
 correctness check of the backward at odd sizes against the fp64 reference. Prints tables;
 benchmarks/NOTES.md records what they showed.
 
-Usage: python benchmarks/probe_bwd.py [mask,mask,...] [D,D,...]
+``--warps``: the D128 dK/dV kernel at the default 64x64 tiles with 4 or 8 warps (8 warps: no spills in the offline
+compile, benchmarks/offline_compile.py --backward; NOTES 34), the dQ kernel at its default.
+
+Usage: python benchmarks/probe_bwd.py [mask,mask,...] [D,D,...] [--warps]
 """
 
 import sys
@@ -26,6 +29,10 @@ SPACE = {
          ((32, 64, 4, 3), (64, 32, 4, 3)), ((64, 128, 8, 2), (128, 64, 8, 2)), ((32, 128, 8, 3), (128, 32, 8, 3)),
          ((64, 64, 4, 4), (64, 64, 4, 4)), ((128, 128, 8, 3), (128, 128, 8, 3))],
 }
+
+# --warps
+WARPS_SPACE = {128: [((64, 64, 4, 2), (64, 64, 4, 2)), ((64, 64, 8, 2), (64, 64, 4, 2)),
+                     ((64, 64, 8, 3), (64, 64, 4, 2)), ((32, 64, 4, 2), (64, 64, 4, 2))]}
 
 
 def check():
@@ -58,8 +65,10 @@ def check_one(Lq, Lkv, D, name):
 
 def main():
     check()
-    masks = sys.argv[1].split(",") if len(sys.argv) > 1 else ["causal", "document_8_causal"]
-    dims = [int(d) for d in sys.argv[2].split(",")] if len(sys.argv) > 2 else [128, 64]
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    space = WARPS_SPACE if "--warps" in sys.argv else SPACE
+    masks = args[0].split(",") if args else ["causal", "document_8_causal"]
+    dims = [int(d) for d in args[1].split(",")] if len(args) > 1 else sorted(space, reverse=True)
     real_config = launch.backward_config
     rows = []
     for D in dims:
@@ -70,9 +79,9 @@ def main():
             case = cases[name]
             bm = create_block_mask(case.mask_mod, None, None, S, S, device="cuda") if case.mask_mod else None
             dout = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
-            for (dkdv, dq) in SPACE[D]:
+            for (dkdv, dq) in space[D]:
                 cfg = launch.BackwardTileConfig(dkdv[0], dkdv[1], dq[0], dq[1], dkdv[2], dkdv[3], dq[2], dq[3])
-                flexlite.api.backward_config = lambda *a, cfg=cfg: cfg
+                flexlite.api.backward_config = lambda *a, cfg=cfg, **kw: cfg
                 times = []
                 try:
                     for q_grad in (False, True):

@@ -372,7 +372,7 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
     module = load_module(kernel.source, interpret=interpret)
     *kv_blocks, sparse = _block_tensors(block_mask, Lq, Lkv, query.device)
     q_blocks = _q_block_tensors(block_mask, Lq, Lkv, query.device)
-    config = backward_config(query, value, sparse, options, score_gathers=bool(kernel.score_mod.tensors))
+    config = backward_config(query, value, sparse, options, gathers=bool(kernel.captured))
     buffers = [torch.zeros(t.shape, dtype=torch.float32, device=query.device) for t in scatter]
     ds = torch.zeros((B, Hq, Lq, Lkv), dtype=torch.float32, device=query.device) if deterministic else None
     dq, dk, dv = launch_backward(

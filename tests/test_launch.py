@@ -208,27 +208,33 @@ def _gpu_spec(D, dtype=torch.bfloat16):
 
 
 @pytest.mark.parametrize("D, gathers, m1", [(128, False, 64), (128, True, 32), (64, False, 64), (64, True, 64)])
-def test_backward_config_steps_32_queries_when_a_d128_score_mod_gathers(D, gathers, m1):
+def test_backward_config_steps_32_queries_when_a_d128_mod_gathers(D, gathers, m1):
     from flexlite.runtime.launch import backward_config
     spec = _gpu_spec(D)
-    cfg = backward_config(spec, spec, (128, 128), {}, score_gathers=gathers)
+    cfg = backward_config(spec, spec, (128, 128), {}, gathers=gathers)
     assert (cfg.BLOCK_M1, cfg.BLOCK_N1) == (m1, 64)
-    pinned = backward_config(spec, spec, (128, 128), {"BLOCK_M1": 16}, score_gathers=gathers)
+    pinned = backward_config(spec, spec, (128, 128), {"BLOCK_M1": 16}, gathers=gathers)
     assert pinned.BLOCK_M1 == 16  # kernel_options still win
 
 
-def test_flex_attention_tells_the_backward_heuristic_whether_score_mod_gathers(monkeypatch):
+def test_flex_attention_tells_the_backward_heuristic_whether_a_mod_gathers(monkeypatch):
     import flexlite.api
-    from flexlite import flex_attention
+    from flexlite import create_block_mask, flex_attention
+    from flexlite.masks import causal_mask, generate_doc_mask_mod
     from flexlite.mods import generate_alibi_bias, generate_tanh_softcap
 
     seen, real = [], flexlite.api.backward_config
 
-    def spy(*args, score_gathers=False, **kwargs):
-        seen.append(score_gathers)
-        return real(*args, score_gathers=score_gathers, **kwargs)
+    def spy(*args, gathers=False, **kwargs):
+        seen.append(gathers)
+        return real(*args, gathers=gathers, **kwargs)
     monkeypatch.setattr(flexlite.api, "backward_config", spy)
     q, k, v = (t.requires_grad_() for t in rand_qkv(1, 2, 2, 32, 32, 16))
-    for score_mod in (generate_alibi_bias(2, device=DEVICE), generate_tanh_softcap(20.0), None):
-        flex_attention(q, k, v, score_mod=score_mod).sum().backward()
-    assert seen == [True, False, False]
+    document = torch.tensor([0] * 20 + [1] * 12, device=DEVICE)
+    masks = {"causal": create_block_mask(causal_mask, None, None, 32, 32, device=DEVICE),
+             "document": create_block_mask(generate_doc_mask_mod(causal_mask, document), None, None, 32, 32,
+                                           device=DEVICE)}
+    for score_mod, mask in [(generate_alibi_bias(2, device=DEVICE), None), (generate_tanh_softcap(20.0), None),
+                            (None, None), (None, "causal"), (None, "document")]:
+        flex_attention(q, k, v, score_mod=score_mod, block_mask=masks.get(mask)).sum().backward()
+    assert seen == [True, False, False, False, True]

@@ -549,11 +549,11 @@ def backward_candidates(q: torch.Tensor, v: torch.Tensor, sparse_block: tuple) -
 
 
 def backward_config(q: torch.Tensor, v: torch.Tensor, sparse_block: tuple, kernel_options: dict,
-                    score_gathers: bool = False) -> BackwardTileConfig:
+                    gathers: bool = False) -> BackwardTileConfig:
     """Backward tile sizes: heuristic defaults per head dim, dtype and device, then ``kernel_options`` pins
     (``BLOCK_M1``, ``BLOCK_N1``, ``BLOCK_M2``, ``BLOCK_N2``, ``num_warps``, ``num_stages``).
-    ``score_gathers``: score_mod reads captured tensors (ALiBi's slopes, a bias table): at D128 the dK/dV kernel
-    then steps over 32 queries at a time, not 64 (NOTES 27)."""
+    ``gathers``: score_mod or mask_mod reads captured tensors (ALiBi's slopes, a bias table, document ids): at D128
+    the dK/dV kernel then steps over 32 queries at a time, not 64 (NOTES 27, 34)."""
     d = max(head_dim_pad(q.shape[-1]), head_dim_pad(v.shape[-1]))
     if q.device.type != "cuda":
         # the interpreter's cost is per op, not per element: big tiles, but not far past the length
@@ -563,7 +563,7 @@ def backward_config(q: torch.Tensor, v: torch.Tensor, sparse_block: tuple, kerne
     elif d <= 64:  # benchmarks/probe_bwd.py on an H200 (NOTES 9): best on causal + document together
         m1, n1, m2, n2, warps, stages = 64, 64, 64, 32, 4, 3
     elif d <= 128:
-        m1, n1, m2, n2, warps, stages = 32 if score_gathers else 64, 64, 64, 64, 4, 2
+        m1, n1, m2, n2, warps, stages = 32 if gathers else 64, 64, 64, 64, 4, 2
     else:
         m1, n1, m2, n2, warps, stages = 16, 32, 32, 16, 4, 1
     if q.dtype == torch.float32 and q.device.type == "cuda":
