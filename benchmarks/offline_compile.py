@@ -55,11 +55,23 @@ class _OfflineDriver:
         return True
 
 
+def _compiled_lang_helpers() -> list:
+    """(module, name, interpreted helper, compiled twin) for triton.language's own ``@jit`` helpers (``tl.sum``,
+    ``tl.zeros``, ...) when Triton was imported under ``TRITON_INTERPRET=1`` (as the CPU test suite does): compiling
+    needs them as JITFunctions (the reverse of flexlite.runtime.compile.interpreter_scope)."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    return [(mod, name, value, JITFunction(value.fn)) for mod in {tl, tl.core, tl.standard, tl.math}
+            for name, value in list(vars(mod).items()) if isinstance(value, InterpretedFunction)]
+
+
 @contextlib.contextmanager
 def offline_cuda(capability: int = 90):
     """Kernel launches inside compile for ``sm_<capability>`` and return the compiled kernel without running."""
     compiled = []
     run = JITFunction.run
+    helpers = _compiled_lang_helpers()
+    interpret = os.environ.get("TRITON_INTERPRET")
 
     def compile_only(self, *args, grid, warmup, **kwargs):
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
@@ -73,9 +85,18 @@ def offline_cuda(capability: int = 90):
     launch.tma_ok = lambda *tensors: all(t.stride(-1) == 1 for t in tensors)
     launch._ensure_allocator = lambda: None
     launch.interpreter_scope = lambda interpret: contextlib.nullcontext()
+    os.environ["TRITON_INTERPRET"] = "0"
+    for mod, name, _, jit in helpers:
+        setattr(mod, name, jit)
     try:
         yield compiled
     finally:
+        for mod, name, interpreted, _ in helpers:
+            setattr(mod, name, interpreted)
+        if interpret is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = interpret
         JITFunction.run = run
         launch.tma_ok, launch._ensure_allocator, launch.interpreter_scope = saved
         triton.runtime.driver._active = active
