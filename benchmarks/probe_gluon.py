@@ -1,4 +1,5 @@
-"""GPU probe: does explicit intra-warpgroup overlap, written in Triton's Gluon dialect, beat the Triton forward?
+"""GPU probe: do FA3's intra-warpgroup overlap, warp specialization and ping-pong, written in Triton's Gluon dialect,
+beat the Triton forward?
 
 NOTES 30 found that Triton waits for every wgmma where it is issued, so the softmax never runs under a matmul of
 the same warpgroup. Gluon (triton.experimental.gluon, in Triton 3.6) exposes the asynchronous wgmma and its wait
