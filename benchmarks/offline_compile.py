@@ -119,7 +119,7 @@ def ptxas_report(ptx: str) -> dict:
 
 
 def compile_forward(score_mod, block_mask, D: int, tile: tuple, use_tma: bool, L: int = 1024,
-                    dtype=torch.bfloat16):
+                    dtype=torch.bfloat16, split_partial: bool = False):
     """The compiled forward kernel for these mods at head dim ``D`` and ``tile`` (BLOCK_M, BLOCK_N, warps,
     stages); the block mask's tensors must already exist (they are built on the CPU, before going offline)."""
     q, k, v = [torch.randn(1, 2, L, D, dtype=dtype) for _ in range(3)]
@@ -130,7 +130,7 @@ def compile_forward(score_mod, block_mask, D: int, tile: tuple, use_tma: bool, L
     with offline_cuda() as compiled:
         launch.launch_forward(module, kernel.mod_args(), q, k, v, num, idx, full_num, full_idx, sparse, D ** -0.5,
                               kernel.has_score_mod, config, pinned=True, use_tma=use_tma,
-                              dense=block_mask is None)
+                              dense=block_mask is None, split_partial=split_partial)
     return compiled[-1]
 
 

@@ -217,3 +217,52 @@ def test_no_block_mask_walks_every_tile_in_one_loop(monkeypatch, masked, lkv):
     assert_close(out, ref, *TOLERANCES[torch.float32])
     for name, g, want in zip(("dq", "dk", "dv"), got, torch.autograd.grad(ref, (q, k, v), grad)):
         assert_close(g, want, *TOLERANCES[torch.float32], name=name)
+
+
+@pytest.mark.parametrize("name, shape", [
+    ("causal", (1, 2, 2, 200, 111, 64)),           # ragged: the half tiles past KV_LEN are bounds-checked
+    ("sliding_window", (2, 4, 2, 256, 256, 32)),   # GQA, whole tiles
+    ("document", (1, 2, 2, 200, 200, 128)),        # a mask_mod that gathers
+    ("alibi_causal", (1, 2, 2, 111, 200, 64)),     # a score_mod on the partial half tiles
+    ("full", (1, 2, 2, 111, 200, 64)),             # no block mask: the dense walk, the flag has nothing to split
+])
+def test_partial_blocks_in_half_tiles_match_the_reference(monkeypatch, name, shape):
+    """The forward can walk its partial blocks (mask_mod evaluated) BLOCK_N // 2 keys at a time (NOTES 37; on CUDA
+    flex_attention asks for it at padded head dim 128 without score_mod or mask gathers). Forced on here for any
+    mods: the launch passes half the tile width as PARTIAL_BLOCK_N wherever a block mask is walked, and out and LSE
+    still match the reference."""
+    import flexlite.api
+    from flexlite.runtime import launch
+
+    seen, real = [], launch.run_with_fallback
+
+    def spy(kernel, grid, args, constexprs, config, *rest, **kwargs):
+        cfg = real(kernel, grid, args, constexprs, config, *rest, **kwargs)
+        seen.append((constexprs["DENSE"], constexprs["PARTIAL_BLOCK_N"], cfg.BLOCK_N))
+        return cfg
+    monkeypatch.setattr(launch, "run_with_fallback", spy)
+    monkeypatch.setattr(flexlite.api, "_split_partial", lambda *args: True)
+    run_case(name, shape, torch.float32, block_size=64)
+    (dense, partial_n, block_n), = seen
+    assert partial_n == (block_n if dense or block_n < 64 else block_n // 2)
+    assert dense == (CATALOG[name](1, 1, 8, 8, "cpu").mask_mod is None)
+
+
+def test_flex_attention_asks_for_half_partial_tiles_only_where_they_measured_faster():
+    import types
+
+    from flexlite.api import _split_partial
+    from flexlite.codegen.kernel import generate
+    from flexlite.masks import causal_mask, generate_doc_mask_mod
+    from flexlite.mods import generate_tanh_softcap
+
+    def spec(D, cuda=True):
+        return types.SimpleNamespace(shape=(1, 1, 256, D), is_cuda=cuda)
+    plain = generate("fwd.py.jinja", None, causal_mask, interpret=False)
+    doc = generate("fwd.py.jinja", None, generate_doc_mask_mod(causal_mask, torch.tensor([0, 0, 1, 1])),
+                   interpret=False)
+    softcap = generate("fwd.py.jinja", generate_tanh_softcap(30.0), causal_mask, interpret=False)
+    assert _split_partial(plain, spec(128), spec(128)) and _split_partial(plain, spec(96), spec(128))
+    assert not _split_partial(plain, spec(64), spec(64))  # D64: no gain measured
+    assert not _split_partial(plain, spec(128, cuda=False), spec(128, cuda=False))  # the interpreter
+    assert not _split_partial(doc, spec(128), spec(128)) and not _split_partial(softcap, spec(128), spec(128))

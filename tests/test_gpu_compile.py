@@ -39,18 +39,20 @@ def _masks():
                                           device="cpu")}
 
 
-# (score_mod, mask, head dim, tile (BLOCK_M, BLOCK_N, warps, stages), tensor descriptors)
+# (score_mod, mask, head dim, tile (BLOCK_M, BLOCK_N, warps, stages), tensor descriptors, half partial tiles)
 FORWARD = {
-    "dense, softcap, descriptors": (generate_tanh_softcap(30.0, approx=True), "none", 64, (128, 128, 4, 3), True),
-    "causal, ALiBi (hoisted gather)": (generate_alibi_bias(2), "causal", 128, (128, 64, 4, 2), False),
-    "document (mask gathers), D80": (None, "document", 80, (64, 64, 4, 3), False),
+    "dense, softcap, descriptors": (generate_tanh_softcap(30.0, approx=True), "none", 64, (128, 128, 4, 3), True,
+                                    False),
+    "causal, ALiBi (hoisted gather)": (generate_alibi_bias(2), "causal", 128, (128, 64, 4, 2), False, False),
+    "causal, half partial tiles": (None, "causal", 128, (128, 64, 4, 2), False, True),
+    "document (mask gathers), D80": (None, "document", 80, (64, 64, 4, 3), False, False),
 }
 
 
 @pytest.mark.parametrize("case", list(FORWARD))
 def test_forward_compiles_for_sm90(offline, case):
-    score_mod, mask, D, tile, tma = FORWARD[case]
-    kernel = offline.compile_forward(score_mod, _masks()[mask], D, tile, tma, L=L)
+    score_mod, mask, D, tile, tma, split = FORWARD[case]
+    kernel = offline.compile_forward(score_mod, _masks()[mask], D, tile, tma, L=L, split_partial=split)
     assert kernel.name == "flex_fwd_kernel"
     assert "wgmma" in kernel.asm["ptx"]  # Hopper's matmul, not a fallback
     report = offline.ptxas_report(kernel.asm["ptx"])

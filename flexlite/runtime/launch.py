@@ -32,6 +32,9 @@ CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 # the forward and dQ kernels take their q blocks last to first (the heaviest first under causal-like masks;
 # benchmarks/NOTES.md 23); False: first to last
 REVERSE_Q_BLOCKS = True
+# the forward's partial blocks (mask_mod evaluated) in steps of BLOCK_N // 2 keys where the caller asks for it
+# (launch_forward's split_partial; benchmarks/NOTES.md 37); False: never
+SPLIT_PARTIAL_TILES = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,12 +197,14 @@ def _mask_strides(t: torch.Tensor) -> tuple:
 def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
                    full_kv_num_blocks: Optional[torch.Tensor], full_kv_indices: Optional[torch.Tensor],
                    sparse_block: tuple, scale: float, has_score_mod: bool, config: TileConfig,
-                   pinned: bool = False, tune: bool = False, use_tma: Optional[bool] = None, dense: bool = False):
+                   pinned: bool = False, tune: bool = False, use_tma: Optional[bool] = None, dense: bool = False,
+                   split_partial: bool = False):
     """Run ``module.flex_fwd_kernel``; returns out [B, Hq, Lq, Dv] (q.dtype) and lse [B, Hq, Lq] fp32.
     ``tune``: autotune the tile config (CUDA, not pinned) instead of taking ``config`` as it is.
     ``use_tma``: load K / V through tensor descriptors where :func:`tma_ok` allows; None: :func:`default_use_tma`.
     ``dense``: there is no block mask (the blocks are all full): one loop over every kv tile, no block-index
-    loads."""
+    loads. ``split_partial``: walk the partial blocks (where mask_mod is evaluated) BLOCK_N // 2 keys at a time
+    (tiles of at least 64 keys, pointer loads)."""
     B, Hq, Lq, D = q.shape
     Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[-1]
     out = torch.empty((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)
@@ -231,7 +236,10 @@ def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
 
     def grid(cfg):
         # the kv walk covers whole sparse blocks: unchecked only if they all end inside KV_LEN
-        constexprs.update(EVEN_M=Lq % cfg.BLOCK_M == 0, EVEN_N=Lkv % sparse_block[1] == 0)
+        split = (SPLIT_PARTIAL_TILES and split_partial and not dense and cfg.BLOCK_N >= 64
+                 and not constexprs["USE_TMA"])
+        constexprs.update(EVEN_M=Lq % cfg.BLOCK_M == 0, EVEN_N=Lkv % sparse_block[1] == 0,
+                          PARTIAL_BLOCK_N=cfg.BLOCK_N // 2 if split else cfg.BLOCK_N)
         return (cdiv(Lq, cfg.BLOCK_M), B * Hq)
 
     if tune and not pinned:
