@@ -14,6 +14,7 @@ parameters are ``(score, b, h, q_idx, kv_idx, <captures>)`` for a score_mod and
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import operator
 from typing import Callable, Optional
@@ -346,6 +347,11 @@ class _Lowerer:
         # int value name -> (float32 expression of the same value, whether that expression is exact: no rounding)
         self.float_forms: dict[str, tuple[str, bool]] = {}
 
+    @functools.cached_property
+    def bh_only(self) -> tuple[set, set]:
+        """:func:`_bh_only` of the mod's graph, walked once."""
+        return _bh_only(self.traced.graph_module)
+
     def fail(self, node: fx.Node, why: str):
         raise UntraceableModError(f"{self.traced.kind} {self.traced.name!r}: {why} (at `{node.format_node()}`)")
 
@@ -415,7 +421,7 @@ class _Lowerer:
         ptr, masks = self.address(node, _View(view.param, view.tensor, self.arg(node, index)))
         v = as_float(self.value(node, self.arg(node, value)))
         mask = f", mask={' & '.join(masks)}" if masks else ""
-        if all(i in _bh_only(self.traced.graph_module)[0] for i in index if isinstance(i, fx.Node)):
+        if all(i in self.bh_only[0] for i in index if isinstance(i, fx.Node)):
             return self.emit(node, f"tl.atomic_add({ptr}, tl.sum({v}){mask}, sem=\"relaxed\")", torch.float32)
         p, v_tile = f"t_{node.name}_p", f"t_{node.name}_v"
         self.lines.append(f"{p}, {v_tile} = tl.broadcast({ptr}, {v})")
@@ -569,7 +575,7 @@ def _hoistable(low: _Lowerer) -> tuple[set, list]:
     """(nodes computed from b, h and captured tensors only: the same for every tile of a kernel's loop, in every
     kernel; the values among them that the rest of the mod uses), when one of those values reads a captured
     tensor (what is worth taking out of the loop: a load whose latency each tile would wait for)."""
-    invariant, loads = _bh_only(low.traced.graph_module)
+    invariant, loads = low.bh_only
     used = [n for n in low.traced.graph_module.graph.nodes if n in invariant and n.op != "placeholder"
             and any(u not in invariant for u in n.users)
             and isinstance(low.env.get(n), Val) and not low.env[n].is_literal]

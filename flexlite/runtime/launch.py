@@ -226,13 +226,7 @@ def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
         SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1],
         D=D, DV=Dv, D_PAD=head_dim_pad(D), DV_PAD=head_dim_pad(Dv), HAS_FULL_BLOCKS=has_full,
         HAS_SCORE_MOD=has_score_mod, FP32_PRECISION="tf32" if allow_tf32 else "ieee", REVERSE_M=REVERSE_Q_BLOCKS,
-        DENSE=dense)
-
-    if use_tma is None:
-        use_tma = default_use_tma(dense, D, Dv)
-    constexprs["USE_TMA"] = use_tma and tma_ok(k, v)
-    if constexprs["USE_TMA"]:
-        _ensure_allocator()
+        DENSE=dense, USE_TMA=tma_loads(use_tma, default_use_tma(dense, D, Dv), k, v))
 
     def grid(cfg):
         # the kv walk covers whole sparse blocks: unchecked only if they all end inside KV_LEN
@@ -391,9 +385,7 @@ def launch_decode(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
     Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[-1]
     cuda = q.device.type == "cuda"
     tiles = DECODE_TILES if cuda else _INTERPRETER_DECODE_TILES
-    use_tma = bool(tiles.get("use_tma") if use_tma is None else use_tma) and tma_ok(k, v)
-    if use_tma:
-        _ensure_allocator()
+    use_tma = tma_loads(use_tma, tiles.get("use_tma"), k, v)
     has_full = full_kv_num_blocks is not None
     plan = _decode_plan(q.device, B, Hq, Lq, D, Hkv, Lkv, Dv, tuple(sparse_block), rows, has_full, has_score_mod,
                         num_splits, use_tma, cuda and torch.backends.cuda.matmul.allow_tf32, tuple(tiles.items()))
@@ -442,6 +434,15 @@ def tma_ok(*tensors: torch.Tensor) -> bool:
         return False
     return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and
                all(st * t.element_size() % 16 == 0 for st in t.stride()[:-1]) for t in tensors)
+
+
+def tma_loads(use_tma: Optional[bool], default: bool, *tensors: torch.Tensor) -> bool:
+    """Whether a launch loads through tensor descriptors: kernel_options USE_TMA (None: the launcher's
+    ``default``), where :func:`tma_ok` allows ``tensors``; installs the scratch allocator descriptors need."""
+    use = bool(default if use_tma is None else use_tma) and tma_ok(*tensors)
+    if use:
+        _ensure_allocator()
+    return use
 
 
 def _ensure_allocator():
@@ -624,9 +625,7 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
         SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1], D=D, DV=Dv, D_PAD=head_dim_pad(D),
         DV_PAD=head_dim_pad(Dv), HAS_FULL_BLOCKS=q_blocks[2] is not None, HAS_SCORE_MOD=has_score_mod,
         FP32_PRECISION="tf32" if allow_tf32 else "ieee", DENSE=dense,
-        USE_TMA=(default_use_tma(dense, D, Dv) if use_tma is None else use_tma) and tma_ok(q, k, v, grad_out))
-    if constexprs["USE_TMA"]:
-        _ensure_allocator()
+        USE_TMA=tma_loads(use_tma, default_use_tma(dense, D, Dv), q, k, v, grad_out))
     dkdv_args = (q, k, v, grad_out, lse, delta, dk, dv, ds if ds is not None else delta,
                  q_num, q_idx, full_q_num, full_q_idx,
                  *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
