@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from typing import Optional
 
 import torch
 import triton
@@ -131,6 +132,22 @@ def compile_forward(score_mod, block_mask, D: int, tile: tuple, use_tma: bool, L
         launch.launch_forward(module, kernel.mod_args(), q, k, v, num, idx, full_num, full_idx, sparse, D ** -0.5,
                               kernel.has_score_mod, config, pinned=True, use_tma=use_tma,
                               dense=block_mask is None, split_partial=split_partial)
+    return compiled[-1]
+
+
+def compile_forward_ws(score_mod, block_mask, D: int, L: int = 1024, Lkv: Optional[int] = None, dtype=torch.bfloat16,
+                       heads: tuple = (2, 2)):
+    """The compiled warp-specialized (Gluon) forward kernel for these mods at head dim ``D``, ``L`` queries and
+    ``Lkv`` keys (default ``L``), ``heads`` = (query heads, kv heads)."""
+    Lkv = L if Lkv is None else Lkv
+    q = torch.randn(1, heads[0], L, D, dtype=dtype)
+    k, v = [torch.randn(1, heads[1], Lkv, D, dtype=dtype) for _ in range(2)]
+    kernel = _generate(score_mod, block_mask, torch.device("cuda"), "fwd_ws.py.jinja")
+    module = load_module(kernel.source, interpret=False)
+    num, idx, full_num, full_idx, sparse = _block_tensors(block_mask, L, Lkv, torch.device("cpu"))
+    with offline_cuda() as compiled:
+        launch.launch_forward_ws(module, kernel.mod_args(), q, k, v, num, idx, full_num, full_idx, sparse,
+                                 D ** -0.5, kernel.has_score_mod, dense=block_mask is None)
     return compiled[-1]
 
 

@@ -19,7 +19,8 @@ from .runtime.compile import load_module, write_source
 from .runtime.autotune import autotune_enabled
 from .runtime.launch import (BACKWARD_CONFIG_KEYS, CONFIG_KEYS, FLEXLITE_OPTIONS, TORCH_PERF_HINTS,
                              backward_config, cdiv, decode_rows, forward_config, head_dim_pad, is_host_scalar,
-                             launch_backward, launch_decode, launch_forward)
+                             launch_backward, launch_decode, launch_forward, launch_forward_ws, ws_forward_unmet,
+                             WS_DEFAULT_HEAD_DIMS, WS_MIN_WALK_KEYS, is_compile_error)
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -121,6 +122,13 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
             _fail(f"unknown kernel_options {sorted(unknown)}; flexlite understands "
                   f"{list(CONFIG_KEYS) + sorted(FLEXLITE_OPTIONS)} "
                   f"(torch's performance hints {sorted(TORCH_PERF_HINTS)} are accepted and ignored)")
+        if "WARP_SPECIALIZE" in kernel_options:
+            _check_flag("kernel_options WARP_SPECIALIZE", kernel_options["WARP_SPECIALIZE"])
+            if kernel_options["WARP_SPECIALIZE"] and (kernel_options.get("DECODE") or kernel_options.get("AUTOTUNE")
+                                                      or any(k in kernel_options for k in CONFIG_KEYS)):
+                _fail(f"kernel_options WARP_SPECIALIZE=True picks the warp-specialized forward, which has one tile "
+                      f"config; it cannot be combined with DECODE=True, AUTOTUNE=True or pinned tiles "
+                      f"{list(CONFIG_KEYS)}: drop one or the other")
     if block_mask is not None:
         _validate_block_mask(block_mask, query, key)
 
@@ -262,6 +270,11 @@ def kernel_path(score_mod: Optional[Callable] = None, block_mask=None, *, device
     return str(write_source(kernel_source(score_mod, block_mask, device=device, kernel=kernel)))
 
 
+# warp-specialized forward sources that Triton's Gluon compiler failed on (Triton 3.6 fails, for one, on a score_mod
+# that gathers a whole tile from a captured tensor, bias[h, q_idx, kv_idx]): their mods run the Triton forward
+_WS_UNCOMPILABLE: set = set()
+
+
 def _forward(query, key, value, score_mod, block_mask, scale, kernel_options):
     B, Hq, Lq, E = query.shape
     Lkv = key.shape[2]
@@ -270,12 +283,15 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options):
         return out, torch.full((B, Hq, Lq), float("-inf"), dtype=torch.float32, device=query.device)
     options = kernel_options or {}
     num, idx, full_num, full_idx, sparse = _block_tensors(block_mask, Lq, Lkv, query.device)
-    rows = _decode_rows(query, key, num, sparse, options)
-    template = "decode.py.jinja" if rows else "fwd.py.jinja"
+    ws = _warp_specialize(query, key, value, block_mask, num, sparse, options)
+    rows = 0 if ws else _decode_rows(query, key, num, sparse, options)
+    template = "fwd_ws.py.jinja" if ws else "decode.py.jinja" if rows else "fwd.py.jinja"
     kernel = _generate(score_mod, block_mask, query.device, template, _float_index(template, Lq, Lkv))
+    if ws and kernel.source in _WS_UNCOMPILABLE and not options.get("WARP_SPECIALIZE"):
+        return _forward(query, key, value, score_mod, block_mask, scale, {**options, "WARP_SPECIALIZE": False})
     check_captured(kernel.captured, query.device, "flex_attention")
     # also when decoding if tiles are pinned, so that bad pins are reported even where decoding ignores them
-    if not rows or any(k in options for k in CONFIG_KEYS):
+    if not (rows or ws) or any(k in options for k in CONFIG_KEYS):
         config = forward_config(query, value, sparse, options, gathers=bool(kernel.mask_mod.tensors))
     module = load_module(kernel.source, interpret=query.device.type != "cuda")
     if scale <= 0 and not kernel.has_score_mod:
@@ -286,6 +302,20 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options):
         return launch_decode(module, kernel.mod_args(), query, key, value, num, idx, full_num, full_idx, sparse,
                              scale, kernel.has_score_mod, rows, options.get("DECODE_SPLITS"),
                              use_tma=_use_tma(options))
+    if ws:
+        try:
+            return launch_forward_ws(module, kernel.mod_args(), query, key, value, num, idx, full_num, full_idx,
+                                     sparse, scale, kernel.has_score_mod, dense=block_mask is None)
+        except Exception as e:  # noqa: BLE001 - only compiler failures are handled, the rest re-raised
+            if not is_compile_error(e):
+                raise
+            if options.get("WARP_SPECIALIZE"):
+                raise NotImplementedError(f"flex_attention: kernel_options WARP_SPECIALIZE=True, but Triton's Gluon "
+                                          f"compiler fails on the warp-specialized forward with these mods "
+                                          f"({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}); leave "
+                                          f"WARP_SPECIALIZE unset to run the Triton forward") from e
+            _WS_UNCOMPILABLE.add(kernel.source)  # Triton's forward from now on (see the check above)
+            return _forward(query, key, value, score_mod, block_mask, scale, {**options, "WARP_SPECIALIZE": False})
     return launch_forward(module, kernel.mod_args(), query, key, value, num, idx, full_num, full_idx,
                           sparse, scale, kernel.has_score_mod, config, pinned=any(k in options for k in CONFIG_KEYS),
                           tune=autotune_enabled(options),
@@ -395,6 +425,47 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
     else:
         wanted = iter(b.to(t.dtype) for b, t in zip(buffers, want))
     return dq, dk, dv, [next(wanted) if need else None for need in need_captured]
+
+
+def _mean_walk_keys(block_mask, Lkv: int) -> Optional[float]:
+    """Keys a q block walks on average (partial and full blocks), or None while a CUDA graph is being captured
+    and it is not known yet: counting reads the block mask on the host once (then it is kept on the BlockMask,
+    for as long as its block counts are the same tensors, unmodified)."""
+    if block_mask is None:
+        return float(Lkv)
+    counts = [t for t in (block_mask.kv_num_blocks, block_mask.full_kv_num_blocks) if t is not None]
+    key = tuple((id(t), t._version) for t in counts) + (tuple(block_mask.BLOCK_SIZE),)
+    cached = getattr(block_mask, "_mean_walk", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    if counts[0].is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    blocks = sum(int(t.sum(dtype=torch.int64)) for t in counts)
+    mean = blocks / max(1, counts[0].numel()) * block_mask.BLOCK_SIZE[1]
+    block_mask._mean_walk = (key, mean)
+    return mean
+
+
+def _warp_specialize(query, key, value, block_mask, num_blocks, sparse, options) -> bool:
+    """Whether the forward runs the warp-specialized Gluon kernel (fwd_ws.py.jinja): ``kernel_options``
+    ``WARP_SPECIALIZE=True`` insists (a NotImplementedError says what the inputs lack), ``False`` refuses. Unset, it
+    runs where it can at the head dims of ``launch.WS_DEFAULT_HEAD_DIMS`` when q blocks walk at least
+    ``launch.WS_MIN_WALK_KEYS`` keys on average (shorter walks measured slower: NOTES 38), unless tiles are pinned,
+    autotuning is asked for, or the queries go to the decode kernel (:func:`_decode_rows`)."""
+    want = options.get("WARP_SPECIALIZE")
+    if want is False:
+        return False
+    unmet = ws_forward_unmet(query, key, value, sparse)
+    if want:
+        if unmet:
+            raise NotImplementedError(f"flex_attention: kernel_options WARP_SPECIALIZE=True needs {unmet}; leave "
+                                      f"WARP_SPECIALIZE unset to use the Triton forward where it cannot run")
+        return True
+    if (unmet or query.shape[-1] not in WS_DEFAULT_HEAD_DIMS or autotune_enabled(options)
+            or any(k in options for k in CONFIG_KEYS) or _decode_rows(query, key, num_blocks, sparse, options)):
+        return False
+    walk = _mean_walk_keys(block_mask, key.shape[2])
+    return walk is not None and walk >= WS_MIN_WALK_KEYS
 
 
 def _decode_rows(query, key, num_blocks, sparse, options) -> int:

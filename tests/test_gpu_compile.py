@@ -66,3 +66,26 @@ def test_backward_compiles_for_sm90(offline):
     for name in ("flex_bwd_dkdv_kernel", "flex_bwd_dq_kernel"):
         report = offline.ptxas_report(kernels[name].asm["ptx"])
         assert 0 < report["regs"] <= 255 and report["HGMMA"] > 0, name
+
+
+# the warp-specialized (Gluon) forward: (score_mod, mask, head dim, Lq, Lkv, (query heads, kv heads))
+FORWARD_WS = {
+    "dense, D128": (None, "none", 128, L, L, (2, 2)),
+    "causal, GQA, D64": (None, "causal", 64, L, L, (4, 2)),
+    "document (mask gathers), softcap, D128": (generate_tanh_softcap(30.0, approx=True), "document", 128, L, L,
+                                               (2, 2)),
+    "ALiBi (hoisted gather), ragged, D64": (generate_alibi_bias(2), "none", 64, 200, 333, (2, 2)),
+}
+
+
+@pytest.mark.parametrize("case", list(FORWARD_WS))
+def test_warp_specialized_forward_compiles_for_sm90(offline, case):
+    score_mod, mask, D, Lq, Lkv, heads = FORWARD_WS[case]
+    kernel = offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads)
+    assert kernel.name == "flex_fwd_ws_kernel"
+    ptx = kernel.asm["ptx"]
+    # FA3's pieces: asynchronous wgmma, TMA copies into shared memory, mbarriers, and per-partition registers
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "mbarrier" in ptx
+    assert "setmaxnreg" in ptx
+    report = offline.ptxas_report(ptx)
+    assert 0 < report["regs"] <= 255 and report["HGMMA"] > 0

@@ -27,7 +27,8 @@ TORCH_PERF_HINTS = frozenset({
     "BACKEND", "fwd_num_warps", "fwd_num_stages"})
 # kernel_options keys with a meaning in flexlite besides the tile config (BLOCK_M1..N2: backward tiles)
 FLEXLITE_OPTIONS = frozenset({"AUTOTUNE", "USE_TMA", "DETERMINISTIC_CAPTURED_GRADS", "DECODE", "DECODE_SPLITS",
-                              "FORCE_USE_FLEX_ATTENTION", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"})
+                              "FORCE_USE_FLEX_ATTENTION", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2",
+                              "WARP_SPECIALIZE"})
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 # the forward and dQ kernels take their q blocks last to first (the heaviest first under causal-like masks;
 # benchmarks/NOTES.md 23); False: first to last
@@ -209,18 +210,9 @@ def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
     Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[-1]
     out = torch.empty((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
-    kv_indices = kv_indices.contiguous()
-    has_full = full_kv_num_blocks is not None
-    if has_full:
-        full_kv_num_blocks = full_kv_num_blocks.contiguous()
-        full_kv_indices = full_kv_indices.contiguous()
-    else:
-        full_kv_num_blocks, full_kv_indices = kv_num_blocks, kv_indices
-    kv_num_blocks = kv_num_blocks.contiguous()
+    blocks, block_strides, has_full = _kv_block_args(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
     allow_tf32 = q.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
-    args = (q, k, v, out, lse, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-            *_mask_strides(kv_num_blocks), *_mask_strides(kv_indices),
+    args = (q, k, v, out, lse, *blocks, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *block_strides,
             Hq, Hq // Hkv, Lq, Lkv, float(scale), *scalars_to(mod_args, q.device))
     constexprs = dict(
         SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1],
@@ -242,6 +234,85 @@ def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
                            forward_candidates(q, v, sparse_block), key, q.device)
     with interpreter_scope(q.device.type != "cuda"):
         run_with_fallback(module.flex_fwd_kernel, grid, args, constexprs, config, pinned)
+    return out, lse
+
+
+# the warp-specialized forward (fwd_ws.py.jinja, Gluon, Hopper): 128 query rows per program (two consumer warpgroups),
+# keys per tile, K / V ring stages and the second consumer warpgroup's registers, per head dim
+# (benchmarks/probe_gluon.py on an H200, NOTES 36, 38)
+WS_BLOCK_M = 128
+WS_TILES = {64: dict(BLOCK_N=128, STAGES=2, CONSUMER_REGS=232), 128: dict(BLOCK_N=128, STAGES=2, CONSUMER_REGS=240)}
+# where flex_attention takes the warp-specialized forward unless kernel_options WARP_SPECIALIZE says: head dims, and
+# the fewest keys a q block walks on average (H200, benchmarks/probe_ws.py, NOTES 38: faster at D128 on walks of
+# 2048+ keys, slower on the 1024 sliding window and 8-document masks and at D64)
+WS_DEFAULT_HEAD_DIMS = frozenset({128})
+WS_MIN_WALK_KEYS = 2048
+
+
+@functools.lru_cache(maxsize=1)
+def _gluon_available() -> bool:
+    try:
+        from triton.experimental.gluon.language.nvidia.hopper import tma  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def ws_forward_unmet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sparse_block: tuple) -> Optional[str]:
+    """What the warp-specialized forward needs that these inputs lack (None: it can run them)."""
+    if not q.is_cuda or _device_facts(q.device)[1] != 9:
+        return "a Hopper GPU (compute capability 9.x)"
+    if not _gluon_available():
+        return "Triton's Gluon dialect with Hopper support (Triton 3.5 or newer)"
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"bfloat16 or float16 query, key and value of one dtype (got {q.dtype}, {k.dtype}, {v.dtype})"
+    if q.shape[-1] != v.shape[-1] or q.shape[-1] not in WS_TILES:
+        return f"query and value head dims equal and one of {sorted(WS_TILES)} (got {q.shape[-1]}, {v.shape[-1]})"
+    if not tma_ok(q, k, v):
+        return "query, key and value with unit last stride and 16-byte aligned data and strides"
+    block_n = WS_TILES[q.shape[-1]]["BLOCK_N"]
+    if sparse_block[0] % WS_BLOCK_M or sparse_block[1] % block_n:
+        return (f"a block mask whose BLOCK_SIZE is a multiple of ({WS_BLOCK_M}, {block_n}) "
+                f"(got {tuple(sparse_block)})")
+    return None
+
+
+def is_compile_error(e: BaseException) -> bool:
+    """Whether ``e`` is Triton failing to compile a kernel (its front end, an MLIR pass, or ptxas)."""
+    from triton.compiler.errors import CompilationError
+    return isinstance(e, CompilationError) or (isinstance(e, RuntimeError) and any(
+        s in str(e) for s in ("PassManager", "PTXAS", "ptxas")))
+
+
+def _kv_block_args(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices) -> tuple:
+    """The forward kernels' block-list arguments: contiguous tensors (the partial ones stand in for absent full
+    ones) and their strides; and whether there are full blocks."""
+    has_full = full_kv_num_blocks is not None
+    if not has_full:
+        full_kv_num_blocks, full_kv_indices = kv_num_blocks, kv_indices
+    tensors = [t.contiguous() for t in (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)]
+    return tensors, (*_mask_strides(tensors[0]), *_mask_strides(tensors[1])), has_full
+
+
+def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
+                      full_kv_num_blocks: Optional[torch.Tensor], full_kv_indices: Optional[torch.Tensor],
+                      sparse_block: tuple, scale: float, has_score_mod: bool, dense: bool = False):
+    """Run ``module.flex_fwd_ws_kernel`` (the warp-specialized forward; the inputs must pass
+    :func:`ws_forward_unmet`); returns out [B, Hq, Lq, D] (q.dtype) and lse [B, Hq, Lq] fp32, as
+    :func:`launch_forward`."""
+    B, Hq, Lq, D = q.shape
+    Hkv, Lkv = k.shape[1], k.shape[2]
+    out = torch.empty((B, Hq, Lq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
+    blocks, block_strides, has_full = _kv_block_args(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
+    _ensure_allocator()  # the kernel makes its tensor descriptors on the device
+    tiles = WS_TILES[D]
+    module.flex_fwd_ws_kernel[(cdiv(Lq, WS_BLOCK_M), B * Hq)](
+        q, k, v, out, lse, *blocks, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        *block_strides, Hq, Hq // Hkv, Lq, Lkv, float(scale), *scalars_to(mod_args, q.device),
+        BLOCK_M=WS_BLOCK_M, D=D, SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1],
+        EVEN_M=Lq % WS_BLOCK_M == 0, EVEN_N=Lkv % sparse_block[1] == 0, HAS_FULL_BLOCKS=has_full,
+        HAS_SCORE_MOD=has_score_mod, REVERSE_M=REVERSE_Q_BLOCKS, DENSE=dense, PINGPONG=True, **tiles, num_warps=4)
     return out, lse
 
 

@@ -1,0 +1,203 @@
+"""The warp-specialized forward (fwd_ws.py.jinja: Triton's Gluon dialect, Hopper only).
+
+Everywhere: its options and requirements give typed errors that say what to change, and flex_attention takes it
+only where it can run. Its CUDA source compiles for sm_90a without a GPU in tests/test_gpu_compile.py. On a GPU
+(``FLEXLITE_TEST_DEVICE=cuda`` on a Hopper), forced with ``kernel_options={"WARP_SPECIALIZE": True}``, every
+catalog mod at even, ragged, cross-length and GQA shapes, non-contiguous inputs and a backward through it are
+checked against the fp64 reference; those tests are defined only where a Hopper GPU is present (the interpreter
+cannot run Gluon), and the rest of the GPU suite runs through it wherever flex_attention picks it."""
+
+import types
+
+import pytest
+import torch
+
+from catalog import CATALOG, USES_BH
+from flexlite import attention_reference, create_block_mask, flex_attention
+from flexlite.runtime import launch
+from helpers import DEVICE, LSE_TOLERANCES, TOLERANCES, assert_close, rand_qkv
+
+ON_HOPPER = DEVICE == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def test_warp_specialize_option_is_a_bool():
+    q, k, v = rand_qkv(1, 1, 1, 16, 16, 16)
+    with pytest.raises(TypeError, match="WARP_SPECIALIZE must be a bool"):
+        flex_attention(q, k, v, kernel_options={"WARP_SPECIALIZE": 1})
+
+
+@pytest.mark.parametrize("other", [{"BLOCK_M": 64}, {"AUTOTUNE": True}, {"DECODE": True}], ids=str)
+def test_warp_specialize_conflicts_with_tile_choices(other):
+    q, k, v = rand_qkv(1, 1, 1, 16, 16, 16)
+    with pytest.raises(ValueError, match="WARP_SPECIALIZE=True .* cannot be combined"):
+        flex_attention(q, k, v, kernel_options={"WARP_SPECIALIZE": True, **other})
+
+
+def test_forcing_it_where_it_cannot_run_says_what_is_missing():
+    if ON_HOPPER:  # fp32 is what the kernel lacks there
+        q, k, v = rand_qkv(1, 1, 1, 128, 128, 64, dtype=torch.float32)
+        match = "WARP_SPECIALIZE=True needs bfloat16 or float16"
+    else:
+        q, k, v = rand_qkv(1, 1, 1, 128, 128, 64, dtype=torch.bfloat16)
+        match = "WARP_SPECIALIZE=True needs a Hopper GPU"
+    with pytest.raises(NotImplementedError, match=match):
+        flex_attention(q, k, v, kernel_options={"WARP_SPECIALIZE": True})
+
+
+def _spec(shape, dtype=torch.bfloat16, stride=None):
+    """A stand-in CUDA tensor for ws_forward_unmet (which reads shape, dtype, strides and the address)."""
+    stride = stride or torch.empty(shape, device="meta").stride()
+    return types.SimpleNamespace(shape=shape, dtype=dtype, is_cuda=True, device=torch.device("cuda", 0),
+                                 stride=lambda *i: stride[i[0]] if i else stride, data_ptr=lambda: 1 << 20,
+                                 element_size=lambda: 2 if dtype != torch.float32 else 4)
+
+
+@pytest.mark.parametrize("q, k, v, sparse, reason", [
+    (_spec((1, 2, 256, 128)), _spec((1, 2, 256, 128)), _spec((1, 2, 256, 128)), (128, 128), None),
+    (_spec((1, 4, 200, 64)), _spec((1, 2, 333, 64)), _spec((1, 2, 333, 64)), (256, 128), None),
+    (_spec((1, 2, 256, 128), torch.float32), _spec((1, 2, 256, 128), torch.float32),
+     _spec((1, 2, 256, 128), torch.float32), (128, 128), "bfloat16 or float16"),
+    (_spec((1, 2, 256, 96)), _spec((1, 2, 256, 96)), _spec((1, 2, 256, 96)), (128, 128), "head dims"),
+    (_spec((1, 2, 256, 128)), _spec((1, 2, 256, 128)), _spec((1, 2, 256, 64)), (128, 128), "head dims"),
+    (_spec((1, 2, 256, 64)), _spec((1, 2, 256, 64)), _spec((1, 2, 256, 64)), (64, 128), "BLOCK_SIZE"),
+    (_spec((1, 2, 256, 64)), _spec((1, 2, 256, 64)), _spec((1, 2, 256, 64)), (128, 64), "BLOCK_SIZE"),
+    (_spec((1, 2, 256, 64), stride=(32768, 16384, 64, 2)), _spec((1, 2, 256, 64)), _spec((1, 2, 256, 64)),
+     (128, 128), "unit last stride"),
+], ids=["even", "gqa-ragged", "fp32", "D96", "Dv-differs", "q-block-64", "kv-block-64", "strided-head-dim"])
+def test_requirements(monkeypatch, q, k, v, sparse, reason):
+    monkeypatch.setattr(launch, "_device_facts", lambda device: (132, 9))
+    monkeypatch.setattr(launch, "_gluon_available", lambda: True)
+    unmet = launch.ws_forward_unmet(q, k, v, sparse)
+    assert unmet is None if reason is None else reason in unmet
+    monkeypatch.setattr(launch, "_device_facts", lambda device: (108, 8))  # an A100: not Hopper
+    assert "Hopper" in launch.ws_forward_unmet(q, k, v, sparse)
+
+
+def test_flex_attention_picks_it_only_where_it_can_run_measured_faster_and_was_not_told_otherwise(monkeypatch):
+    import flexlite.api as api
+
+    monkeypatch.setattr(launch, "_device_facts", lambda device: (132, 9))
+    monkeypatch.setattr(api, "ws_forward_unmet", lambda q, k, v, sparse: None if q.shape[-1] % 64 == 0 else "x")
+    num = torch.zeros(1, 1, 2, dtype=torch.int32)
+
+    def pick(Lq=4096, Lkv=4096, D=128, block_mask=None, **options):
+        q, kv = _spec((1, 2, Lq, D)), _spec((1, 2, Lkv, D))
+        return api._warp_specialize(q, kv, kv, block_mask, num, (128, 128), options)
+    assert pick()
+    assert not pick(D=96)  # the requirements are not met
+    assert not pick(D=64) and pick(D=64, WARP_SPECIALIZE=True)  # D64 measured slower
+    assert not pick(WARP_SPECIALIZE=False) and not pick(BLOCK_M=64) and not pick(AUTOTUNE=True)
+    assert not pick(Lq=16) and pick(Lq=16, DECODE=False)  # few queries: the decode kernel, unless DECODE=False
+    assert pick(Lq=16, WARP_SPECIALIZE=True)
+    assert not pick(Lkv=1024) and pick(Lkv=launch.WS_MIN_WALK_KEYS)  # short walks measured slower
+    causal = create_block_mask(CATALOG["causal"](1, 1, 8192, 8192, DEVICE).mask_mod, None, None, 8192, 8192,
+                               device=DEVICE)
+    window = create_block_mask(CATALOG["sliding_window"](1, 1, 8192, 8192, DEVICE, window=1000).mask_mod, None,
+                               None, 8192, 8192, device=DEVICE)
+    assert pick(Lq=8192, Lkv=8192, block_mask=causal) and not pick(Lq=8192, Lkv=8192, block_mask=window)
+    with pytest.raises(NotImplementedError, match="needs x"):
+        pick(D=96, WARP_SPECIALIZE=True)
+
+
+def test_mean_walk_is_counted_once_per_block_mask_and_again_when_its_counts_change():
+    from flexlite.api import _mean_walk_keys
+
+    assert _mean_walk_keys(None, 333) == 333.0
+    bm = create_block_mask(CATALOG["causal"](1, 1, 512, 512, DEVICE).mask_mod, None, None, 512, 512, device=DEVICE)
+    assert _mean_walk_keys(bm, 512) == (1 + 2 + 3 + 4) / 4 * 128  # partial (diagonal) and full blocks
+    kept = bm._mean_walk
+    bm._mean_walk = (kept[0], -1.0)  # a second call reads the kept value, it does not count again
+    assert _mean_walk_keys(bm, 512) == -1.0
+    bm.full_kv_num_blocks.zero_()  # modified in place: counted again
+    assert _mean_walk_keys(bm, 512) == 128.0
+
+
+def test_a_compiler_failure_falls_back_to_the_triton_forward_for_good(monkeypatch):
+    """Triton 3.6's Gluon compiler fails on some mods (a score_mod gathering a whole tile from a captured tensor):
+    flex_attention then runs those mods through the Triton forward, and does not try them again; forced with
+    WARP_SPECIALIZE=True it says so."""
+    import flexlite.api as api
+
+    calls = []
+
+    def failing_launch(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("PassManager::run failed")
+    monkeypatch.setattr(api, "launch_forward_ws", failing_launch)
+    monkeypatch.setattr(api, "ws_forward_unmet", lambda *args: None)
+    monkeypatch.setattr(api, "_mean_walk_keys", lambda *args: float(launch.WS_MIN_WALK_KEYS))
+    monkeypatch.setattr(api, "WS_DEFAULT_HEAD_DIMS", {64})
+    monkeypatch.setattr(api, "_WS_UNCOMPILABLE", set())
+    case = CATALOG["captured_bias"](1, 2, 128, 128, DEVICE)
+    q, k, v = rand_qkv(1, 2, 2, 128, 128, 64, dtype=torch.float16, seed=5)
+    ref = attention_reference(q, k, v, score_mod=case.score_mod)[0]
+    for _ in range(2):
+        assert_close(flex_attention(q, k, v, score_mod=case.score_mod), ref, *TOLERANCES[torch.float16])
+    assert len(calls) == 1
+    with pytest.raises(NotImplementedError, match="Gluon compiler fails .* PassManager::run failed"):
+        flex_attention(q, k, v, score_mod=CATALOG["alibi_causal"](1, 2, 128, 128, DEVICE).score_mod,
+                       kernel_options={"WARP_SPECIALIZE": True})
+    monkeypatch.setattr(api, "launch_forward_ws", lambda *args, **kwargs: (_ for _ in ()).throw(ValueError("x")))
+    with pytest.raises(ValueError, match="x"):  # anything but a compiler failure is the caller's to see
+        flex_attention(q, k, v, kernel_options={"WARP_SPECIALIZE": True})
+
+
+if ON_HOPPER:
+    # (B, Hq, Hkv, Lq, Lkv, D)
+    WS_SHAPES = [
+        pytest.param((2, 2, 2, 256, 256, 128), id="B2-H2-L256-D128"),
+        pytest.param((1, 4, 2, 384, 256, 64), id="B1-H4-Hkv2-Lq384-Lkv256-D64-gqa"),
+        pytest.param((1, 2, 2, 200, 333, 128), id="B1-H2-Lq200-Lkv333-D128-ragged"),
+        pytest.param((2, 2, 1, 63, 130, 64), id="B2-H2-Hkv1-Lq63-Lkv130-D64-mqa"),
+    ]
+
+    # Triton 3.6's Gluon compiler fails on captured_bias's whole-tile gathers (test_a_compiler_failure_falls_back...)
+    WS_CATALOG = sorted(set(CATALOG) - {"captured_bias"})
+
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+    @pytest.mark.parametrize("shape", WS_SHAPES)
+    @pytest.mark.parametrize("name", WS_CATALOG)
+    def test_matches_the_reference(name, shape, dtype):
+        B, Hq, Hkv, Lq, Lkv, D = shape
+        case = CATALOG[name](B, Hq, Lq, Lkv, DEVICE)
+        q, k, v = rand_qkv(B, Hq, Hkv, Lq, Lkv, D, dtype=dtype, seed=hash((name, shape)) % 1000)
+        bm = None
+        if case.mask_mod is not None:
+            mb, mh = (B, Hq) if name in USES_BH else (None, None)
+            bm = create_block_mask(case.mask_mod, mb, mh, Lq, Lkv, device=DEVICE, BLOCK_SIZE=(128, 128))
+        out, lse = flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm, enable_gqa=Hq != Hkv,
+                                  return_lse=True, kernel_options={"WARP_SPECIALIZE": True})
+        ref_out, ref_lse = attention_reference(q, k, v, score_mod=case.score_mod, block_mask=bm,
+                                               enable_gqa=Hq != Hkv)
+        assert_close(out, ref_out, *TOLERANCES[dtype], name=f"{name} out")
+        assert_close(lse, ref_lse, *LSE_TOLERANCES[dtype], name=f"{name} lse")
+
+    @pytest.mark.parametrize("block_size", [(256, 128), (128, 256)], ids=str)
+    def test_larger_sparse_blocks(block_size):
+        q, k, v = rand_qkv(1, 2, 2, 512, 512, 128, dtype=torch.bfloat16, seed=1)
+        bm = create_block_mask(CATALOG["sliding_window"](1, 2, 512, 512, DEVICE).mask_mod, None, None, 512, 512,
+                               device=DEVICE, BLOCK_SIZE=block_size)
+        out = flex_attention(q, k, v, block_mask=bm, kernel_options={"WARP_SPECIALIZE": True})
+        assert_close(out, attention_reference(q, k, v, block_mask=bm)[0], *TOLERANCES[torch.bfloat16])
+
+    def test_non_contiguous_inputs_and_a_backward_through_it():
+        from test_backward import check_backward
+
+        g = torch.Generator().manual_seed(0)
+        q, k, v = [torch.randn(2, 256, 3, 64, generator=g).to(DEVICE, torch.bfloat16).transpose(1, 2)
+                   for _ in range(3)]
+        assert not q.is_contiguous()
+        case = CATALOG["alibi_causal"](2, 3, 256, 256, DEVICE)
+        bm = create_block_mask(case.mask_mod, None, None, 256, 256, device=DEVICE)
+        check_backward(q, k, v, score_mod=case.score_mod, block_mask=bm, name="ws alibi_causal",
+                       kernel_options={"WARP_SPECIALIZE": True})
+
+    def test_whole_tile_gathers_fail_to_compile_and_fall_back():
+        case = CATALOG["captured_bias"](1, 2, 256, 256, DEVICE)
+        q, k, v = rand_qkv(1, 2, 2, 256, 256, 128, dtype=torch.bfloat16, seed=2)
+        with pytest.raises(NotImplementedError, match="Gluon compiler fails"):
+            flex_attention(q, k, v, score_mod=case.score_mod, kernel_options={"WARP_SPECIALIZE": True})
+        case = CATALOG["captured_bias"](1, 2, 256, 4096, DEVICE)
+        q, k, v = rand_qkv(1, 2, 2, 256, 4096, 128, dtype=torch.bfloat16, seed=2)
+        out = flex_attention(q, k, v, score_mod=case.score_mod)  # would take it, falls back
+        assert_close(out, attention_reference(q, k, v, score_mod=case.score_mod)[0], *TOLERANCES[torch.bfloat16])
