@@ -87,5 +87,8 @@ def test_warp_specialized_forward_compiles_for_sm90(offline, case):
     # FA3's pieces: asynchronous wgmma, TMA copies into shared memory, mbarriers, and per-partition registers
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and "mbarrier" in ptx
     assert "setmaxnreg" in ptx
+    # descriptors: made on the host for contiguous inputs whose lengths are multiples of the tiles, else per
+    # (z, head) on the device (tensormap.replace: the per-program set-up that host descriptors avoid)
+    assert ("tensormap.replace" in ptx) == (Lq % 128 != 0 or Lkv % 128 != 0)
     report = offline.ptxas_report(ptx)
     assert 0 < report["regs"] <= 255 and report["HGMMA"] > 0

@@ -160,6 +160,17 @@ def import_kernel_file(path: Path, name: str, interpret: bool) -> ModuleType:
     return module
 
 
+def _import_gluon():
+    """Import Triton's Gluon packages in the environment Triton itself was imported in: Gluon wraps
+    triton.language's helpers at import and asserts that they match TRITON_INTERPRET, which a kernel file's import
+    (under :func:`_interpret_env`) may have switched."""
+    try:
+        import triton.experimental.gluon.language  # noqa: F401
+        import triton.experimental.gluon.nvidia.hopper  # noqa: F401
+    except ImportError:  # the warp-specialized forward then does not run (launch.ws_forward_unmet)
+        pass
+
+
 def load_module(source: str, interpret: bool) -> ModuleType:
     """Import the kernel module for ``source`` (cached); ``interpret`` selects Triton's interpreter."""
     module = _BY_SOURCE.get((source, interpret))  # the steady state: no hashing of the text (str caches its hash)
@@ -177,6 +188,8 @@ def load_module(source: str, interpret: bool) -> ModuleType:
             _BY_SOURCE[(source, interpret)] = module
             return module
         path = write_source(source)
+        if "triton.experimental.gluon" in source:
+            _import_gluon()
         module = _MODULES[key] = _BY_SOURCE[(source, interpret)] = import_kernel_file(
             path, f"flexlite_kernels.{path.stem}", interpret)
         if os.environ.get("FLEXLITE_SHOW_KERNELS", "0") not in ("", "0"):

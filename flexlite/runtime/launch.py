@@ -242,6 +242,9 @@ def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
 # (benchmarks/probe_gluon.py on an H200, NOTES 36, 38)
 WS_BLOCK_M = 128
 WS_TILES = {64: dict(BLOCK_N=128, STAGES=2, CONSUMER_REGS=232), 128: dict(BLOCK_N=128, STAGES=2, CONSUMER_REGS=240)}
+# the warp-specialized forward's tensor descriptors made on the host where the inputs allow (contiguous, lengths
+# multiples of the tiles); False: always per (z, head) on the device
+WS_HOST_DESCRIPTORS = True
 # where flex_attention takes the warp-specialized forward unless kernel_options WARP_SPECIALIZE says: head dims, and
 # the fewest keys a q block walks on average (H200, benchmarks/probe_ws.py, NOTES 38: faster at D128 on walks of
 # 2048+ keys, slower on the 1024 sliding window and 8-document masks and at D64)
@@ -305,14 +308,28 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
     out = torch.empty((B, Hq, Lq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
     blocks, block_strides, has_full = _kv_block_args(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
-    _ensure_allocator()  # the kernel makes its tensor descriptors on the device
     tiles = WS_TILES[D]
+    host_desc = (WS_HOST_DESCRIPTORS and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+                 and Lq % WS_BLOCK_M == 0 and Lkv % tiles["BLOCK_N"] == 0 and max(q.numel(), k.numel()) // D < 2**31)
+    if host_desc:  # over [Z * H * LEN, D] views: a head's tiles never cross into the next head's rows
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+        dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+        rows = {WS_BLOCK_M // 2: gl.NVMMASharedLayout.get_default_for([WS_BLOCK_M // 2, D], dtype),
+                tiles["BLOCK_N"]: gl.NVMMASharedLayout.get_default_for([tiles["BLOCK_N"], D], dtype)}
+        descs = [TensorDescriptor.from_tensor(t.view(-1, D), [n, D], rows[n])
+                 for t, n in ((q, WS_BLOCK_M // 2), (k, tiles["BLOCK_N"]), (v, tiles["BLOCK_N"]),
+                              (out, WS_BLOCK_M // 2))]
+    else:
+        _ensure_allocator()  # the kernel makes its tensor descriptors on the device
+        descs = [None] * 4
     module.flex_fwd_ws_kernel[(cdiv(Lq, WS_BLOCK_M), B * Hq)](
-        q, k, v, out, lse, *blocks, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        q, k, v, out, *descs, lse, *blocks, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         *block_strides, Hq, Hq // Hkv, Lq, Lkv, float(scale), *scalars_to(mod_args, q.device),
         BLOCK_M=WS_BLOCK_M, D=D, SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1],
         EVEN_M=Lq % WS_BLOCK_M == 0, EVEN_N=Lkv % sparse_block[1] == 0, HAS_FULL_BLOCKS=has_full,
-        HAS_SCORE_MOD=has_score_mod, REVERSE_M=REVERSE_Q_BLOCKS, DENSE=dense, PINGPONG=True, **tiles, num_warps=4)
+        HAS_SCORE_MOD=has_score_mod, REVERSE_M=REVERSE_Q_BLOCKS, DENSE=dense, PINGPONG=True, HOST_DESC=host_desc,
+        **tiles, num_warps=4)
     return out, lse
 
 
