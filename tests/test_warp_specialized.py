@@ -47,9 +47,11 @@ def test_forcing_it_where_it_cannot_run_says_what_is_missing():
 def _spec(shape, dtype=torch.bfloat16, stride=None):
     """A stand-in CUDA tensor for ws_forward_unmet (which reads shape, dtype, strides and the address)."""
     stride = stride or torch.empty(shape, device="meta").stride()
+    contiguous = tuple(stride) == torch.empty(shape, device="meta").stride()
     return types.SimpleNamespace(shape=shape, dtype=dtype, is_cuda=True, device=torch.device("cuda", 0),
                                  stride=lambda *i: stride[i[0]] if i else stride, data_ptr=lambda: 1 << 20,
-                                 element_size=lambda: 2 if dtype != torch.float32 else 4)
+                                 element_size=lambda: 2 if dtype != torch.float32 else 4,
+                                 is_contiguous=lambda: contiguous)
 
 
 @pytest.mark.parametrize("q, k, v, sparse, reason", [
@@ -89,12 +91,15 @@ def test_flex_attention_picks_it_only_where_it_can_run_measured_faster_and_was_n
     assert not pick(WARP_SPECIALIZE=False) and not pick(BLOCK_M=64) and not pick(AUTOTUNE=True)
     assert not pick(Lq=16) and pick(Lq=16, DECODE=False)  # few queries: the decode kernel, unless DECODE=False
     assert pick(Lq=16, WARP_SPECIALIZE=True)
-    assert not pick(Lkv=1024) and pick(Lkv=launch.WS_MIN_WALK_KEYS)  # short walks measured slower
-    causal = create_block_mask(CATALOG["causal"](1, 1, 8192, 8192, DEVICE).mask_mod, None, None, 8192, 8192,
-                               device=DEVICE)
-    window = create_block_mask(CATALOG["sliding_window"](1, 1, 8192, 8192, DEVICE, window=1000).mask_mod, None,
-                               None, 8192, 8192, device=DEVICE)
-    assert pick(Lq=8192, Lkv=8192, block_mask=causal) and not pick(Lq=8192, Lkv=8192, block_mask=window)
+    # descriptors made on the host (contiguous, lengths multiples of 128): any walk; else only long walks, which
+    # amortize the per-program set-up
+    assert pick(Lkv=1024) and not pick(Lkv=1000) and pick(Lkv=launch.WS_MIN_WALK_KEYS + 100)
+    L = 8000
+    causal = create_block_mask(CATALOG["causal"](1, 1, L, L, DEVICE).mask_mod, None, None, L, L, device=DEVICE)
+    window = create_block_mask(CATALOG["sliding_window"](1, 1, L, L, DEVICE, window=1000).mask_mod, None, None, L,
+                               L, device=DEVICE)
+    assert pick(Lq=L, Lkv=L, block_mask=causal) and not pick(Lq=L, Lkv=L, block_mask=window)
+    assert pick(Lq=8192, Lkv=8192, block_mask=window)  # with host descriptors
     with pytest.raises(NotImplementedError, match="needs x"):
         pick(D=96, WARP_SPECIALIZE=True)
 

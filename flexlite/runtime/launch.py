@@ -245,9 +245,10 @@ WS_TILES = {64: dict(BLOCK_N=128, STAGES=2, CONSUMER_REGS=232), 128: dict(BLOCK_
 # the warp-specialized forward's tensor descriptors made on the host where the inputs allow (contiguous, lengths
 # multiples of the tiles); False: always per (z, head) on the device
 WS_HOST_DESCRIPTORS = True
-# where flex_attention takes the warp-specialized forward unless kernel_options WARP_SPECIALIZE says: head dims, and
-# the fewest keys a q block walks on average (H200, benchmarks/probe_ws.py, NOTES 38: faster at D128 on walks of
-# 2048+ keys, slower on the 1024 sliding window and 8-document masks and at D64)
+# where flex_attention takes the warp-specialized forward unless kernel_options WARP_SPECIALIZE says (H200,
+# benchmarks/probe_ws.py, NOTES 38): head dims (D128: 7-15 % faster on every harness mask with host descriptors; D64:
+# at best even), and, where its descriptors are made on the device, the fewest keys a q block must walk on average
+# (faster from 2048, slower on the 1024 sliding window and 8-document masks)
 WS_DEFAULT_HEAD_DIMS = frozenset({128})
 WS_MIN_WALK_KEYS = 2048
 
@@ -287,6 +288,16 @@ def is_compile_error(e: BaseException) -> bool:
         s in str(e) for s in ("PassManager", "PTXAS", "ptxas")))
 
 
+def ws_host_descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the warp-specialized forward's tensor descriptors can be made on the host, over [Z * H * LEN, D]
+    views (no per-program set-up on the device, NOTES 38): contiguous inputs whose lengths are multiples of the
+    tiles (so a head's tiles never reach into the next head's rows), rows countable in 32 bits."""
+    D = q.shape[-1]
+    return (WS_HOST_DESCRIPTORS and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+            and q.shape[-2] % WS_BLOCK_M == 0 and k.shape[-2] % WS_TILES[D]["BLOCK_N"] == 0
+            and max(math.prod(q.shape), math.prod(k.shape)) // D < 2**31)
+
+
 def _kv_block_args(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices) -> tuple:
     """The forward kernels' block-list arguments: contiguous tensors (the partial ones stand in for absent full
     ones) and their strides; and whether there are full blocks."""
@@ -309,8 +320,7 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
     lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
     blocks, block_strides, has_full = _kv_block_args(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
     tiles = WS_TILES[D]
-    host_desc = (WS_HOST_DESCRIPTORS and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
-                 and Lq % WS_BLOCK_M == 0 and Lkv % tiles["BLOCK_N"] == 0 and max(q.numel(), k.numel()) // D < 2**31)
+    host_desc = ws_host_descriptors(q, k, v)
     if host_desc:  # over [Z * H * LEN, D] views: a head's tiles never cross into the next head's rows
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
