@@ -231,7 +231,8 @@ def _generate(score_mod, block_mask, device: torch.device, template: str = "fwd.
     return generate(template, score_mod, mask_mod, interpret=device.type != "cuda", float_index=float_index)
 
 
-_PASSES = {"forward": "fwd.py.jinja", "decode": "decode.py.jinja", "backward": "bwd.py.jinja"}
+_PASSES = {"forward": "fwd.py.jinja", "forward_ws": "fwd_ws.py.jinja", "decode": "decode.py.jinja",
+           "backward": "bwd.py.jinja"}
 
 
 def kernel_source(score_mod: Optional[Callable] = None, block_mask=None, *, device=None,
@@ -239,7 +240,8 @@ def kernel_source(score_mod: Optional[Callable] = None, block_mask=None, *, devi
     """The generated Triton source flex_attention runs for these mods (also written to the kernel cache;
     ``FLEXLITE_SHOW_KERNELS=1`` prints each kernel as it is first loaded).
 
-    ``kernel``: ``"forward"``, ``"decode"`` (queries <= 64) or ``"backward"`` (without captured-tensor
+    ``kernel``: ``"forward"``, ``"forward_ws"`` (the warp-specialized Gluon forward flex_attention runs on Hopper
+    where it can: CUDA only), ``"decode"`` (queries <= 64) or ``"backward"`` (without captured-tensor
     gradients). ``device`` picks the CUDA or the interpreter (CPU) variant; by default the block mask's
     device, else CUDA when available.
     """
@@ -257,6 +259,9 @@ def kernel_source(score_mod: Optional[Callable] = None, block_mask=None, *, devi
     if device is None and block_mask is not None:
         device = block_mask.kv_num_blocks.device
     device = check_device("kernel_source", device, available=False)  # CUDA source can be read without a GPU
+    if kernel == "forward_ws" and device.type != "cuda":
+        raise ValueError(f"kernel_source: the warp-specialized forward (kernel='forward_ws') has a CUDA variant only "
+                         f"(Triton's interpreter cannot run Gluon); got device={str(device)!r}: pass device='cuda'")
     if kernel == "backward":
         mask_mod = block_mask.mask_mod if block_mask is not None else None
         return generate_backward(score_mod, mask_mod, interpret=device.type != "cuda").source

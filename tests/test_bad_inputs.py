@@ -470,6 +470,10 @@ def test_reference_and_kernel_source(name):
 
 def test_kernel_source_for_cuda_needs_no_gpu():
     assert "def flex_fwd_kernel(" in kernel_source(device="cuda")
+    ws = kernel_source(device="cuda", kernel="forward_ws")  # the Gluon forward flex_attention runs on Hopper
+    assert "def flex_fwd_ws_kernel(" in ws and "gl.warp_specialize" in ws
+    with pytest.raises(ValueError, match="kernel='forward_ws'.* CUDA variant only.*pass device='cuda'"):
+        kernel_source(device="cpu", kernel="forward_ws")
 
 
 # ----------------------------------------------------------------------------------------------
