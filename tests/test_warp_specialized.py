@@ -12,10 +12,10 @@ import types
 import pytest
 import torch
 
-from catalog import CATALOG, USES_BH
+from catalog import CATALOG
 from flexlite import attention_reference, create_block_mask, flex_attention
 from flexlite.runtime import launch
-from helpers import DEVICE, LSE_TOLERANCES, TOLERANCES, assert_close, rand_qkv
+from helpers import DEVICE, TOLERANCES, assert_close, rand_qkv
 
 ON_HOPPER = DEVICE == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
@@ -163,19 +163,9 @@ if ON_HOPPER:
     @pytest.mark.parametrize("shape", WS_SHAPES)
     @pytest.mark.parametrize("name", WS_CATALOG)
     def test_matches_the_reference(name, shape, dtype):
-        B, Hq, Hkv, Lq, Lkv, D = shape
-        case = CATALOG[name](B, Hq, Lq, Lkv, DEVICE)
-        q, k, v = rand_qkv(B, Hq, Hkv, Lq, Lkv, D, dtype=dtype, seed=hash((name, shape)) % 1000)
-        bm = None
-        if case.mask_mod is not None:
-            mb, mh = (B, Hq) if name in USES_BH else (None, None)
-            bm = create_block_mask(case.mask_mod, mb, mh, Lq, Lkv, device=DEVICE, BLOCK_SIZE=(128, 128))
-        out, lse = flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm, enable_gqa=Hq != Hkv,
-                                  return_lse=True, kernel_options={"WARP_SPECIALIZE": True})
-        ref_out, ref_lse = attention_reference(q, k, v, score_mod=case.score_mod, block_mask=bm,
-                                               enable_gqa=Hq != Hkv)
-        assert_close(out, ref_out, *TOLERANCES[dtype], name=f"{name} out")
-        assert_close(lse, ref_lse, *LSE_TOLERANCES[dtype], name=f"{name} lse")
+        from test_flex_attention import run_case
+
+        run_case(name, shape, dtype, kernel_options={"WARP_SPECIALIZE": True})
 
     @pytest.mark.parametrize("block_size", [(256, 128), (128, 256)], ids=str)
     def test_larger_sparse_blocks(block_size):
