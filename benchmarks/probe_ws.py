@@ -5,7 +5,8 @@ reference (bf16). NOTES 36 measured the unmasked form of this schedule standalon
 the kernel flex_attention runs, with the block walk and the mods. Prints a table; benchmarks/NOTES.md (38) records
 what it showed.
 
-Usage: python benchmarks/probe_ws.py [mask,mask,...] [D,D,...]"""
+Usage: python benchmarks/probe_ws.py [mask,mask,...] [D,D,...] [--stages 2,3]   (--stages: the K / V ring depths
+to compare, descriptors made on the host)"""
 
 import sys
 
@@ -21,31 +22,37 @@ MASKS = ["full", "causal", "sliding_window_1024", "prefix_lm_2048", "document_8_
 
 
 def main():
-    masks = sys.argv[1].split(",") if len(sys.argv) > 1 else MASKS
-    dims = [int(d) for d in sys.argv[2].split(",")] if len(sys.argv) > 2 else [128, 64]
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    masks = args[0].split(",") if args else MASKS
+    dims = [int(d) for d in args[1].split(",")] if len(args) > 1 else [128, 64]
+    stages = [int(s) for s in sys.argv[sys.argv.index("--stages") + 1].split(",")] if "--stages" in sys.argv else []
     rows = []
-    heuristic, host = flexlite.api._warp_specialize, launch.WS_HOST_DESCRIPTORS
-    # the Triton forward; the warp-specialized one with descriptors made per program on the device; with
-    # descriptors made on the host (the harness's inputs are contiguous and its lengths multiples of the tiles)
-    variants = [(False, False), (True, False), (True, True)]
+    heuristic, host, tiles = flexlite.api._warp_specialize, launch.WS_HOST_DESCRIPTORS, launch.WS_TILES
+    # (label, warp-specialized, host descriptors, K / V ring stages): the Triton forward; the warp-specialized one
+    # with descriptors made per program on the device, and made on the host (the harness's inputs are contiguous and
+    # its lengths multiples of the tiles); with --stages, the host-descriptor form at each ring depth instead
+    variants = [("Triton", False, False, None)] + (
+        [(f"ws {n} stages", True, True, n) for n in stages] if stages else
+        [("ws, device desc.", True, False, None), ("ws, host desc.", True, True, None)])
     for D, q, k, v, case, bm in probe_cases(masks, dims, requires_grad=False):
         row = [case.name, f"D{D}"]
         outs = []
-        for ws, host_desc in variants:
+        for _, ws, host_desc, n in variants:
             flexlite.api._warp_specialize = lambda *args, ws=ws: ws
             launch.WS_HOST_DESCRIPTORS = host_desc
+            launch.WS_TILES = {d: dict(t, STAGES=n or t["STAGES"]) for d, t in tiles.items()}
             err = check_against_reference(case, D, "cuda", backward=False)
             fwd = lambda: flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm)  # noqa: E731
             outs.append(fwd())
             row += [f"{max(err.values()):.1e}", round(_median_ms(fwd), 3)]
-        row += [f"{max(float((o.float() - outs[0].float()).abs().max()) for o in outs[1:]):.1e}",
-                round(row[3] / row[5], 3), round(row[3] / row[7], 3)]
+        row.append(f"{max(float((o.float() - outs[0].float()).abs().max()) for o in outs[1:]):.1e}")
+        row += [round(row[3] / row[5 + 2 * i], 3) for i in range(len(variants) - 1)]
         rows.append(row)
         print(row, flush=True)
-    flexlite.api._warp_specialize, launch.WS_HOST_DESCRIPTORS = heuristic, host
-    print(tabulate(rows, headers=["mask", "D", "max err (Triton)", "fwd ms", "max err (ws, device desc.)", "fwd ms",
-                                  "max err (ws, host desc.)", "fwd ms", "max |ws - Triton|", "speedup (device desc.)",
-                                  "speedup (host desc.)"], tablefmt="github"))
+    flexlite.api._warp_specialize, launch.WS_HOST_DESCRIPTORS, launch.WS_TILES = heuristic, host, tiles
+    headers = ["mask", "D"] + [h for label, *_ in variants for h in (f"max err ({label})", "fwd ms")]
+    print(tabulate(rows, headers=headers + ["max |ws - Triton|"] + [f"speedup ({label})" for label, *_ in
+                                                                    variants[1:]], tablefmt="github"))
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def _offline():
 def _facts(kernel, offline) -> dict:
     """What the tests check of a compiled kernel: its name, PTX markers and ptxas's report."""
     ptx = kernel.asm["ptx"]
-    return dict(name=kernel.name, report=offline.ptxas_report(ptx),
+    return dict(name=kernel.name, report=offline.ptxas_report(ptx), shared=kernel.metadata.shared,
                 ptx={marker: marker in ptx for marker in ("wgmma", "wgmma.mma_async", "cp.async.bulk.tensor",
                                                           "mbarrier", "setmaxnreg", "tensormap.replace")})
 
@@ -131,3 +131,5 @@ def test_warp_specialized_forward_compiles_for_sm90(case):
     # (z, head) on the device (tensormap.replace: the per-program set-up that host descriptors avoid)
     assert ptx["tensormap.replace"] == (Lq % 128 != 0 or Lkv % 128 != 0)
     assert 0 < facts["report"]["regs"] <= 255 and facts["report"]["HGMMA"] > 0
+    # its K / V ring (three stages at D128) and Q / OUT staging fit in what a Hopper block may have (227 KB)
+    assert facts["shared"] <= 232448

@@ -239,9 +239,10 @@ def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
 
 # the warp-specialized forward (fwd_ws.py.jinja, Gluon, Hopper): 128 query rows per program (two consumer warpgroups),
 # keys per tile, K / V ring stages and the second consumer warpgroup's registers, per head dim
-# (benchmarks/probe_gluon.py on an H200, NOTES 36, 38)
+# (benchmarks/probe_gluon.py and probe_ws.py on an H200, NOTES 36, 38, 39: three stages at D128 fit once OUT is staged in
+# Q's buffer, and measured 7-11 % faster than two)
 WS_BLOCK_M = 128
-WS_TILES = {64: dict(BLOCK_N=128, STAGES=2, CONSUMER_REGS=232), 128: dict(BLOCK_N=128, STAGES=2, CONSUMER_REGS=240)}
+WS_TILES = {64: dict(BLOCK_N=128, STAGES=2, CONSUMER_REGS=232), 128: dict(BLOCK_N=128, STAGES=3, CONSUMER_REGS=240)}
 # the warp-specialized forward's tensor descriptors made on the host where the inputs allow (contiguous, lengths
 # multiples of the tiles); False: always per (z, head) on the device
 WS_HOST_DESCRIPTORS = True
