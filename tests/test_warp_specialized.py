@@ -75,6 +75,15 @@ def test_requirements(monkeypatch, q, k, v, sparse, reason):
     assert "Hopper" in launch.ws_forward_unmet(q, k, v, sparse)
 
 
+def test_gluon_is_looked_for_name_by_name(monkeypatch):
+    """A Triton without the Gluon names the kernel uses (older, or renamed in a newer one) means the Triton forward."""
+    assert launch._gluon_available.__wrapped__()  # Triton 3.6, as pinned
+    monkeypatch.setattr(launch, "_GLUON_NEEDS", launch._GLUON_NEEDS + (("triton.experimental.gluon", ("gone",)),))
+    assert not launch._gluon_available.__wrapped__()
+    monkeypatch.setattr(launch, "_GLUON_NEEDS", (("triton.experimental.no_such_module", ("jit",)),))
+    assert not launch._gluon_available.__wrapped__()
+
+
 def test_flex_attention_picks_it_only_where_it_can_run_measured_faster_and_was_not_told_otherwise(monkeypatch):
     import flexlite.api as api
 

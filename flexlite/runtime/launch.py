@@ -254,13 +254,25 @@ WS_DEFAULT_HEAD_DIMS = frozenset({128})
 WS_MIN_WALK_KEYS = 2048
 
 
+# what fwd_ws.py.jinja and launch_forward_ws use of Gluon (Triton 3.6's names): where one is missing (an older or
+# a newer Triton), flex_attention runs the Triton forward instead
+_GLUON_NEEDS = (
+    ("triton.experimental.gluon", ("jit",)),
+    ("triton.experimental.gluon.language", ("warp_specialize", "NVMMADistributedLayout", "NVMMASharedLayout",
+                                            "DotOperandLayout", "SliceLayout", "allocate_shared_memory")),
+    ("triton.experimental.gluon.language.nvidia.hopper", ("fence_async_shared", "mbarrier", "tma", "warpgroup_mma",
+                                                          "warpgroup_mma_wait")),
+    ("triton.experimental.gluon.nvidia.hopper", ("TensorDescriptor",)),
+)
+
+
 @functools.lru_cache(maxsize=1)
 def _gluon_available() -> bool:
+    import importlib
     try:
-        from triton.experimental.gluon.language.nvidia.hopper import tma  # noqa: F401
+        return all(hasattr(importlib.import_module(module), name) for module, names in _GLUON_NEEDS for name in names)
     except ImportError:
         return False
-    return True
 
 
 def ws_forward_unmet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sparse_block: tuple) -> Optional[str]:
