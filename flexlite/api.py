@@ -275,8 +275,9 @@ def kernel_path(score_mod: Optional[Callable] = None, block_mask=None, *, device
     return str(write_source(kernel_source(score_mod, block_mask, device=device, kernel=kernel)))
 
 
-# warp-specialized forward sources that Triton's Gluon compiler failed on (Triton 3.6 fails, for one, on a score_mod
-# that gathers a whole tile from a captured tensor, bias[h, q_idx, kv_idx]): their mods run the Triton forward
+# warp-specialized forward sources that Triton failed to compile (Triton 3.6's Gluon lowering fails, for one, on a
+# score_mod that gathers a whole tile from a captured tensor, bias[h, q_idx, kv_idx]) or to fit in this GPU's shared
+# memory: their mods run the Triton forward
 _WS_UNCOMPILABLE: set = set()
 
 
@@ -315,8 +316,8 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options):
             if not is_compile_error(e):
                 raise
             if options.get("WARP_SPECIALIZE"):
-                raise NotImplementedError(f"flex_attention: kernel_options WARP_SPECIALIZE=True, but Triton's Gluon "
-                                          f"compiler fails on the warp-specialized forward with these mods "
+                raise NotImplementedError(f"flex_attention: kernel_options WARP_SPECIALIZE=True, but Triton cannot "
+                                          f"compile or fit the warp-specialized forward with these mods on this GPU "
                                           f"({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}); leave "
                                           f"WARP_SPECIALIZE unset to run the Triton forward") from e
             _WS_UNCOMPILABLE.add(kernel.source)  # Triton's forward from now on (see the check above)

@@ -295,9 +295,11 @@ def ws_forward_unmet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sparse_b
 
 
 def is_compile_error(e: BaseException) -> bool:
-    """Whether ``e`` is Triton failing to compile a kernel (its front end, an MLIR pass, or ptxas)."""
+    """Whether ``e`` is Triton failing to compile a kernel (its front end, an MLIR pass, or ptxas) or to fit it on
+    this GPU (shared memory: the warp-specialized forward's three stages need 224 KB at D128)."""
     from triton.compiler.errors import CompilationError
-    return isinstance(e, CompilationError) or (isinstance(e, RuntimeError) and any(
+    from triton.runtime.errors import OutOfResources
+    return isinstance(e, (CompilationError, OutOfResources)) or (isinstance(e, RuntimeError) and any(
         s in str(e) for s in ("PassManager", "PTXAS", "ptxas")))
 
 
