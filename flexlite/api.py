@@ -471,7 +471,7 @@ def _warp_specialize(query, key, value, block_mask, num_blocks, sparse, options)
     if (unmet or query.shape[-1] not in WS_DEFAULT_HEAD_DIMS or autotune_enabled(options)
             or any(k in options for k in CONFIG_KEYS) or _decode_rows(query, key, num_blocks, sparse, options)):
         return False
-    if ws_host_descriptors(query, key, value):
+    if ws_host_descriptors(query, key, value, sparse):
         return True
     walk = _mean_walk_keys(block_mask, key.shape[2])
     return walk is not None and walk >= WS_MIN_WALK_KEYS

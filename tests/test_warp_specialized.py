@@ -84,6 +84,20 @@ def test_gluon_is_looked_for_name_by_name(monkeypatch):
     assert not launch._gluon_available.__wrapped__()
 
 
+@pytest.mark.parametrize("Lq, Lkv, sparse, contiguous, host", [
+    (256, 384, (128, 128), True, True),
+    (256, 384, (128, 256), True, False),  # the walk's last block would reach into the next head's keys
+    (200, 384, (128, 128), True, False),  # the last program's rows would
+    (256, 320, (128, 128), True, False),  # the last key tile would
+    (256, 384, (128, 128), False, False),  # not one [Z * H * LEN, D] view
+])
+def test_descriptors_are_made_on_the_host_only_where_no_tile_leaves_its_head(Lq, Lkv, sparse, contiguous, host):
+    stride = None if contiguous else (384 * 2 * 128, 128, 2 * 128, 1)  # [Z, L, H, D] storage
+    q = _spec((1, 2, Lq, 128))
+    k = _spec((1, 2, Lkv, 128), stride=stride)
+    assert launch.ws_host_descriptors(q, k, k, sparse) == host
+
+
 def test_flex_attention_picks_it_only_where_it_can_run_measured_faster_and_was_not_told_otherwise(monkeypatch):
     import flexlite.api as api
 

@@ -303,14 +303,16 @@ def is_compile_error(e: BaseException) -> bool:
         s in str(e) for s in ("PassManager", "PTXAS", "ptxas")))
 
 
-def ws_host_descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+def ws_host_descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sparse_block: tuple) -> bool:
     """Whether the warp-specialized forward's tensor descriptors can be made on the host, over [Z * H * LEN, D]
-    views (no per-program set-up on the device, NOTES 38): contiguous inputs whose lengths are multiples of the
-    tiles (so a head's tiles never reach into the next head's rows), rows countable in 32 bits."""
+    views (no per-program set-up on the device, NOTES 38): contiguous inputs, rows countable in 32 bits, and a
+    query length that is a multiple of the program's rows and a key length that is a multiple of the walk's sparse
+    blocks (which it walks whole), so that no tile reaches into the next head's rows (its keys would be masked, but
+    0 x a NaN or inf there is NaN)."""
     D = q.shape[-1]
     return (WS_HOST_DESCRIPTORS and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
             and q.shape[-2] % WS_BLOCK_M == 0 and k.shape[-2] % WS_TILES[D]["BLOCK_N"] == 0
-            and max(math.prod(q.shape), math.prod(k.shape)) // D < 2**31)
+            and k.shape[-2] % sparse_block[1] == 0 and max(math.prod(q.shape), math.prod(k.shape)) // D < 2**31)
 
 
 def _kv_block_args(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices) -> tuple:
@@ -335,7 +337,7 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
     lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
     blocks, block_strides, has_full = _kv_block_args(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
     tiles = WS_TILES[D]
-    host_desc = ws_host_descriptors(q, k, v)
+    host_desc = ws_host_descriptors(q, k, v, sparse_block)
     if host_desc:  # over [Z * H * LEN, D] views: a head's tiles never cross into the next head's rows
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
