@@ -117,10 +117,7 @@ def _lang_swaps() -> list:
         from triton.runtime.interpreter import InterpretedFunction
         from triton.runtime.jit import JITFunction
 
-        try:  # the launcher imports gluon lazily, which insists on un-swapped helpers: import it now
-            import triton.experimental.gluon  # noqa: F401
-        except ImportError:
-            pass
+        _import_gluon()  # the launcher imports gluon lazily, which insists on un-swapped helpers: import it now
         modules = {tl, tl.core, tl.standard, tl.math}
         for mod in modules:
             for name, value in list(vars(mod).items()):

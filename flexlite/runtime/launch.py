@@ -325,6 +325,13 @@ def _kv_block_args(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indice
     return tensors, (*_mask_strides(tensors[0]), *_mask_strides(tensors[1])), has_full
 
 
+@functools.lru_cache(maxsize=None)
+def _ws_smem_layout(rows: int, D: int, dtype: torch.dtype):
+    """The shared-memory layout of a [rows, D] tile, as the kernel allocates it (per call it costs host time)."""
+    from triton.experimental.gluon import language as gl
+    return gl.NVMMASharedLayout.get_default_for([rows, D], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
 def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
                       full_kv_num_blocks: Optional[torch.Tensor], full_kv_indices: Optional[torch.Tensor],
                       sparse_block: tuple, scale: float, has_score_mod: bool, dense: bool = False):
@@ -339,14 +346,10 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
     tiles = WS_TILES[D]
     host_desc = ws_host_descriptors(q, k, v, sparse_block)
     if host_desc:  # over [Z * H * LEN, D] views: a head's tiles never cross into the next head's rows
-        from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-        dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-        rows = {WS_BLOCK_M // 2: gl.NVMMASharedLayout.get_default_for([WS_BLOCK_M // 2, D], dtype),
-                tiles["BLOCK_N"]: gl.NVMMASharedLayout.get_default_for([tiles["BLOCK_N"], D], dtype)}
-        descs = [TensorDescriptor.from_tensor(t.view(-1, D), [n, D], rows[n])
-                 for t, n in ((q, WS_BLOCK_M // 2), (k, tiles["BLOCK_N"]), (v, tiles["BLOCK_N"]),
-                              (out, WS_BLOCK_M // 2))]
+        descs = [TensorDescriptor.from_tensor(t.view(-1, D), [rows, D], _ws_smem_layout(rows, D, q.dtype))
+                 for t, rows in ((q, WS_BLOCK_M // 2), (k, tiles["BLOCK_N"]), (v, tiles["BLOCK_N"]),
+                                 (out, WS_BLOCK_M // 2))]
     else:
         _ensure_allocator()  # the kernel makes its tensor descriptors on the device
         descs = [None] * 4
@@ -355,7 +358,7 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
         *block_strides, Hq, Hq // Hkv, Lq, Lkv, float(scale), *scalars_to(mod_args, q.device),
         BLOCK_M=WS_BLOCK_M, D=D, SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1],
         EVEN_M=Lq % WS_BLOCK_M == 0, EVEN_N=Lkv % sparse_block[1] == 0, HAS_FULL_BLOCKS=has_full,
-        HAS_SCORE_MOD=has_score_mod, REVERSE_M=REVERSE_Q_BLOCKS, DENSE=dense, PINGPONG=True, HOST_DESC=host_desc,
+        HAS_SCORE_MOD=has_score_mod, REVERSE_M=REVERSE_Q_BLOCKS, DENSE=dense, HOST_DESC=host_desc,
         **tiles, num_warps=4)
     return out, lse
 
