@@ -169,6 +169,27 @@ def compile_backward(score_mod, block_mask, D: int, config, use_tma: bool = Fals
     return {ck.name: ck for ck in compiled}
 
 
+def compile_backward_ws(score_mod, block_mask, D: int, L: int = 1024, dtype=torch.bfloat16,
+                        heads: tuple = (2, 2)) -> dict:
+    """The compiled backward kernels (name -> kernel) with the warp-specialized (Gluon) dK / dV kernel, for these
+    mods at head dim ``D``, ``L`` queries and keys, ``heads`` = (query heads, kv heads)."""
+    q, out, grad_out = [torch.randn(1, heads[0], L, D, dtype=dtype) for _ in range(3)]
+    k, v = [torch.randn(1, heads[1], L, D, dtype=dtype) for _ in range(2)]
+    lse = torch.randn(1, heads[0], L)
+    mask_mod = block_mask.mask_mod if block_mask is not None else None
+    kernel = generate_backward(score_mod, mask_mod, interpret=False)
+    ws_kernel = generate_backward(score_mod, mask_mod, interpret=False, template="bwd_ws.py.jinja")
+    module, ws_module = (load_module(k.source, interpret=False) for k in (kernel, ws_kernel))
+    *kv_blocks, sparse = _block_tensors(block_mask, L, L, torch.device("cpu"))
+    q_blocks = _q_block_tensors(block_mask, L, L, torch.device("cpu"))
+    config = launch.BackwardTileConfig(64, 64, 64, 64, 4, 2)  # the dQ kernel's (the CUDA defaults at D128)
+    with offline_cuda() as compiled:
+        launch.launch_backward(module, kernel.mod_args(), kernel.grad_args([]), q, k, v, out, lse, grad_out, None,
+                               tuple(kv_blocks), q_blocks, sparse, D ** -0.5, kernel.has_score_mod, config,
+                               pinned=True, dense=block_mask is None, ws_module=ws_module)
+    return {ck.name: ck for ck in compiled}
+
+
 def _softcap(score, b, h, q_idx, kv_idx):
     return 30.0 * torch.tanh(score / 30.0)
 

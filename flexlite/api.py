@@ -19,8 +19,9 @@ from .runtime.compile import load_module, write_source
 from .runtime.autotune import autotune_enabled
 from .runtime.launch import (BACKWARD_CONFIG_KEYS, CONFIG_KEYS, FLEXLITE_OPTIONS, TORCH_PERF_HINTS,
                              backward_config, cdiv, decode_rows, forward_config, head_dim_pad, is_host_scalar,
-                             launch_backward, launch_decode, launch_forward, launch_forward_ws, ws_forward_unmet,
-                             WS_DEFAULT_HEAD_DIMS, WS_MIN_WALK_KEYS, is_compile_error, ws_host_descriptors)
+                             launch_backward, launch_decode, launch_forward, launch_forward_ws, ws_backward_unmet,
+                             ws_forward_unmet, WS_BWD_DEFAULT_HEAD_DIMS, WS_DEFAULT_HEAD_DIMS, WS_MIN_WALK_KEYS,
+                             is_compile_error, ws_host_descriptors)
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -232,7 +233,7 @@ def _generate(score_mod, block_mask, device: torch.device, template: str = "fwd.
 
 
 _PASSES = {"forward": "fwd.py.jinja", "forward_ws": "fwd_ws.py.jinja", "decode": "decode.py.jinja",
-           "backward": "bwd.py.jinja"}
+           "backward": "bwd.py.jinja", "backward_ws": "bwd_ws.py.jinja"}
 
 
 def kernel_source(score_mod: Optional[Callable] = None, block_mask=None, *, device=None,
@@ -241,8 +242,8 @@ def kernel_source(score_mod: Optional[Callable] = None, block_mask=None, *, devi
     ``FLEXLITE_SHOW_KERNELS=1`` prints each kernel as it is first loaded).
 
     ``kernel``: ``"forward"``, ``"forward_ws"`` (the warp-specialized Gluon forward flex_attention runs on Hopper
-    where it can: CUDA only), ``"decode"`` (queries <= 64) or ``"backward"`` (without captured-tensor
-    gradients). ``device`` picks the CUDA or the interpreter (CPU) variant; by default the block mask's
+    where it can: CUDA only), ``"decode"`` (queries <= 64), ``"backward"`` (without captured-tensor
+    gradients) or ``"backward_ws"`` (the warp-specialized Gluon dK / dV kernel: CUDA only). ``device`` picks the CUDA or the interpreter (CPU) variant; by default the block mask's
     device, else CUDA when available.
     """
     if kernel not in _PASSES:
@@ -259,12 +260,12 @@ def kernel_source(score_mod: Optional[Callable] = None, block_mask=None, *, devi
     if device is None and block_mask is not None:
         device = block_mask.kv_num_blocks.device
     device = check_device("kernel_source", device, available=False)  # CUDA source can be read without a GPU
-    if kernel == "forward_ws" and device.type != "cuda":
-        raise ValueError(f"kernel_source: the warp-specialized forward (kernel='forward_ws') has a CUDA variant only "
+    if kernel.endswith("_ws") and device.type != "cuda":
+        raise ValueError(f"kernel_source: the warp-specialized kernels (kernel={kernel!r}) have a CUDA variant only "
                          f"(Triton's interpreter cannot run Gluon); got device={str(device)!r}: pass device='cuda'")
-    if kernel == "backward":
+    if kernel.startswith("backward"):
         mask_mod = block_mask.mask_mod if block_mask is not None else None
-        return generate_backward(score_mod, mask_mod, interpret=device.type != "cuda").source
+        return generate_backward(score_mod, mask_mod, interpret=device.type != "cuda", template=_PASSES[kernel]).source
     lengths = block_mask.seq_lengths if block_mask is not None else (0, 0)
     return _generate(score_mod, block_mask, device, _PASSES[kernel], _float_index(_PASSES[kernel], *lengths)).source
 
@@ -418,14 +419,28 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
     *kv_blocks, sparse = _block_tensors(block_mask, Lq, Lkv, query.device)
     q_blocks = _q_block_tensors(block_mask, Lq, Lkv, query.device)
     config = backward_config(query, value, sparse, options, gathers=bool(kernel.captured))
+    ws_module = None
+    if not (scatter or deterministic) and _warp_specialize_backward(query, key, value, sparse, options,
+                                                                    gathers=bool(kernel.captured)):
+        ws_kernel = generate_backward(score_mod, mask_mod, interpret=interpret, template="bwd_ws.py.jinja")
+        if ws_kernel.source not in _WS_UNCOMPILABLE:
+            ws_module = load_module(ws_kernel.source, interpret=interpret)
     buffers = [torch.zeros(t.shape, dtype=torch.float32, device=query.device) for t in scatter]
     ds = torch.zeros((B, Hq, Lq, Lkv), dtype=torch.float32, device=query.device) if deterministic else None
-    dq, dk, dv = launch_backward(
-        module, kernel.mod_args(), kernel.grad_args(buffers), query, key, value, out, lse, grad_out, grad_lse,
-        tuple(kv_blocks), q_blocks, sparse, scale, kernel.has_score_mod, config, need_dq=need_dq, ds=ds,
-        scatter_captured_grads=bool(scatter), pinned=any(k in options for k in BACKWARD_CONFIG_KEYS),
-        tune=autotune_enabled(options), dense=block_mask is None,
-        use_tma=_use_tma(options))
+
+    def run(ws_module):
+        return launch_backward(
+            module, kernel.mod_args(), kernel.grad_args(buffers), query, key, value, out, lse, grad_out, grad_lse,
+            tuple(kv_blocks), q_blocks, sparse, scale, kernel.has_score_mod, config, need_dq=need_dq, ds=ds,
+            scatter_captured_grads=bool(scatter), pinned=any(k in options for k in BACKWARD_CONFIG_KEYS),
+            tune=autotune_enabled(options), dense=block_mask is None, use_tma=_use_tma(options), ws_module=ws_module)
+    try:
+        dq, dk, dv = run(ws_module)
+    except Exception as e:  # noqa: BLE001 - only compiler failures of the warp-specialized kernel are handled
+        if ws_module is None or not is_compile_error(e):
+            raise
+        _WS_UNCOMPILABLE.add(ws_kernel.source)  # the Triton dK / dV kernel for these mods from now on
+        dq, dk, dv = run(None)
     if deterministic:
         wanted = iter(_captured_grads_from_ds(score_mod, query, key, scale, ds, want))
     else:
@@ -475,6 +490,21 @@ def _warp_specialize(query, key, value, block_mask, num_blocks, sparse, options)
         return True
     walk = _mean_walk_keys(block_mask, key.shape[2])
     return walk is not None and walk >= WS_MIN_WALK_KEYS
+
+
+def _warp_specialize_backward(query, key, value, sparse, options, gathers: bool) -> bool:
+    """Whether the backward's dK / dV run the warp-specialized Gluon kernel (bwd_ws.py.jinja), which needs what
+    :func:`launch.ws_backward_unmet` lists (otherwise the Triton kernel runs, also when forced: the forward's
+    requirements were checked when it ran). ``kernel_options`` ``WARP_SPECIALIZE=True`` takes it wherever it can
+    run, ``False`` refuses; unset, it runs at the head dims of ``launch.WS_BWD_DEFAULT_HEAD_DIMS`` unless a mod reads
+    captured tensors (``gathers``: ALiBi's slopes and the document mask's ids measured even or slower with it,
+    benchmarks/NOTES.md 40). Never with pinned backward tiles or autotuning. (Captured tensors that need gradients
+    take the Triton kernels before this is asked.)"""
+    want = options.get("WARP_SPECIALIZE")
+    if (want is False or autotune_enabled(options) or any(k in options for k in BACKWARD_CONFIG_KEYS)
+            or ws_backward_unmet(query, key, value, sparse) is not None):
+        return False
+    return bool(want) or (query.shape[-1] in WS_BWD_DEFAULT_HEAD_DIMS and not gathers)
 
 
 def _decode_rows(query, key, num_blocks, sparse, options) -> int:

@@ -472,8 +472,11 @@ def test_kernel_source_for_cuda_needs_no_gpu():
     assert "def flex_fwd_kernel(" in kernel_source(device="cuda")
     ws = kernel_source(device="cuda", kernel="forward_ws")  # the Gluon forward flex_attention runs on Hopper
     assert "def flex_fwd_ws_kernel(" in ws and "gl.warp_specialize" in ws
-    with pytest.raises(ValueError, match="kernel='forward_ws'.* CUDA variant only.*pass device='cuda'"):
-        kernel_source(device="cpu", kernel="forward_ws")
+    ws = kernel_source(device="cuda", kernel="backward_ws")  # the Gluon dK / dV kernel
+    assert "def flex_bwd_ws_dkdv_kernel(" in ws and "gl.warp_specialize" in ws
+    for kind in ("forward_ws", "backward_ws"):
+        with pytest.raises(ValueError, match=f"kernel='{kind}'.* CUDA variant only.*pass device='cuda'"):
+            kernel_source(device="cpu", kernel=kind)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ a template or lowering change that the interpreter accepts but the compiler reje
 condition, an op without a GPU lowering) would only show on the device. benchmarks/offline_compile.py compiles
 through the real launch path with a stand-in driver (Triton's CUDA backend and ptxas ship in its wheel); here a
 few forward and backward kernels go through it, with mods that exercise the paths that differ (dense walk, block
-walk, gathers, hoisting, the score_mod's derivative, the warp-specialized forward).
+walk, gathers, hoisting, the score_mod's derivative, the warp-specialized forward and dK / dV kernels).
 
 Each compile runs in a fresh Python process (:func:`_compiled`): Triton's interpreter patches triton.language while
 it runs a kernel, and a compile in a process where earlier interpreted launches left a patch in place fails in the
@@ -132,4 +132,32 @@ def test_warp_specialized_forward_compiles_for_sm90(case):
     assert ptx["tensormap.replace"] == (Lq % 128 != 0 or Lkv % 128 != 0)
     assert 0 < facts["report"]["regs"] <= 255 and facts["report"]["HGMMA"] > 0
     # its K / V ring (three stages at D128) and Q / OUT staging fit in what a Hopper block may have (227 KB)
+    assert facts["shared"] <= 232448
+
+
+# the warp-specialized (Gluon) dK / dV kernel: (score_mod, mask, head dim, (query heads, kv heads))
+BACKWARD_WS = {
+    "causal, softcap (its derivative), D128": (generate_tanh_softcap(30.0, approx=True), "causal", 128, (2, 2)),
+    "dense, GQA, D64": (None, "none", 64, (4, 2)),
+    "document (mask gathers), ALiBi (hoisted gather), D128": (generate_alibi_bias(2), "document", 128, (2, 1)),
+}
+
+
+def _compile_backward_ws(case: str) -> dict:
+    score_mod, mask, D, heads = BACKWARD_WS[case]
+    offline = _offline()
+    kernels = offline.compile_backward_ws(score_mod, _masks()[mask], D, L=L, heads=heads)
+    return {name: _facts(kernel, offline) for name, kernel in kernels.items()}
+
+
+@pytest.mark.parametrize("case", list(BACKWARD_WS))
+def test_warp_specialized_backward_compiles_for_sm90(case):
+    kernels = _compiled("backward_ws", case)
+    # the preprocess and dQ kernels are the Triton ones; dK / dV the Gluon kernel
+    assert set(kernels) == {"flex_bwd_preprocess_kernel", "flex_bwd_ws_dkdv_kernel", "flex_bwd_dq_kernel"}
+    facts = kernels["flex_bwd_ws_dkdv_kernel"]
+    ptx = facts["ptx"]
+    assert ptx["wgmma.mma_async"] and ptx["cp.async.bulk.tensor"] and ptx["mbarrier"] and ptx["setmaxnreg"]
+    assert not ptx["tensormap.replace"]  # its descriptors are always made on the host
+    assert 0 < facts["report"]["regs"] <= 255 and facts["report"]["HGMMA"] > 0
     assert facts["shared"] <= 232448

@@ -1,11 +1,14 @@
-"""The warp-specialized forward (fwd_ws.py.jinja: Triton's Gluon dialect, Hopper only).
+"""The warp-specialized forward (fwd_ws.py.jinja) and dK / dV kernel (bwd_ws.py.jinja): Triton's Gluon dialect,
+Hopper only.
 
 Everywhere: its options and requirements give typed errors that say what to change, and flex_attention takes it
 only where it can run. Its CUDA source compiles for sm_90a without a GPU in tests/test_gpu_compile.py. On a GPU
 (``FLEXLITE_TEST_DEVICE=cuda`` on a Hopper), forced with ``kernel_options={"WARP_SPECIALIZE": True}``, every
 catalog mod at even, ragged, cross-length and GQA shapes, non-contiguous inputs and a backward through it are
 checked against the fp64 reference; those tests are defined only where a Hopper GPU is present (the interpreter
-cannot run Gluon), and the rest of the GPU suite runs through it wherever flex_attention picks it."""
+cannot run Gluon), and the rest of the GPU suite runs through it wherever flex_attention picks it. The dK / dV
+kernel likewise: its requirements and when the backward takes it everywhere, and on a Hopper GPU the catalog's
+gradients through it with every output poisoned (NaN) before the run."""
 
 import types
 
@@ -172,6 +175,71 @@ def test_a_compiler_failure_falls_back_to_the_triton_forward_for_good(monkeypatc
         flex_attention(q, k, v, kernel_options={"WARP_SPECIALIZE": True})
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# the warp-specialized dK / dV kernel
+
+@pytest.mark.parametrize("q, kv, sparse, reason", [
+    (_spec((1, 2, 256, 128)), _spec((1, 2, 256, 128)), (128, 128), None),
+    (_spec((2, 4, 384, 64)), _spec((2, 2, 256, 64)), (128, 256), None),
+    (_spec((1, 2, 256, 64)), _spec((1, 2, 256, 64)), (64, 128), None),  # the forward's q block would be 128
+    (_spec((1, 2, 256, 128), torch.float32), _spec((1, 2, 256, 128), torch.float32), (128, 128),
+     "bfloat16 or float16"),
+    (_spec((1, 2, 256, 96)), _spec((1, 2, 256, 96)), (128, 128), "head dims"),
+    (_spec((1, 2, 256, 64)), _spec((1, 2, 256, 64)), (32, 128), "BLOCK_SIZE"),
+    (_spec((1, 2, 256, 64)), _spec((1, 2, 256, 64)), (128, 64), "BLOCK_SIZE"),
+    (_spec((1, 2, 200, 64)), _spec((1, 2, 256, 64)), (128, 128), "query length that is a multiple"),
+    (_spec((1, 2, 256, 64)), _spec((1, 2, 320, 64)), (128, 128), "key length that is a multiple"),
+    (_spec((1, 2, 256, 64)), _spec((1, 2, 256, 64), stride=(32768, 64, 128, 1)), (128, 128), "contiguous"),
+], ids=["even", "gqa-kv-block-256", "q-block-64", "fp32", "D96", "q-block-32", "kv-block-64", "ragged-q", "ragged-kv",
+        "non-contiguous"])
+def test_backward_requirements(monkeypatch, q, kv, sparse, reason):
+    monkeypatch.setattr(launch, "_device_facts", lambda device: (132, 9))
+    monkeypatch.setattr(launch, "_gluon_available", lambda: True)
+    unmet = launch.ws_backward_unmet(q, kv, kv, sparse)
+    assert unmet is None if reason is None else reason in unmet
+    monkeypatch.setattr(launch, "_device_facts", lambda device: (108, 8))
+    assert "Hopper" in launch.ws_backward_unmet(q, kv, kv, sparse)
+
+
+def test_the_backward_takes_it_where_it_can_run_and_was_measured_faster(monkeypatch):
+    import flexlite.api as api
+
+    monkeypatch.setattr(api, "ws_backward_unmet", lambda q, k, v, sparse: None if q.shape[-1] % 64 == 0 else "x")
+
+    def pick(D=128, gathers=False, **options):
+        q = _spec((1, 2, 256, D))
+        return api._warp_specialize_backward(q, q, q, (128, 128), options, gathers)
+    assert pick() and pick(D=64)
+    assert not pick(D=96) and not pick(D=96, WARP_SPECIALIZE=True)  # cannot run: the Triton dK / dV kernel
+    assert not pick(gathers=True) and pick(gathers=True, WARP_SPECIALIZE=True)  # gathers measured no faster
+    assert not pick(WARP_SPECIALIZE=False) and not pick(AUTOTUNE=True) and not pick(BLOCK_M1=32)
+
+
+def test_a_backward_compiler_failure_falls_back_to_the_triton_kernel_for_good(monkeypatch):
+    """As the forward's: a mod the Gluon compiler rejects runs the Triton dK / dV kernel from then on."""
+    import flexlite.api as api
+    from test_backward import check_backward
+
+    calls = []
+    launch_backward, load_module = api.launch_backward, api.load_module
+
+    def failing(*args, ws_module=None, **kwargs):
+        if ws_module is not None:
+            calls.append(1)
+            raise RuntimeError("PassManager::run failed")
+        return launch_backward(*args, **kwargs)
+    monkeypatch.setattr(api, "launch_backward", failing)
+    monkeypatch.setattr(api, "_warp_specialize_backward", lambda *args, **kwargs: True)
+    # the interpreter cannot import a Gluon kernel: the launch above fails before it would run
+    monkeypatch.setattr(api, "load_module", lambda source, interpret: types.SimpleNamespace()
+                        if "flex_bwd_ws_dkdv_kernel" in source else load_module(source, interpret))
+    monkeypatch.setattr(api, "_WS_UNCOMPILABLE", set())
+    q, k, v = rand_qkv(1, 2, 2, 128, 128, 64, dtype=torch.float16, seed=3)
+    for _ in range(2):
+        check_backward(q, k, v, name="fallback")
+    assert len(calls) == 1
+
+
 if ON_HOPPER:
     # (B, Hq, Hkv, Lq, Lkv, D)
     WS_SHAPES = [
@@ -211,6 +279,56 @@ if ON_HOPPER:
         bm = create_block_mask(case.mask_mod, None, None, 256, 256, device=DEVICE)
         check_backward(q, k, v, score_mod=case.score_mod, block_mask=bm, name="ws alibi_causal",
                        kernel_options={"WARP_SPECIALIZE": True})
+
+    # (B, Hq, Hkv, Lq, Lkv, D): the dK / dV kernel's shapes (lengths multiples of the block mask's blocks)
+    WS_BWD_SHAPES = [
+        pytest.param((2, 2, 2, 256, 256, 128), id="B2-H2-L256-D128"),
+        pytest.param((1, 4, 2, 384, 256, 64), id="B1-H4-Hkv2-Lq384-Lkv256-D64-gqa"),
+        pytest.param((1, 3, 1, 128, 512, 128), id="B1-H3-Hkv1-Lq128-Lkv512-D128-mqa"),
+    ]
+
+    class _PoisonedTorch(types.ModuleType):
+        """torch for launch.py, whose torch.empty (every kernel output: out, lse, delta, dq, dk, dv) is NaN-filled."""
+
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty(*args, **kwargs):
+            t = torch.empty(*args, **kwargs)
+            return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    @pytest.fixture
+    def ws_backward(monkeypatch):
+        """The backward's dK / dV forced through the warp-specialized kernel, outputs poisoned; yields the list its
+        launches are counted in."""
+        import flexlite.api as api
+
+        ran, real = [], launch._launch_dkdv_ws
+        monkeypatch.setattr(launch, "torch", _PoisonedTorch("torch"))
+        monkeypatch.setattr(launch, "_launch_dkdv_ws", lambda *args, **kwargs: ran.append(1) or real(*args, **kwargs))
+        monkeypatch.setattr(api, "_warp_specialize_backward", lambda *args, **kwargs: True)
+        yield ran
+
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+    @pytest.mark.parametrize("shape", WS_BWD_SHAPES)
+    @pytest.mark.parametrize("name", sorted(CATALOG))
+    def test_backward_matches_the_reference(ws_backward, name, shape, dtype):
+        from test_backward import run_catalog
+
+        run_catalog(name, shape, dtype)
+        # captured tensors that need gradients (the catalog's captured_bias) take the Triton kernels
+        assert ws_backward or name == "captured_bias"
+
+    @pytest.mark.parametrize("block_size", [(64, 128), (256, 256)], ids=str)
+    def test_backward_with_sparse_blocks_of_other_sizes(ws_backward, block_size):
+        from test_backward import check_backward
+
+        q, k, v = rand_qkv(1, 2, 2, 512, 512, 64, dtype=torch.bfloat16, seed=4)
+        bm = create_block_mask(CATALOG["sliding_window"](1, 2, 512, 512, DEVICE).mask_mod, None, None, 512, 512,
+                               device=DEVICE, BLOCK_SIZE=block_size)
+        check_backward(q, k, v, block_mask=bm, name=f"ws backward {block_size}")
+        assert ws_backward
 
     def test_whole_tile_gathers_fail_to_compile_and_fall_back():
         case = CATALOG["captured_bias"](1, 2, 256, 256, DEVICE)

@@ -76,7 +76,7 @@ def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Ca
 
 @dataclasses.dataclass(eq=False)
 class BackwardKernel(GeneratedKernel):
-    """``bwd.py.jinja`` rendered with ``score_mod_grad`` (d score_mod / d score) and, when captured
+    """``bwd.py.jinja`` (or ``bwd_ws.py.jinja``) rendered with ``score_mod_grad`` (d score_mod / d score) and, when captured
     tensors need gradients in-kernel, ``score_mod_captured_grad`` (atomic adds into float32 buffers)."""
 
     score_grad: Optional[LoweredMod] = None
@@ -112,10 +112,11 @@ def _captured_grad(traced: TracedMod, grad_captured: tuple) -> tuple:
 
 
 def generate_backward(score_mod: Optional[Callable], mask_mod: Optional[Callable], *, interpret: bool,
-                      grad_captured: tuple = ()) -> BackwardKernel:
+                      grad_captured: tuple = (), template: str = "bwd.py.jinja") -> BackwardKernel:
     """Backward kernel source for these mods. ``grad_captured``: tensors captured by ``score_mod``
-    whose gradients the dK/dV kernel scatters (atomically) into buffers; () for none."""
-    template = "bwd.py.jinja"
+    whose gradients the dK/dV kernel scatters (atomically) into buffers; () for none. ``template``:
+    ``"bwd.py.jinja"`` (preprocess, dK/dV and dQ kernels) or ``"bwd_ws.py.jinja"`` (the warp-specialized dK/dV
+    kernel; no captured-tensor gradients)."""
     sm = trace_mod(score_mod, "score_mod") if score_mod is not None else None
     mm = trace_mod(mask_mod, "mask_mod") if mask_mod is not None else None
     low_sm, low_mm = _lowered(sm, "score_mod", "sm_"), _lowered(mm, "mask_mod", "mm_")

@@ -601,7 +601,7 @@ def lower_mod(traced: TracedMod, fn_name: str, prefix: str, float_index: bool = 
     if traced.kind == "score_mod":
         out = cast(result, torch.float32)
         if not _uses_score(traced.graph_module):
-            out = f"{out} + tl.zeros_like(score)"  # broadcast a mod that ignores the score to its tile
+            out = f"{out} + zeros_of(score)"  # broadcast a mod that ignores the score to its tile
     else:
         out = cast(result, torch.bool)
     inputs = list(traced.arg_names)

@@ -363,6 +363,52 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
     return out, lse
 
 
+# the warp-specialized dK / dV kernel (bwd_ws.py.jinja, Gluon, Hopper): keys per program (two consumer warpgroups of
+# half as many), and per head dim the queries per step, the Q / dO ring's stages and the consumers' registers
+WS_BWD_BLOCK_N = 128
+WS_BWD_TILES = {64: dict(BLOCK_M=64, STAGES=2, CONSUMER_REGS=240), 128: dict(BLOCK_M=64, STAGES=2, CONSUMER_REGS=240)}
+# where flex_attention's backward takes it (unless kernel_options say otherwise)
+WS_BWD_DEFAULT_HEAD_DIMS = frozenset({64, 128})
+
+
+def ws_backward_unmet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sparse_block: tuple) -> Optional[str]:
+    """What the warp-specialized dK / dV kernel needs that these inputs lack (None: it can run them): the forward's
+    needs, and its descriptors made on the host: contiguous inputs, a query length that is a multiple of the block
+    mask's q block and a key length that is a multiple of its kv block (whole blocks walked, no bounds checks)."""
+    unmet = ws_forward_unmet(q, k, v, (WS_BLOCK_M, WS_TILES.get(q.shape[-1], {}).get("BLOCK_N", 1)))
+    if unmet:
+        return unmet
+    block_m = WS_BWD_TILES[q.shape[-1]]["BLOCK_M"]
+    if sparse_block[0] % block_m or sparse_block[1] % WS_BWD_BLOCK_N:
+        return (f"a block mask whose BLOCK_SIZE is a multiple of ({block_m}, {WS_BWD_BLOCK_N}) "
+                f"(got {tuple(sparse_block)})")
+    if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+        return "contiguous query, key and value"
+    if q.shape[-2] % sparse_block[0] or k.shape[-2] % sparse_block[1]:
+        return (f"a query length that is a multiple of the block mask's q block and a key length that is a multiple "
+                f"of its kv block (got {q.shape[-2]}, {k.shape[-2]} for BLOCK_SIZE {tuple(sparse_block)})")
+    if max(math.prod(q.shape), math.prod(k.shape)) // q.shape[-1] >= 2**31:
+        return "fewer than 2**31 rows of query and of key (batch x heads x length)"
+    return None
+
+
+def _launch_dkdv_ws(module, mod_args: list, grad_args: list, q, k, v, grad_out, lse, delta, dk, dv, q_blocks: list,
+                    sparse_block: tuple, scale: float, has_score_mod: bool, has_full: bool, dense: bool):
+    """Run ``module.flex_bwd_ws_dkdv_kernel`` (the inputs must pass :func:`ws_backward_unmet`) into dk, dv."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    B, Hq, Lq, D = q.shape
+    Hkv, Lkv = k.shape[1], k.shape[2]
+    tiles = WS_BWD_TILES[D]
+    half = WS_BWD_BLOCK_N // 2
+    descs = [TensorDescriptor.from_tensor(t.view(-1, D), [rows, D], _ws_smem_layout(rows, D, q.dtype))
+             for t, rows in ((q, tiles["BLOCK_M"]), (k, half), (v, half), (grad_out.contiguous(), tiles["BLOCK_M"]))]
+    module.flex_bwd_ws_dkdv_kernel[(Lkv // WS_BWD_BLOCK_N, B * Hkv)](
+        *descs, lse, delta, dk, dv, *q_blocks, *_mask_strides(q_blocks[0]), *_mask_strides(q_blocks[1]),
+        Hq, Hkv, Hq // Hkv, Lq, Lkv, float(scale), *mod_args, *grad_args,
+        BLOCK_N=WS_BWD_BLOCK_N, D=D, DV=v.shape[-1], SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1],
+        HAS_FULL_BLOCKS=has_full, HAS_SCORE_MOD=has_score_mod, DENSE=dense, **tiles, num_warps=4)
+
+
 def decode_rows(q: torch.Tensor, k: torch.Tensor, sparse_block: tuple, mask_heads: int) -> int:
     """Query heads one decode program serves (GQA packing), or 0 when the decode kernel does not apply:
     it needs every query in the block mask's first q block and at most 128 tile rows."""
@@ -707,7 +753,7 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
                     grad_lse: Optional[torch.Tensor], kv_blocks: tuple, q_blocks: tuple, sparse_block: tuple,
                     scale: float, has_score_mod: bool, config: BackwardTileConfig, *, need_dq: bool = True,
                     ds: Optional[torch.Tensor] = None, scatter_captured_grads: bool = False, pinned: bool = False,
-                    tune: bool = False, dense: bool = False, use_tma: Optional[bool] = None):
+                    tune: bool = False, dense: bool = False, use_tma: Optional[bool] = None, ws_module=None):
     """Run ``module``'s preprocess, dK/dV and dQ kernels; returns dq (None unless ``need_dq``), dk, dv in
     the input dtype. ``tune``: autotune the dK/dV and the dQ tiles (GPU, not pinned; not the dK/dV tiles when
     they scatter captured-tensor gradients with atomics, which a timing rerun would add twice).
@@ -719,6 +765,8 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
     ``dense``: there is no block mask: both kernels walk every tile of the other side, no block-index loads.
     ``use_tma``: load the walked side's tiles (Q / dO for dK/dV, K / V for dQ) through tensor descriptors
     where :func:`tma_ok` allows; None: :func:`default_use_tma`.
+    ``ws_module``: run dK / dV with its warp-specialized kernel instead (bwd_ws.py.jinja for the same mods; the
+    inputs must pass :func:`ws_backward_unmet`; not with ``ds`` or ``scatter_captured_grads``).
     """
     B, Hq, Lq, D = q.shape
     Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -777,13 +825,18 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
         if tune and not pinned:
             key = f"{_tuning_key(module, q, v, sparse_block, q_blocks[2] is not None, constexprs)}|ds={ds is not None}"
             dkdv_space, dq_space = backward_candidates(q, v, sparse_block)
-            if not scatter_captured_grads:
+            if not scatter_captured_grads and ws_module is None:
                 dkdv_tiles = _autotune(module.flex_bwd_dkdv_kernel, dkdv_grid, dkdv_args, dkdv_constexprs,
                                        dkdv_tiles, dkdv_space, f"bwd-dkdv|{key}", q.device)
             if need_dq:
                 dq_tiles = _autotune(module.flex_bwd_dq_kernel, dq_grid, dq_args, dq_constexprs, dq_tiles, dq_space,
                                      f"bwd-dq|{key}", q.device)
-        run_with_fallback(module.flex_bwd_dkdv_kernel, dkdv_grid, dkdv_args, dkdv_constexprs, dkdv_tiles, pinned)
+        if ws_module is not None:
+            _launch_dkdv_ws(ws_module, mod_args, grad_args, q, k, v, grad_out, lse, delta, dk, dv,
+                            [q_num, q_idx, full_q_num, full_q_idx], sparse_block, scale, has_score_mod,
+                            q_blocks[2] is not None, dense)
+        else:
+            run_with_fallback(module.flex_bwd_dkdv_kernel, dkdv_grid, dkdv_args, dkdv_constexprs, dkdv_tiles, pinned)
         if need_dq:
             run_with_fallback(module.flex_bwd_dq_kernel, dq_grid, dq_args, dq_constexprs, dq_tiles, pinned)
     return dq, dk, dv

@@ -1,0 +1,57 @@
+"""GPU probe for the warp-specialized dK / dV kernel (bwd_ws.py.jinja, Gluon): the backward's time with it and with
+the Triton dK / dV kernel (the preprocess and dQ kernels are the same), for every harness mask at both harness
+shapes, in one process; each first checked against the fp64 reference (bf16, out and dq / dk / dv). Prints a table;
+benchmarks/NOTES.md (40) records what it showed.
+
+Usage: python benchmarks/probe_bwd_ws.py [mask,mask,...] [D,D,...] [--tiles M:S,M:S]   (--tiles: the kernel's
+queries per step and Q / dO ring stages to compare, e.g. 64:2,64:3; default launch.WS_BWD_TILES)"""
+
+import sys
+
+import torch
+from tabulate import tabulate
+
+import flexlite.api
+from flexlite import flex_attention
+from flexlite.bench import _median_ms, check_against_reference, probe_cases
+from flexlite.runtime import launch
+
+MASKS = ["full", "causal", "sliding_window_1024", "prefix_lm_2048", "document_8_causal", "alibi_causal",
+         "softcap30_causal"]
+
+
+def main():
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    masks = args[0].split(",") if args else MASKS
+    dims = [int(d) for d in args[1].split(",")] if len(args) > 1 else [128, 64]
+    tiles = [tuple(int(x) for x in t.split(":")) for t in sys.argv[sys.argv.index("--tiles") + 1].split(",")] \
+        if "--tiles" in sys.argv else [None]
+    heuristic, default_tiles = flexlite.api._warp_specialize_backward, launch.WS_BWD_TILES
+    # (label, warp-specialized, (BLOCK_M, STAGES) or None for the defaults)
+    variants = [("Triton", False, None)] + [(f"ws {t[0]}x{t[1]}" if t else "ws", True, t) for t in tiles]
+    rows = []
+    for D, q, k, v, case, bm in probe_cases(masks, dims):
+        row = [case.name, f"D{D}"]
+        grads = []
+        out = flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm)
+        dout = torch.randn_like(out)
+        for _, ws, t in variants:
+            flexlite.api._warp_specialize_backward = lambda *args, ws=ws: ws
+            launch.WS_BWD_TILES = {d: (dict(c, BLOCK_M=t[0], STAGES=t[1]) if t else c) for d, c in default_tiles.items()}
+            err = check_against_reference(case, D, "cuda", backward=True)
+            grads.append(torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
+            bwd = lambda: out.backward(dout, retain_graph=True)  # noqa: E731
+            row += [f"{max(e for n, e in err.items() if n != 'max_err_vs_fp64'):.1e}",
+                    round(_median_ms(bwd, grad_to_none=[q, k, v]), 3)]
+        row.append(f"{max(float((a.float() - b.float()).abs().max()) for g in grads[1:] for a, b in zip(grads[0], g)):.1e}")
+        row += [round(row[3] / row[5 + 2 * i], 3) for i in range(len(variants) - 1)]
+        rows.append(row)
+        print(row, flush=True)
+    flexlite.api._warp_specialize_backward, launch.WS_BWD_TILES = heuristic, default_tiles
+    headers = ["mask", "D"] + [h for label, *_ in variants for h in (f"max grad err ({label})", "bwd ms")]
+    print(tabulate(rows, headers=headers + ["max |ws - Triton| grads"] + [f"speedup ({label})" for label, *_ in
+                                                                         variants[1:]], tablefmt="github"))
+
+
+if __name__ == "__main__":
+    main()
