@@ -365,10 +365,13 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
 
 # the warp-specialized dK / dV kernel (bwd_ws.py.jinja, Gluon, Hopper): keys per program (two consumer warpgroups of
 # half as many), and per head dim the queries per step, the Q / dO ring's stages and the consumers' registers
+# (benchmarks/probe_bwd_ws.py on an H200, NOTES 40: 128 queries per step spill at both head dims, three stages
+# measured even with two)
 WS_BWD_BLOCK_N = 128
 WS_BWD_TILES = {64: dict(BLOCK_M=64, STAGES=2, CONSUMER_REGS=240), 128: dict(BLOCK_M=64, STAGES=2, CONSUMER_REGS=240)}
-# where flex_attention's backward takes it (unless kernel_options say otherwise)
-WS_BWD_DEFAULT_HEAD_DIMS = frozenset({64, 128})
+# where flex_attention's backward takes it unless kernel_options say otherwise: D128 (backward 5-8 % faster on the
+# harness's masks that read no captured tensors); at D64 it measured within noise of the Triton kernel (-4 to +3 %)
+WS_BWD_DEFAULT_HEAD_DIMS = frozenset({128})
 
 
 def ws_backward_unmet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sparse_block: tuple) -> Optional[str]:
