@@ -13,17 +13,11 @@ from tabulate import tabulate
 
 import flexlite.api
 from flexlite import flex_attention
-from flexlite.bench import _median_ms, check_against_reference, probe_cases
+from flexlite.bench import _median_ms, check_against_reference, probe_args, probe_cases
 from flexlite.runtime import launch
 
-MASKS = ["full", "causal", "sliding_window_1024", "prefix_lm_2048", "document_8_causal", "alibi_causal",
-         "softcap30_causal"]
-
-
 def main():
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    masks = args[0].split(",") if args else MASKS
-    dims = [int(d) for d in args[1].split(",")] if len(args) > 1 else [128, 64]
+    masks, dims = probe_args(sys.argv)
     tiles = [tuple(int(x) for x in t.split(":")) for t in sys.argv[sys.argv.index("--tiles") + 1].split(",")] \
         if "--tiles" in sys.argv else [None]
     heuristic, default_tiles = flexlite.api._warp_specialize_backward, launch.WS_BWD_TILES
@@ -37,13 +31,15 @@ def main():
         dout = torch.randn_like(out)
         for _, ws, t in variants:
             flexlite.api._warp_specialize_backward = lambda *args, ws=ws: ws
-            launch.WS_BWD_TILES = {d: (dict(c, BLOCK_M=t[0], STAGES=t[1]) if t else c) for d, c in default_tiles.items()}
+            launch.WS_BWD_TILES = {d: dict(c, BLOCK_M=t[0], STAGES=t[1]) if t else c
+                                   for d, c in default_tiles.items()}
             err = check_against_reference(case, D, "cuda", backward=True)
             grads.append(torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
             bwd = lambda: out.backward(dout, retain_graph=True)  # noqa: E731
             row += [f"{max(e for n, e in err.items() if n != 'max_err_vs_fp64'):.1e}",
                     round(_median_ms(bwd, grad_to_none=[q, k, v]), 3)]
-        row.append(f"{max(float((a.float() - b.float()).abs().max()) for g in grads[1:] for a, b in zip(grads[0], g)):.1e}")
+        diff = max(float((a.float() - b.float()).abs().max()) for g in grads[1:] for a, b in zip(grads[0], g))
+        row.append(f"{diff:.1e}")
         row += [round(row[3] / row[5 + 2 * i], 3) for i in range(len(variants) - 1)]
         rows.append(row)
         print(row, flush=True)

@@ -14,17 +14,11 @@ from tabulate import tabulate
 
 import flexlite.api
 from flexlite import flex_attention
-from flexlite.bench import _median_ms, check_against_reference, probe_cases
+from flexlite.bench import _median_ms, check_against_reference, probe_args, probe_cases
 from flexlite.runtime import launch
 
-MASKS = ["full", "causal", "sliding_window_1024", "prefix_lm_2048", "document_8_causal", "alibi_causal",
-         "softcap30_causal"]
-
-
 def main():
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    masks = args[0].split(",") if args else MASKS
-    dims = [int(d) for d in args[1].split(",")] if len(args) > 1 else [128, 64]
+    masks, dims = probe_args(sys.argv)
     stages = [int(s) for s in sys.argv[sys.argv.index("--stages") + 1].split(",")] if "--stages" in sys.argv else []
     rows = []
     heuristic, host, tiles = flexlite.api._warp_specialize, launch.WS_HOST_DESCRIPTORS, launch.WS_TILES

@@ -64,6 +64,14 @@ def mask_cases(S: int, H: int, device) -> dict:
 PROBE_SHAPES = ((4, 16, 8192, 128), (16, 16, 8192, 64))
 
 
+def probe_args(argv: list) -> tuple:
+    """A GPU probe's positional arguments ``[mask,mask,...] [D,D,...]``: (mask names, head dims); by default every
+    harness mask and both harness head dims."""
+    args = [a for a in argv[1:] if not a.startswith("--")]
+    masks = args[0].split(",") if args else list(mask_cases(1024, 1, "cpu"))
+    return masks, [int(d) for d in args[1].split(",")] if len(args) > 1 else [128, 64]
+
+
 def probe_cases(masks: list, dims: list, requires_grad: bool = True):
     """For the GPU probes in benchmarks/: per harness shape whose head dim is in ``dims`` (random bf16 q, k, v on
     CUDA) and per mask name in ``masks``, yield ``(D, q, k, v, case, block_mask)``."""

@@ -76,8 +76,8 @@ def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Ca
 
 @dataclasses.dataclass(eq=False)
 class BackwardKernel(GeneratedKernel):
-    """``bwd.py.jinja`` (or ``bwd_ws.py.jinja``) rendered with ``score_mod_grad`` (d score_mod / d score) and, when captured
-    tensors need gradients in-kernel, ``score_mod_captured_grad`` (atomic adds into float32 buffers)."""
+    """``bwd.py.jinja`` (or ``bwd_ws.py.jinja``) rendered with ``score_mod_grad`` (d score_mod / d score) and, when
+    captured tensors need gradients in-kernel, ``score_mod_captured_grad`` (atomic adds into float32 buffers)."""
 
     score_grad: Optional[LoweredMod] = None
     captured_grad: Optional[LoweredMod] = None
