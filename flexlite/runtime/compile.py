@@ -164,7 +164,7 @@ def _import_gluon():
     try:
         import triton.experimental.gluon.language  # noqa: F401
         import triton.experimental.gluon.nvidia.hopper  # noqa: F401
-    except ImportError:  # the warp-specialized forward then does not run (launch.ws_forward_unmet)
+    except ImportError:  # the warp-specialized kernels then do not run (launch._ws_unmet)
         pass
 
 

@@ -275,8 +275,8 @@ def _gluon_available() -> bool:
         return False
 
 
-def ws_forward_unmet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sparse_block: tuple) -> Optional[str]:
-    """What the warp-specialized forward needs that these inputs lack (None: it can run them)."""
+def _ws_unmet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[str]:
+    """What both warp-specialized kernels (forward, dK / dV) need that these inputs lack, block sizes aside."""
     if not q.is_cuda or _device_facts(q.device)[1] != 9:
         return "a Hopper GPU (compute capability 9.x)"
     if not _gluon_available():
@@ -287,6 +287,14 @@ def ws_forward_unmet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sparse_b
         return f"query and value head dims equal and one of {sorted(WS_TILES)} (got {q.shape[-1]}, {v.shape[-1]})"
     if not tma_ok(q, k, v):
         return "query, key and value with unit last stride and 16-byte aligned data and strides"
+    return None
+
+
+def ws_forward_unmet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sparse_block: tuple) -> Optional[str]:
+    """What the warp-specialized forward needs that these inputs lack (None: it can run them)."""
+    unmet = _ws_unmet(q, k, v)
+    if unmet:
+        return unmet
     block_n = WS_TILES[q.shape[-1]]["BLOCK_N"]
     if sparse_block[0] % WS_BLOCK_M or sparse_block[1] % block_n:
         return (f"a block mask whose BLOCK_SIZE is a multiple of ({WS_BLOCK_M}, {block_n}) "
@@ -375,10 +383,11 @@ WS_BWD_DEFAULT_HEAD_DIMS = frozenset({128})
 
 
 def ws_backward_unmet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sparse_block: tuple) -> Optional[str]:
-    """What the warp-specialized dK / dV kernel needs that these inputs lack (None: it can run them): the forward's
-    needs, and its descriptors made on the host: contiguous inputs, a query length that is a multiple of the block
-    mask's q block and a key length that is a multiple of its kv block (whole blocks walked, no bounds checks)."""
-    unmet = ws_forward_unmet(q, k, v, (WS_BLOCK_M, WS_TILES.get(q.shape[-1], {}).get("BLOCK_N", 1)))
+    """What the warp-specialized dK / dV kernel needs that these inputs lack (None: it can run them): what the
+    forward needs but its block sizes, and its descriptors made on the host: contiguous inputs, a query length that
+    is a multiple of the block mask's q block and a key length that is a multiple of its kv block (whole blocks
+    walked, no bounds checks)."""
+    unmet = _ws_unmet(q, k, v)
     if unmet:
         return unmet
     block_m = WS_BWD_TILES[q.shape[-1]]["BLOCK_M"]
