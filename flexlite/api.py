@@ -504,7 +504,7 @@ def _warp_specialize_backward(query, key, value, sparse, options, gathers: bool)
     if (want is False or autotune_enabled(options) or any(k in options for k in BACKWARD_CONFIG_KEYS)
             or ws_backward_unmet(query, key, value, sparse) is not None):
         return False
-    return bool(want) or (query.shape[-1] in WS_BWD_DEFAULT_HEAD_DIMS and not gathers)
+    return bool(want) or query.shape[-1] in WS_BWD_DEFAULT_HEAD_DIMS
 
 
 def _decode_rows(query, key, num_blocks, sparse, options) -> int:

@@ -41,7 +41,8 @@ def _facts(kernel, offline) -> dict:
     ptx = kernel.asm["ptx"]
     return dict(name=kernel.name, report=offline.ptxas_report(ptx), shared=kernel.metadata.shared,
                 ptx={marker: marker in ptx for marker in ("wgmma", "wgmma.mma_async", "cp.async.bulk.tensor",
-                                                          "mbarrier", "setmaxnreg", "tensormap.replace")})
+                                                          "mbarrier", "setmaxnreg", "tensormap.replace",
+                                                          "cp.reduce.async.bulk.tensor")})
 
 
 def _compiled(kind: str, case: str) -> dict:
@@ -135,29 +136,35 @@ def test_warp_specialized_forward_compiles_for_sm90(case):
     assert facts["shared"] <= 232448
 
 
-# the warp-specialized (Gluon) dK / dV kernel: (score_mod, mask, head dim, (query heads, kv heads))
+# the warp-specialized (Gluon) dK / dV kernel: (score_mod, mask, head dim, (query heads, kv heads), dQ added by it
+# (launch.WS_BWD_FUSED_DQ: the two warpgroups split dQ's columns at D128, not at D64) or by the dQ kernel)
 BACKWARD_WS = {
-    "causal, softcap (its derivative), D128": (generate_tanh_softcap(30.0, approx=True), "causal", 128, (2, 2)),
-    "dense, GQA, D64": (None, "none", 64, (4, 2)),
-    "document (mask gathers), ALiBi (hoisted gather), D128": (generate_alibi_bias(2), "document", 128, (2, 1)),
+    "causal, softcap (its derivative), D128": (generate_tanh_softcap(30.0, approx=True), "causal", 128, (2, 2), True),
+    "dense, GQA, D64": (None, "none", 64, (4, 2), True),
+    "document (mask gathers), ALiBi (hoisted gather), D128": (generate_alibi_bias(2), "document", 128, (2, 1), True),
+    "causal, D128, dQ kernel": (None, "causal", 128, (2, 2), False),
 }
 
 
 def _compile_backward_ws(case: str) -> dict:
-    score_mod, mask, D, heads = BACKWARD_WS[case]
+    score_mod, mask, D, heads, fused_dq = BACKWARD_WS[case]
     offline = _offline()
-    kernels = offline.compile_backward_ws(score_mod, _masks()[mask], D, L=L, heads=heads)
+    kernels = offline.compile_backward_ws(score_mod, _masks()[mask], D, L=L, heads=heads, fused_dq=fused_dq)
     return {name: _facts(kernel, offline) for name, kernel in kernels.items()}
 
 
 @pytest.mark.parametrize("case", list(BACKWARD_WS))
 def test_warp_specialized_backward_compiles_for_sm90(case):
+    fused_dq = BACKWARD_WS[case][-1]
     kernels = _compiled("backward_ws", case)
-    # the preprocess and dQ kernels are the Triton ones; dK / dV the Gluon kernel
-    assert set(kernels) == {"flex_bwd_preprocess_kernel", "flex_bwd_ws_dkdv_kernel", "flex_bwd_dq_kernel"}
+    # the preprocess kernel is the Triton one, dK / dV (and dQ, added into an fp32 buffer by TMA reduce-adds) the
+    # Gluon kernel, or else the Triton dQ kernel
+    assert set(kernels) == {"flex_bwd_preprocess_kernel", "flex_bwd_ws_dkdv_kernel"} | (
+        set() if fused_dq else {"flex_bwd_dq_kernel"})
     facts = kernels["flex_bwd_ws_dkdv_kernel"]
     ptx = facts["ptx"]
     assert ptx["wgmma.mma_async"] and ptx["cp.async.bulk.tensor"] and ptx["mbarrier"] and ptx["setmaxnreg"]
+    assert ptx["cp.reduce.async.bulk.tensor"] == fused_dq
     assert not ptx["tensormap.replace"]  # its descriptors are always made on the host
     assert 0 < facts["report"]["regs"] <= 255 and facts["report"]["HGMMA"] > 0
     assert facts["shared"] <= 232448

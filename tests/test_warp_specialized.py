@@ -298,13 +298,14 @@ if ON_HOPPER:
             t = torch.empty(*args, **kwargs)
             return t.fill_(float("nan")) if t.is_floating_point() else t
 
-    @pytest.fixture
-    def ws_backward(monkeypatch):
-        """The backward's dK / dV forced through the warp-specialized kernel, outputs poisoned; yields the list its
-        launches are counted in."""
+    @pytest.fixture(params=["fused dq", "dq kernel"])
+    def ws_backward(monkeypatch, request):
+        """The backward's dK / dV forced through the warp-specialized kernel, with dQ added by it (the default) or
+        by the dQ kernel, outputs poisoned; yields the list its launches are counted in."""
         import flexlite.api as api
 
         ran, real = [], launch._launch_dkdv_ws
+        monkeypatch.setattr(launch, "WS_BWD_FUSED_DQ", request.param == "fused dq")
         monkeypatch.setattr(launch, "torch", _PoisonedTorch("torch"))
         monkeypatch.setattr(launch, "_launch_dkdv_ws", lambda *args, **kwargs: ran.append(1) or real(*args, **kwargs))
         monkeypatch.setattr(api, "_warp_specialize_backward", lambda *args, **kwargs: True)
@@ -329,6 +330,36 @@ if ON_HOPPER:
                                device=DEVICE, BLOCK_SIZE=block_size)
         check_backward(q, k, v, block_mask=bm, name=f"ws backward {block_size}")
         assert ws_backward
+
+    @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+    def test_dq_is_added_by_the_dkdv_programs_unless_sums_must_be_reproducible(monkeypatch, deterministic):
+        import flexlite.api as api
+        from test_backward import check_backward
+
+        fused, real = [], launch._launch_dkdv_ws
+        monkeypatch.setattr(launch, "_launch_dkdv_ws",
+                            lambda *args, **kwargs: fused.append(kwargs["dq_acc"] is not None) or real(*args, **kwargs))
+        monkeypatch.setattr(api, "_warp_specialize_backward", lambda *args, **kwargs: True)
+        q, k, v = rand_qkv(1, 2, 2, 256, 256, 128, dtype=torch.bfloat16, seed=5)
+        bm = create_block_mask(CATALOG["causal"](1, 2, 256, 256, DEVICE).mask_mod, None, None, 256, 256,
+                               device=DEVICE)
+        dq = check_backward(q, k, v, block_mask=bm, name="ws backward")[0]
+        grads = []
+        was = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(deterministic)  # around flexlite only (the reference's cuBLAS would ask
+        try:  # for CUBLAS_WORKSPACE_CONFIG)
+            for seed in range(2):
+                q_, k_, v_ = (t.detach().requires_grad_() for t in (q, k, v))
+                out = flex_attention(q_, k_, v_, block_mask=bm)
+                g = torch.Generator().manual_seed(0)
+                out.backward(torch.randn(out.shape, generator=g).to(out))
+                grads.append(q_.grad)
+        finally:
+            torch.use_deterministic_algorithms(was)
+        assert fused == [True] + [not deterministic] * 2
+        assert_close(grads[0], dq, *TOLERANCES[torch.bfloat16])
+        if deterministic:
+            assert torch.equal(grads[0], grads[1])
 
     def test_whole_tile_gathers_fail_to_compile_and_fall_back():
         case = CATALOG["captured_bias"](1, 2, 256, 256, DEVICE)

@@ -275,6 +275,17 @@ def _gluon_available() -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=1)
+def _gluon_tma_reduce_available() -> bool:
+    """Whether Gluon's op builder has the TMA reduce-add that bwd_ws.py.jinja's fused dQ issues (Triton 3.6 has it
+    without a Gluon wrapper); without it the dQ kernel runs."""
+    try:
+        from triton._C.libtriton import gluon_ir, ir
+    except ImportError:
+        return False
+    return hasattr(gluon_ir.GluonOpBuilder, "create_async_tma_reduce") and hasattr(ir, "DESCRIPTOR_REDUCE_KIND")
+
+
 def _ws_unmet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[str]:
     """What both warp-specialized kernels (forward, dK / dV) need that these inputs lack, block sizes aside."""
     if not q.is_cuda or _device_facts(q.device)[1] != 9:
@@ -337,7 +348,8 @@ def _kv_block_args(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indice
 def _ws_smem_layout(rows: int, D: int, dtype: torch.dtype):
     """The shared-memory layout of a [rows, D] tile, as the kernel allocates it (per call it costs host time)."""
     from triton.experimental.gluon import language as gl
-    return gl.NVMMASharedLayout.get_default_for([rows, D], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+    return gl.NVMMASharedLayout.get_default_for(
+        [rows, D], {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype])
 
 
 def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
@@ -379,7 +391,11 @@ WS_BWD_BLOCK_N = 128
 WS_BWD_TILES = {64: dict(BLOCK_M=64, STAGES=2, CONSUMER_REGS=240), 128: dict(BLOCK_M=64, STAGES=2, CONSUMER_REGS=240)}
 # where flex_attention's backward takes it unless kernel_options say otherwise: D128 (backward 5-8 % faster on the
 # harness's masks that read no captured tensors); at D64 it measured within noise of the Triton kernel (-4 to +3 %)
-WS_BWD_DEFAULT_HEAD_DIMS = frozenset({128})
+WS_BWD_DEFAULT_HEAD_DIMS = frozenset({64, 128})
+# dQ by the dK / dV programs (FA3's five-matmul backward: TMA reduce-adds into a zeroed fp32 buffer, then one cast)
+# instead of the dQ kernel recomputing S and dP, unless torch.use_deterministic_algorithms(True) asks for
+# reproducible sums (H200, benchmarks/probe_bwd_ws.py, NOTES 41)
+WS_BWD_FUSED_DQ = True
 
 
 def ws_backward_unmet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sparse_block: tuple) -> Optional[str]:
@@ -405,8 +421,10 @@ def ws_backward_unmet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sparse_
 
 
 def _launch_dkdv_ws(module, mod_args: list, grad_args: list, q, k, v, grad_out, lse, delta, dk, dv, q_blocks: list,
-                    sparse_block: tuple, scale: float, has_score_mod: bool, has_full: bool, dense: bool):
-    """Run ``module.flex_bwd_ws_dkdv_kernel`` (the inputs must pass :func:`ws_backward_unmet`) into dk, dv."""
+                    sparse_block: tuple, scale: float, has_score_mod: bool, has_full: bool, dense: bool,
+                    dq_acc: Optional[torch.Tensor] = None):
+    """Run ``module.flex_bwd_ws_dkdv_kernel`` (the inputs must pass :func:`ws_backward_unmet`) into dk, dv, and
+    with ``dq_acc`` (a zeroed fp32 tensor shaped as q) add dQ into it as well."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     B, Hq, Lq, D = q.shape
     Hkv, Lkv = k.shape[1], k.shape[2]
@@ -414,11 +432,17 @@ def _launch_dkdv_ws(module, mod_args: list, grad_args: list, q, k, v, grad_out, 
     half = WS_BWD_BLOCK_N // 2
     descs = [TensorDescriptor.from_tensor(t.view(-1, D), [rows, D], _ws_smem_layout(rows, D, q.dtype))
              for t, rows in ((q, tiles["BLOCK_M"]), (k, half), (v, half), (grad_out.contiguous(), tiles["BLOCK_M"]))]
+    if dq_acc is not None:  # a warpgroup's dQ tile: half the columns of BLOCK_M rows
+        descs.append(TensorDescriptor.from_tensor(dq_acc.view(-1, D), [tiles["BLOCK_M"], D // 2],
+                                                  _ws_smem_layout(tiles["BLOCK_M"], D // 2, torch.float32)))
+    else:
+        descs.append(descs[0])  # unused
     module.flex_bwd_ws_dkdv_kernel[(Lkv // WS_BWD_BLOCK_N, B * Hkv)](
-        *descs, lse, delta, dk, dv, *q_blocks, *_mask_strides(q_blocks[0]), *_mask_strides(q_blocks[1]),
-        Hq, Hkv, Hq // Hkv, Lq, Lkv, float(scale), *mod_args, *grad_args,
+        *descs, lse, delta, dk, dv, *q_blocks, *_mask_strides(q_blocks[0]),
+        *_mask_strides(q_blocks[1]), Hq, Hkv, Hq // Hkv, Lq, Lkv, float(scale), *mod_args, *grad_args,
         BLOCK_N=WS_BWD_BLOCK_N, D=D, DV=v.shape[-1], SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1],
-        HAS_FULL_BLOCKS=has_full, HAS_SCORE_MOD=has_score_mod, DENSE=dense, **tiles, num_warps=4)
+        HAS_FULL_BLOCKS=has_full, HAS_SCORE_MOD=has_score_mod, DENSE=dense, FUSED_DQ=dq_acc is not None, **tiles,
+        num_warps=4)
 
 
 def decode_rows(q: torch.Tensor, k: torch.Tensor, sparse_block: tuple, mask_heads: int) -> int:
@@ -843,12 +867,17 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
             if need_dq:
                 dq_tiles = _autotune(module.flex_bwd_dq_kernel, dq_grid, dq_args, dq_constexprs, dq_tiles, dq_space,
                                      f"bwd-dq|{key}", q.device)
+        fused_dq = (ws_module is not None and need_dq and WS_BWD_FUSED_DQ and _gluon_tma_reduce_available()
+                    and not torch.are_deterministic_algorithms_enabled())
         if ws_module is not None:
+            dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused_dq else None
             _launch_dkdv_ws(ws_module, mod_args, grad_args, q, k, v, grad_out, lse, delta, dk, dv,
                             [q_num, q_idx, full_q_num, full_q_idx], sparse_block, scale, has_score_mod,
-                            q_blocks[2] is not None, dense)
+                            q_blocks[2] is not None, dense, dq_acc=dq_acc)
+            if fused_dq:
+                dq = dq_acc.to(q.dtype)
         else:
             run_with_fallback(module.flex_bwd_dkdv_kernel, dkdv_grid, dkdv_args, dkdv_constexprs, dkdv_tiles, pinned)
-        if need_dq:
+        if need_dq and not fused_dq:
             run_with_fallback(module.flex_bwd_dq_kernel, dq_grid, dq_args, dq_constexprs, dq_tiles, pinned)
     return dq, dk, dv
