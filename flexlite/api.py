@@ -420,8 +420,7 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
     q_blocks = _q_block_tensors(block_mask, Lq, Lkv, query.device)
     config = backward_config(query, value, sparse, options, gathers=bool(kernel.captured))
     ws_module = None
-    if not (scatter or deterministic) and _warp_specialize_backward(query, key, value, sparse, options,
-                                                                    gathers=bool(kernel.captured)):
+    if not (scatter or deterministic) and _warp_specialize_backward(query, key, value, sparse, options):
         ws_kernel = generate_backward(score_mod, mask_mod, interpret=interpret, template="bwd_ws.py.jinja")
         if ws_kernel.source not in _WS_UNCOMPILABLE:
             ws_module = load_module(ws_kernel.source, interpret=interpret)
@@ -492,14 +491,13 @@ def _warp_specialize(query, key, value, block_mask, num_blocks, sparse, options)
     return walk is not None and walk >= WS_MIN_WALK_KEYS
 
 
-def _warp_specialize_backward(query, key, value, sparse, options, gathers: bool) -> bool:
-    """Whether the backward's dK / dV run the warp-specialized Gluon kernel (bwd_ws.py.jinja), which needs what
-    :func:`launch.ws_backward_unmet` lists (otherwise the Triton kernel runs, also when forced: the forward's
-    requirements were checked when it ran). ``kernel_options`` ``WARP_SPECIALIZE=True`` takes it wherever it can
-    run, ``False`` refuses; unset, it runs at the head dims of ``launch.WS_BWD_DEFAULT_HEAD_DIMS`` unless a mod reads
-    captured tensors (``gathers``: ALiBi's slopes and the document mask's ids measured even or slower with it,
-    benchmarks/NOTES.md 40). Never with pinned backward tiles or autotuning. (Captured tensors that need gradients
-    take the Triton kernels before this is asked.)"""
+def _warp_specialize_backward(query, key, value, sparse, options) -> bool:
+    """Whether the backward's dK / dV (and dQ, :data:`launch.WS_BWD_FUSED_DQ`) run the warp-specialized Gluon kernel
+    (bwd_ws.py.jinja), which needs what :func:`launch.ws_backward_unmet` lists (otherwise the Triton kernels run, also
+    when forced: the forward's requirements were checked when it ran). ``kernel_options`` ``WARP_SPECIALIZE=True``
+    takes it wherever it can run, ``False`` refuses; unset, it runs at the head dims of
+    ``launch.WS_BWD_DEFAULT_HEAD_DIMS`` (benchmarks/NOTES.md 41). Never with pinned backward tiles or autotuning.
+    (Captured tensors that need gradients take the Triton kernels before this is asked.)"""
     want = options.get("WARP_SPECIALIZE")
     if (want is False or autotune_enabled(options) or any(k in options for k in BACKWARD_CONFIG_KEYS)
             or ws_backward_unmet(query, key, value, sparse) is not None):
