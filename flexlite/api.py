@@ -243,8 +243,8 @@ def kernel_source(score_mod: Optional[Callable] = None, block_mask=None, *, devi
 
     ``kernel``: ``"forward"``, ``"forward_ws"`` (the warp-specialized Gluon forward flex_attention runs on Hopper
     where it can: CUDA only), ``"decode"`` (queries <= 64), ``"backward"`` (without captured-tensor
-    gradients) or ``"backward_ws"`` (the warp-specialized Gluon dK / dV kernel: CUDA only). ``device`` picks the CUDA
-    or the interpreter (CPU) variant; by default the block mask's device, else CUDA when available.
+    gradients) or ``"backward_ws"`` (the warp-specialized Gluon dK / dV and dQ kernel: CUDA only). ``device``
+    picks the CUDA or the interpreter (CPU) variant; by default the block mask's device, else CUDA when available.
     """
     if kernel not in _PASSES:
         raise ValueError(f"kernel_source: kernel must be one of {sorted(_PASSES)}; got {kernel!r}")
