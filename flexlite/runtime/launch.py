@@ -389,8 +389,9 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
 # measured even with two)
 WS_BWD_BLOCK_N = 128
 WS_BWD_TILES = {64: dict(BLOCK_M=64, STAGES=2, CONSUMER_REGS=240), 128: dict(BLOCK_M=64, STAGES=2, CONSUMER_REGS=240)}
-# where flex_attention's backward takes it unless kernel_options say otherwise: D128 (backward 5-8 % faster on the
-# harness's masks that read no captured tensors); at D64 it measured within noise of the Triton kernel (-4 to +3 %)
+# where flex_attention's backward takes it unless kernel_options say otherwise: with its fused dQ (below) the backward
+# measured 1.15-1.27x the Triton kernels at D128 and 1.09-1.18x at D64 on the harness's masks but the document one
+# (0.98x / 1.0x, taken all the same: NOTES 41)
 WS_BWD_DEFAULT_HEAD_DIMS = frozenset({64, 128})
 # dQ by the dK / dV programs (FA3's five-matmul backward: TMA reduce-adds into a zeroed fp32 buffer, then one cast)
 # instead of the dQ kernel recomputing S and dP, unless torch.use_deterministic_algorithms(True) asks for
@@ -802,7 +803,8 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
     ``use_tma``: load the walked side's tiles (Q / dO for dK/dV, K / V for dQ) through tensor descriptors
     where :func:`tma_ok` allows; None: :func:`default_use_tma`.
     ``ws_module``: run dK / dV with its warp-specialized kernel instead (bwd_ws.py.jinja for the same mods; the
-    inputs must pass :func:`ws_backward_unmet`; not with ``ds`` or ``scatter_captured_grads``).
+    inputs must pass :func:`ws_backward_unmet`; not with ``ds`` or ``scatter_captured_grads``), and dQ with it too
+    (:data:`WS_BWD_FUSED_DQ`) unless ``torch.use_deterministic_algorithms(True)`` is on.
     """
     B, Hq, Lq, D = q.shape
     Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[-1]
