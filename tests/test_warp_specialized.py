@@ -240,6 +240,55 @@ def test_a_backward_compiler_failure_falls_back_to_the_triton_kernel_for_good(mo
     assert len(calls) == 1
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_the_gluon_launch_gets_a_zeroed_fp32_dq_buffer_unless_sums_must_be_reproducible(monkeypatch, deterministic):
+    """launch_backward's side of the fused dQ (the kernel's is checked on a Hopper GPU): the Gluon launch (here a
+    stand-in writing the fp64 reference's gradients) gets a zeroed fp32 buffer shaped as q, whose cast is dq, and the
+    dQ kernel does not run; under torch.use_deterministic_algorithms(True) it gets none and the dQ kernel runs."""
+    import flexlite.api as api
+    from test_backward import check_backward
+
+    buffers, kernels = [], []
+
+    def gluon_launch(module, mod_args, grad_args, q, k, v, grad_out, lse, delta, dk, dv, *args, dq_acc=None):
+        buffers.append(dq_acc)
+        if dq_acc is not None:
+            assert dq_acc.dtype == torch.float32 and dq_acc.shape == q.shape and not dq_acc.any()
+        inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        with torch.enable_grad():  # (the backward runs without)
+            grads = torch.autograd.grad(attention_reference(*inputs)[0], inputs, grad_out.double())
+        for buffer, grad in zip((dq_acc, dk, dv), grads):
+            if buffer is not None:
+                buffer.copy_(grad)
+
+    run = launch.run_with_fallback
+    monkeypatch.setattr(launch, "run_with_fallback",
+                        lambda kernel, *args, **kwargs: kernels.append(kernel.fn.__name__) or run(kernel, *args, **kwargs))
+    monkeypatch.setattr(launch, "_launch_dkdv_ws", gluon_launch)
+    monkeypatch.setattr(api, "_warp_specialize_backward", lambda *args, **kwargs: True)
+    load_module = api.load_module  # the interpreter cannot import a Gluon kernel: a stand-in module
+    monkeypatch.setattr(api, "load_module", lambda source, interpret: types.SimpleNamespace()
+                        if "flex_bwd_ws_dkdv_kernel" in source else load_module(source, interpret))
+    q, k, v = rand_qkv(1, 2, 2, 64, 64, 64, dtype=torch.float32, seed=6)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        check_backward(q, k, v, name=f"deterministic={deterministic}")
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert len(buffers) == 1 and (buffers[0] is None) == deterministic
+    assert ("flex_bwd_dq_kernel" in kernels) == deterministic and "flex_bwd_dkdv_kernel" not in kernels
+
+
+def test_the_fused_dq_needs_the_tma_reduce_op(monkeypatch):
+    """A Triton whose Gluon builder lacks the TMA reduce-add (its name may change) runs the dQ kernel instead."""
+    from triton._C.libtriton import gluon_ir
+
+    assert launch._gluon_tma_reduce_available.__wrapped__()  # Triton 3.6, as pinned
+    monkeypatch.delattr(gluon_ir.GluonOpBuilder, "create_async_tma_reduce")
+    assert not launch._gluon_tma_reduce_available.__wrapped__()
+
+
 if ON_HOPPER:
     # (B, Hq, Hkv, Lq, Lkv, D)
     WS_SHAPES = [
