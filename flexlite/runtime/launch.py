@@ -210,7 +210,7 @@ def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
     Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[-1]
     out = torch.empty((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
-    blocks, block_strides, has_full = _kv_block_args(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
+    blocks, block_strides, has_full = _block_args(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
     allow_tf32 = q.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
     args = (q, k, v, out, lse, *blocks, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *block_strides,
             Hq, Hq // Hkv, Lq, Lkv, float(scale), *scalars_to(mod_args, q.device))
@@ -286,31 +286,28 @@ def _gluon_tma_reduce_available() -> bool:
     return hasattr(gluon_ir.GluonOpBuilder, "create_async_tma_reduce") and hasattr(ir, "DESCRIPTOR_REDUCE_KIND")
 
 
-def _ws_unmet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[str]:
-    """What both warp-specialized kernels (forward, dK / dV) need that these inputs lack, block sizes aside."""
+def _ws_unmet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sparse_block: tuple, tiles: dict) -> Optional[str]:
+    """What both warp-specialized kernels (forward, dK / dV) need that these inputs lack; ``tiles``: per head dim the
+    kernel runs, its (queries, keys) per tile, which the block mask's blocks must be multiples of."""
     if not q.is_cuda or _device_facts(q.device)[1] != 9:
         return "a Hopper GPU (compute capability 9.x)"
     if not _gluon_available():
         return "Triton's Gluon dialect with Hopper support (Triton 3.5 or newer)"
     if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"bfloat16 or float16 query, key and value of one dtype (got {q.dtype}, {k.dtype}, {v.dtype})"
-    if q.shape[-1] != v.shape[-1] or q.shape[-1] not in WS_TILES:
-        return f"query and value head dims equal and one of {sorted(WS_TILES)} (got {q.shape[-1]}, {v.shape[-1]})"
+    if q.shape[-1] != v.shape[-1] or q.shape[-1] not in tiles:
+        return f"query and value head dims equal and one of {sorted(tiles)} (got {q.shape[-1]}, {v.shape[-1]})"
     if not tma_ok(q, k, v):
         return "query, key and value with unit last stride and 16-byte aligned data and strides"
+    tile = tiles[q.shape[-1]]
+    if sparse_block[0] % tile[0] or sparse_block[1] % tile[1]:
+        return f"a block mask whose BLOCK_SIZE is a multiple of {tile} (got {tuple(sparse_block)})"
     return None
 
 
 def ws_forward_unmet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sparse_block: tuple) -> Optional[str]:
     """What the warp-specialized forward needs that these inputs lack (None: it can run them)."""
-    unmet = _ws_unmet(q, k, v)
-    if unmet:
-        return unmet
-    block_n = WS_TILES[q.shape[-1]]["BLOCK_N"]
-    if sparse_block[0] % WS_BLOCK_M or sparse_block[1] % block_n:
-        return (f"a block mask whose BLOCK_SIZE is a multiple of ({WS_BLOCK_M}, {block_n}) "
-                f"(got {tuple(sparse_block)})")
-    return None
+    return _ws_unmet(q, k, v, sparse_block, {d: (WS_BLOCK_M, t["BLOCK_N"]) for d, t in WS_TILES.items()})
 
 
 def is_compile_error(e: BaseException) -> bool:
@@ -334,13 +331,13 @@ def ws_host_descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spars
             and k.shape[-2] % sparse_block[1] == 0 and max(math.prod(q.shape), math.prod(k.shape)) // D < 2**31)
 
 
-def _kv_block_args(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices) -> tuple:
-    """The forward kernels' block-list arguments: contiguous tensors (the partial ones stand in for absent full
-    ones) and their strides; and whether there are full blocks."""
-    has_full = full_kv_num_blocks is not None
+def _block_args(num_blocks, indices, full_num_blocks, full_indices) -> tuple:
+    """A kernel's block-list arguments (one side's: kv blocks per q block, or q blocks per kv block): contiguous
+    tensors (the partial ones stand in for absent full ones) and their strides; and whether there are full blocks."""
+    has_full = full_num_blocks is not None
     if not has_full:
-        full_kv_num_blocks, full_kv_indices = kv_num_blocks, kv_indices
-    tensors = [t.contiguous() for t in (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)]
+        full_num_blocks, full_indices = num_blocks, indices
+    tensors = [t.contiguous() for t in (num_blocks, indices, full_num_blocks, full_indices)]
     return tensors, (*_mask_strides(tensors[0]), *_mask_strides(tensors[1])), has_full
 
 
@@ -362,7 +359,7 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
     Hkv, Lkv = k.shape[1], k.shape[2]
     out = torch.empty((B, Hq, Lq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
-    blocks, block_strides, has_full = _kv_block_args(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
+    blocks, block_strides, has_full = _block_args(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
     tiles = WS_TILES[D]
     host_desc = ws_host_descriptors(q, k, v, sparse_block)
     if host_desc:  # over [Z * H * LEN, D] views: a head's tiles never cross into the next head's rows
@@ -404,13 +401,9 @@ def ws_backward_unmet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sparse_
     forward needs but its block sizes, and its descriptors made on the host: contiguous inputs, a query length that
     is a multiple of the block mask's q block and a key length that is a multiple of its kv block (whole blocks
     walked, no bounds checks)."""
-    unmet = _ws_unmet(q, k, v)
+    unmet = _ws_unmet(q, k, v, sparse_block, {d: (t["BLOCK_M"], WS_BWD_BLOCK_N) for d, t in WS_BWD_TILES.items()})
     if unmet:
         return unmet
-    block_m = WS_BWD_TILES[q.shape[-1]]["BLOCK_M"]
-    if sparse_block[0] % block_m or sparse_block[1] % WS_BWD_BLOCK_N:
-        return (f"a block mask whose BLOCK_SIZE is a multiple of ({block_m}, {WS_BWD_BLOCK_N}) "
-                f"(got {tuple(sparse_block)})")
     if not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
         return "contiguous query, key and value"
     if q.shape[-2] % sparse_block[0] or k.shape[-2] % sparse_block[1]:
@@ -815,26 +808,20 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
     delta = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
     dk = torch.empty((B, Hkv, Lkv, D), dtype=k.dtype, device=q.device)
     dv = torch.empty((B, Hkv, Lkv, Dv), dtype=v.dtype, device=q.device)
-    dq = torch.empty((B, Hq, Lq, D), dtype=q.dtype, device=q.device) if need_dq else None
-
-    def contiguous(blocks):
-        num, idx, full_num, full_idx = blocks
-        if full_num is None:
-            full_num, full_idx = num, idx
-        return [t.contiguous() for t in (num, idx, full_num, full_idx)]
-
-    q_num, q_idx, full_q_num, full_q_idx = contiguous(q_blocks)
-    kv_num, kv_idx, full_kv_num, full_kv_idx = contiguous(kv_blocks)
+    # dQ added by the warp-specialized kernel into an fp32 buffer (then cast), or by the dQ kernel
+    fused_dq = (ws_module is not None and need_dq and WS_BWD_FUSED_DQ and _gluon_tma_reduce_available()
+                and not torch.are_deterministic_algorithms_enabled())
+    dq = torch.empty((B, Hq, Lq, D), dtype=q.dtype, device=q.device) if need_dq and not fused_dq else None
+    q_block_args, q_block_strides, has_full = _block_args(*q_blocks)
+    kv_block_args, kv_block_strides, _ = _block_args(*kv_blocks)
     constexprs = dict(
         SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1], D=D, DV=Dv, D_PAD=head_dim_pad(D),
-        DV_PAD=head_dim_pad(Dv), HAS_FULL_BLOCKS=q_blocks[2] is not None, HAS_SCORE_MOD=has_score_mod,
+        DV_PAD=head_dim_pad(Dv), HAS_FULL_BLOCKS=has_full, HAS_SCORE_MOD=has_score_mod,
         FP32_PRECISION="tf32" if allow_tf32 else "ieee", DENSE=dense,
         USE_TMA=tma_loads(use_tma, default_use_tma(dense, D, Dv), q, k, v, grad_out))
-    dkdv_args = (q, k, v, grad_out, lse, delta, dk, dv, ds if ds is not None else delta,
-                 q_num, q_idx, full_q_num, full_q_idx,
+    dkdv_args = (q, k, v, grad_out, lse, delta, dk, dv, ds if ds is not None else delta, *q_block_args,
                  *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
-                 *_mask_strides(q_num), *_mask_strides(q_idx),
-                 Hq, Hkv, Hq // Hkv, Lq, Lkv, float(scale), *mod_args, *grad_args)
+                 *q_block_strides, Hq, Hkv, Hq // Hkv, Lq, Lkv, float(scale), *mod_args, *grad_args)
     dkdv_constexprs = dict(constexprs, WRITE_DS=ds is not None, SCATTER_CAPTURED_GRADS=scatter_captured_grads)
 
     def dkdv_grid(cfg):  # programs own BLOCK_N keys
@@ -842,10 +829,9 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
         dkdv_constexprs.update(EVEN_M=Lq % sparse_block[0] == 0, EVEN_N=Lkv % cfg.BLOCK_N == 0)
         return (cdiv(Lkv, cfg.BLOCK_N), B * Hkv)
 
-    dq_args = (q, k, v, grad_out, lse, delta, dq, kv_num, kv_idx, full_kv_num, full_kv_idx,
-               *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *(dq.stride() if need_dq else q.stride()),
-               *_mask_strides(kv_num), *_mask_strides(kv_idx),
-               Hq, Hq // Hkv, Lq, Lkv, float(scale), *mod_args, *grad_args)
+    dq_args = (q, k, v, grad_out, lse, delta, dq, *kv_block_args,
+               *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *(q if dq is None else dq).stride(),
+               *kv_block_strides, Hq, Hq // Hkv, Lq, Lkv, float(scale), *mod_args, *grad_args)
     dq_constexprs = dict(constexprs, REVERSE_M=REVERSE_Q_BLOCKS)
 
     def dq_grid(cfg):  # programs own BLOCK_M queries
@@ -861,21 +847,18 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
             BLOCK_M=pre_block, DV=Dv, DV_PAD=head_dim_pad(Dv), HAS_DLSE=grad_lse is not None,
         )
         if tune and not pinned:
-            key = f"{_tuning_key(module, q, v, sparse_block, q_blocks[2] is not None, constexprs)}|ds={ds is not None}"
+            key = f"{_tuning_key(module, q, v, sparse_block, has_full, constexprs)}|ds={ds is not None}"
             dkdv_space, dq_space = backward_candidates(q, v, sparse_block)
             if not scatter_captured_grads and ws_module is None:
                 dkdv_tiles = _autotune(module.flex_bwd_dkdv_kernel, dkdv_grid, dkdv_args, dkdv_constexprs,
                                        dkdv_tiles, dkdv_space, f"bwd-dkdv|{key}", q.device)
-            if need_dq:
+            if need_dq and not fused_dq:
                 dq_tiles = _autotune(module.flex_bwd_dq_kernel, dq_grid, dq_args, dq_constexprs, dq_tiles, dq_space,
                                      f"bwd-dq|{key}", q.device)
-        fused_dq = (ws_module is not None and need_dq and WS_BWD_FUSED_DQ and _gluon_tma_reduce_available()
-                    and not torch.are_deterministic_algorithms_enabled())
         if ws_module is not None:
             dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused_dq else None
-            _launch_dkdv_ws(ws_module, mod_args, grad_args, q, k, v, grad_out, lse, delta, dk, dv,
-                            [q_num, q_idx, full_q_num, full_q_idx], sparse_block, scale, has_score_mod,
-                            q_blocks[2] is not None, dense, dq_acc=dq_acc)
+            _launch_dkdv_ws(ws_module, mod_args, grad_args, q, k, v, grad_out, lse, delta, dk, dv, q_block_args,
+                            sparse_block, scale, has_score_mod, has_full, dense, dq_acc=dq_acc)
             if fused_dq:
                 dq = dq_acc.to(q.dtype)
         else:
