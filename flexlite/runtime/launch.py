@@ -394,6 +394,8 @@ WS_BWD_DEFAULT_HEAD_DIMS = frozenset({64, 128})
 # instead of the dQ kernel recomputing S and dP, unless torch.use_deterministic_algorithms(True) asks for
 # reproducible sums (H200, benchmarks/probe_bwd_ws.py, NOTES 41)
 WS_BWD_FUSED_DQ = True
+# each query head's walk: its full tiles, then its partial ones (True), or the other way round
+WS_BWD_FULL_FIRST = True
 
 
 def ws_backward_unmet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sparse_block: tuple) -> Optional[str]:
@@ -436,7 +438,7 @@ def _launch_dkdv_ws(module, mod_args: list, grad_args: list, q, k, v, grad_out, 
         *_mask_strides(q_blocks[1]), Hq, Hkv, Hq // Hkv, Lq, Lkv, float(scale), *mod_args, *grad_args,
         BLOCK_N=WS_BWD_BLOCK_N, D=D, DV=v.shape[-1], SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1],
         HAS_FULL_BLOCKS=has_full, HAS_SCORE_MOD=has_score_mod, DENSE=dense, FUSED_DQ=dq_acc is not None, **tiles,
-        num_warps=4)
+        FULL_FIRST=WS_BWD_FULL_FIRST, num_warps=4)
 
 
 def decode_rows(q: torch.Tensor, k: torch.Tensor, sparse_block: tuple, mask_heads: int) -> int:
