@@ -380,6 +380,18 @@ if ON_HOPPER:
         check_backward(q, k, v, block_mask=bm, name=f"ws backward {block_size}")
         assert ws_backward
 
+    @pytest.mark.parametrize("full_first", [True, False], ids=["full tiles first", "partial tiles first"])
+    def test_backward_walks_either_kind_of_tile_first(ws_backward, monkeypatch, full_first):
+        # prefix-LM: key blocks whose walks hold both kinds of tile, over two query heads per kv head
+        from test_backward import check_backward
+
+        monkeypatch.setattr(launch, "WS_BWD_FULL_FIRST", full_first)
+        q, k, v = rand_qkv(1, 4, 2, 384, 384, 128, dtype=torch.bfloat16, seed=6)
+        bm = create_block_mask(CATALOG["prefix_lm"](1, 4, 384, 384, DEVICE).mask_mod, None, None, 384, 384,
+                               device=DEVICE)
+        check_backward(q, k, v, block_mask=bm, enable_gqa=True, name=f"ws backward, full first {full_first}")
+        assert ws_backward
+
     @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
     def test_dq_is_added_by_the_dkdv_programs_unless_sums_must_be_reproducible(monkeypatch, deterministic):
         import flexlite.api as api

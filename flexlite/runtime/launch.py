@@ -394,7 +394,9 @@ WS_BWD_DEFAULT_HEAD_DIMS = frozenset({64, 128})
 # instead of the dQ kernel recomputing S and dP, unless torch.use_deterministic_algorithms(True) asks for
 # reproducible sums (H200, benchmarks/probe_bwd_ws.py, NOTES 41)
 WS_BWD_FUSED_DQ = True
-# each query head's walk: its full tiles, then its partial ones (True), or the other way round
+# each query head's walk: its full tiles, then its partial ones (True), or the other way round: ptxas spills in the
+# walk's second loop, and full tiles are most of a masked walk (H200, benchmarks/probe_bwd_costs.py: the kernel 6-12 %
+# faster at D128 on the harness's masks, even at D64; NOTES 42)
 WS_BWD_FULL_FIRST = True
 
 
