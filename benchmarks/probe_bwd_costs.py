@@ -1,12 +1,13 @@
 """GPU probe: where the Gluon backward's time goes beyond its tiles (NOTES 42), in one process:
 
 1. per harness mask and head dim, the backward's kernels' GPU time per call (torch.profiler): the Delta preprocess,
-   zeroing the fp32 dQ buffer, the warp-specialized dK / dV / dQ kernel, the cast to dq; with each query head's walk
-   partial tiles first and full tiles first (launch.WS_BWD_FULL_FIRST);
+   zeroing the fp32 dQ buffer, the warp-specialized dK / dV / dQ kernel, the cast to dq; with a program per key block
+   and with a persistent grid (launch.WS_BWD_PERSISTENT; run 4 of results/probes/bwd_costs-H200.md compared the walk
+   orders, launch.WS_BWD_FULL_FIRST, in the same way);
 2. at D128 without a mask, the kernel's time against its walk's length (queries 512 ... 8192 for 8192 keys: the same
-   programs walking 8 ... 128 tiles; the intercept of a fit is the per-program cost), and the same walks through
-   block lists of full blocks only and of partial blocks only (a mask that keeps every score): what the masked
-   kernels' full and partial tiles cost against the dense kernel's.
+   programs walking 8 ... 128 tiles; the intercept of a fit is the per-program cost), with the persistent grid too,
+   and the same walks through block lists of full blocks only and of partial blocks only (a mask that keeps every
+   score): what the masked kernels' full and partial tiles cost against the dense kernel's.
 
 Gradients are checked by the harness and the GPU tests, not here (the timings are of the same kernels).
 
@@ -44,7 +45,7 @@ def kernel_ms(fn, calls: int = 5) -> dict:
 
 
 def costs(masks, dims):
-    saved = launch.WS_BWD_FULL_FIRST
+    saved = launch.WS_BWD_PERSISTENT
     rows = []
     for D, q, k, v, case, bm in probe_cases(masks, dims):
         out = flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm)
@@ -54,24 +55,25 @@ def costs(masks, dims):
             q.grad = k.grad = v.grad = None  # (not timing the gradients' accumulation)
             out.backward(dout, retain_graph=True)
 
-        for full_first in (False, True):
-            launch.WS_BWD_FULL_FIRST = full_first
+        for persistent in (False, True):
+            launch.WS_BWD_PERSISTENT = persistent
             t = kernel_ms(bwd)
             total = _median_ms(bwd)
-            rows.append([case.name, f"D{D}", "full first" if full_first else "partial first", round(total, 3)]
+            rows.append([case.name, f"D{D}", "persistent" if persistent else "per key block", round(total, 3)]
                         + [round(t.pop(label, 0.0), 3) for label, _ in KINDS]
                         + [", ".join(f"{n}: {ms:.3f}" for n, ms in t.items())])
             print(rows[-1], flush=True)
-    launch.WS_BWD_FULL_FIRST = saved
-    print(tabulate(rows, headers=["mask", "D", "walk", "bwd ms (do_bench)"] + [f"{label} ms" for label, _ in KINDS]
+    launch.WS_BWD_PERSISTENT = saved
+    print(tabulate(rows, headers=["mask", "D", "grid", "bwd ms (do_bench)"] + [f"{label} ms" for label, _ in KINDS]
                    + ["other kernels (ms)"], tablefmt="github"), flush=True)
 
 
 def walks():
     B, H, Lkv, D = 4, 16, 8192, 128
     k, v = [torch.randn(B, H, Lkv, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2)]
-    rows, fit = [], []
+    rows, fits = [], {False: [], True: []}
     keep_all = lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + Lkv  # noqa: E731 (keeps every score)
+    saved = launch.WS_BWD_PERSISTENT
     for Lq in (512, 1024, 2048, 4096, 8192):
         q = torch.randn(B, H, Lq, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         n_q, n_kv = Lq // 128, Lkv // 128
@@ -82,24 +84,28 @@ def walks():
         full = BlockMask.from_kv_blocks(torch.zeros_like(counts), every, counts, every, mask_mod=keep_all)
         partial = BlockMask.from_kv_blocks(counts, every, mask_mod=keep_all)
         row = [Lq, Lq // 64]
-        for bm in (None, full, partial):
+        for bm, persistent in ((None, False), (None, True), (full, False), (partial, False)):
+            launch.WS_BWD_PERSISTENT = persistent
             out = flex_attention(q, k, v, block_mask=bm)
             dout = torch.randn_like(out)
             row.append(round(kernel_ms(lambda: out.backward(dout, retain_graph=True))["dK/dV/dQ kernel"], 3))
-        fit.append((B * H * n_kv * Lq // 64, row[2]))
-        rows.append(row + [round(row[3] / row[2], 3), round(row[4] / row[2], 3)])
+            if bm is None:
+                fits[persistent].append((B * H * n_kv * Lq // 64, row[-1]))
+        rows.append(row + [round(row[4] / row[2], 3), round(row[5] / row[2], 3)])
         print(rows[-1], flush=True)
-    # t = a * tiles + b * programs (programs fixed: B * H * n_kv) -> per tile and per program, per SM
+    launch.WS_BWD_PERSISTENT = saved
+    print(tabulate(rows, headers=["queries", "tiles per program", "kernel ms (dense)", "kernel ms (dense, persistent)",
+                                  "kernel ms (full blocks)", "kernel ms (partial blocks)", "full blocks / dense",
+                                  "partial blocks / dense"], tablefmt="github"))
+    # t = a * tiles + b * key blocks (fixed: B * H * n_kv) -> per tile and per key block, per SM
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    x = torch.tensor([[tiles, 1.0] for tiles, _ in fit], dtype=torch.float64)
-    y = torch.tensor([ms for _, ms in fit], dtype=torch.float64)
-    a, b = torch.linalg.lstsq(x, y.unsqueeze(1)).solution.squeeze(1).tolist()
-    programs = B * H * (Lkv // 128)
-    print(tabulate(rows, headers=["queries", "tiles per program", "kernel ms (dense)", "kernel ms (full blocks)",
-                                  "kernel ms (partial blocks)", "full blocks / dense", "partial blocks / dense"],
-                   tablefmt="github"))
-    print(f"fit (dense): {a * 1e3 * sms:.3f} us per tile and SM, {b * 1e3 * sms / programs:.3f} us per program "
-          f"and SM ({programs} programs, {sms} SMs)", flush=True)
+    blocks = B * H * (Lkv // 128)
+    for persistent, fit in fits.items():
+        x = torch.tensor([[tiles, 1.0] for tiles, _ in fit], dtype=torch.float64)
+        y = torch.tensor([ms for _, ms in fit], dtype=torch.float64)
+        a, b = torch.linalg.lstsq(x, y.unsqueeze(1)).solution.squeeze(1).tolist()
+        print(f"fit (dense{', persistent' if persistent else ''}): {a * 1e3 * sms:.3f} us per tile and SM, "
+              f"{b * 1e3 * sms / blocks:.3f} us per key block and SM ({blocks} key blocks, {sms} SMs)", flush=True)
 
 
 def main():

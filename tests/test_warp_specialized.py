@@ -280,6 +280,30 @@ def test_the_gluon_launch_gets_a_zeroed_fp32_dq_buffer_unless_sums_must_be_repro
     assert ("flex_bwd_dq_kernel" in kernels) == deterministic and "flex_bwd_dkdv_kernel" not in kernels
 
 
+@pytest.mark.parametrize("persistent, programs", [(False, 12), (True, 5)], ids=["per key block", "persistent"])
+def test_the_gluon_grid_is_a_program_per_key_block_or_one_per_sm(monkeypatch, persistent, programs):
+    """The Gluon launch's grid (the kernel itself runs on a Hopper GPU): 12 key blocks (3 per (batch, kv head)) as
+    12 programs, or with the persistent grid as many programs as SMs (here 5), each told how many items there are."""
+    from flexlite.api import _q_block_tensors
+
+    launches = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((grid, args, kwargs))
+
+    monkeypatch.setattr(launch, "WS_BWD_PERSISTENT", persistent)
+    monkeypatch.setattr(launch, "_device_facts", lambda device: (5, 9))
+    q, k, v = rand_qkv(2, 4, 2, 384, 384, 64, dtype=torch.bfloat16, device="cpu")
+    lse, delta = torch.zeros(2, 4, 384), torch.zeros(2, 4, 384)
+    q_blocks, _, has_full = launch._block_args(*_q_block_tensors(None, 384, 384, torch.device("cpu")))
+    launch._launch_dkdv_ws(types.SimpleNamespace(flex_bwd_ws_dkdv_kernel=Kernel()), [], [], q, k, v, q, lse, delta,
+                           torch.empty_like(k), torch.empty_like(v), q_blocks, (128, 128), 0.125, False, has_full, True)
+    (grid, args, kwargs), = launches
+    assert grid == (programs,) and kwargs["PERSISTENT"] == persistent
+    assert args[9 + len(q_blocks) + 6] == 12  # N_WORK: after 5 descriptors, lse, delta, dk, dv, the lists, 6 strides
+
+
 def test_the_fused_dq_needs_the_tma_reduce_op(monkeypatch):
     """A Triton whose Gluon builder lacks the TMA reduce-add (its name may change) runs the dQ kernel instead."""
     from triton._C.libtriton import gluon_ir
@@ -390,6 +414,22 @@ if ON_HOPPER:
         bm = create_block_mask(CATALOG["prefix_lm"](1, 4, 384, 384, DEVICE).mask_mod, None, None, 384, 384,
                                device=DEVICE)
         check_backward(q, k, v, block_mask=bm, enable_gqa=True, name=f"ws backward, full first {full_first}")
+        assert ws_backward
+
+    @pytest.mark.parametrize("name, D", [("alibi_causal", 128), ("document", 128), ("prefix_lm", 64)])
+    def test_backward_with_a_persistent_grid(ws_backward, monkeypatch, name, D):
+        # a grid of 3 programs (as if the GPU had 3 SMs) over 10 key blocks (5 per kv head): 4, 3 and 3 each, every
+        # program's K / V reloaded between them
+        from test_backward import check_backward
+
+        facts = launch._device_facts(torch.device(DEVICE))
+        monkeypatch.setattr(launch, "WS_BWD_PERSISTENT", True)
+        monkeypatch.setattr(launch, "_device_facts", lambda device: (3, facts[1]))
+        case = CATALOG[name](1, 4, 640, 640, DEVICE)
+        q, k, v = rand_qkv(1, 4, 2, 640, 640, D, dtype=torch.bfloat16, seed=7)
+        bm = create_block_mask(case.mask_mod, None, None, 640, 640, device=DEVICE)
+        check_backward(q, k, v, score_mod=case.score_mod, block_mask=bm, enable_gqa=True,
+                       name=f"ws backward, persistent grid, {name}")
         assert ws_backward
 
     @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])

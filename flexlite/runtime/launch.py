@@ -398,6 +398,9 @@ WS_BWD_FUSED_DQ = True
 # walk's second loop, and full tiles are most of a masked walk (H200, benchmarks/probe_bwd_costs.py: the kernel 6-12 %
 # faster at D128 on the harness's masks, even at D64; NOTES 42)
 WS_BWD_FULL_FIRST = True
+# a persistent grid (a program per SM, each taking every SM-count-th key block; its producer loads a key block's K / V
+# while the consumers store the previous one's dK / dV) instead of a program per key block: not measured yet (NOTES 43)
+WS_BWD_PERSISTENT = False
 
 
 def ws_backward_unmet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sparse_block: tuple) -> Optional[str]:
@@ -435,12 +438,15 @@ def _launch_dkdv_ws(module, mod_args: list, grad_args: list, q, k, v, grad_out, 
                                                   _ws_smem_layout(tiles["BLOCK_M"], D // 2, torch.float32)))
     else:
         descs.append(descs[0])  # unused
-    module.flex_bwd_ws_dkdv_kernel[(Lkv // WS_BWD_BLOCK_N, B * Hkv)](
+    work = Lkv // WS_BWD_BLOCK_N * B * Hkv  # key blocks, each a work item (bws_work)
+    programs = min(work, _device_facts(q.device)[0]) if WS_BWD_PERSISTENT else work
+    module.flex_bwd_ws_dkdv_kernel[(programs,)](
         *descs, lse, delta, dk, dv, *q_blocks, *_mask_strides(q_blocks[0]),
-        *_mask_strides(q_blocks[1]), Hq, Hkv, Hq // Hkv, Lq, Lkv, float(scale), *mod_args, *grad_args,
+        *_mask_strides(q_blocks[1]), work, Hq, Hkv, Hq // Hkv, Lq, Lkv, float(scale), *mod_args, *grad_args,
         BLOCK_N=WS_BWD_BLOCK_N, D=D, DV=v.shape[-1], SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1],
         HAS_FULL_BLOCKS=has_full, HAS_SCORE_MOD=has_score_mod, DENSE=dense, FUSED_DQ=dq_acc is not None, **tiles,
-        FULL_FIRST=WS_BWD_FULL_FIRST, num_warps=4)
+        FULL_FIRST=WS_BWD_FULL_FIRST, PERSISTENT=WS_BWD_PERSISTENT,
+        num_warps=4)
 
 
 def decode_rows(q: torch.Tensor, k: torch.Tensor, sparse_block: tuple, mask_heads: int) -> int:
