@@ -324,6 +324,7 @@ HOIST_MODS = {
     "ignores_score": (lambda s, b, h, q, kv: _bh_bias[b, h] * 2 + _slopes[h], ("t_add",)),  # all of it
     "no_load": (lambda s, b, h, q, kv: s + h * 0.5 + b, None),  # nothing worth taking out of the loop
     "per_position": (lambda s, b, h, q, kv: s + _table[h % 4, kv % 64], None),
+    "reads_an_element_twice": (lambda s, b, h, q, kv: s + _slopes[h] * kv - _slopes[h] * q, ("t_getitem",)),
 }
 
 
@@ -353,3 +354,28 @@ def test_loop_invariant_loads_are_hoisted_out_of_the_kernel_loops(name):
         want = torch.autograd.grad(ref, (q, k, v), grad, allow_unused=True)
         for g, w in zip(torch.autograd.grad(out, (q, k, v), grad), want):
             assert_close(g, torch.zeros_like(g) if w is None else w, *TOLERANCES[torch.float32])
+
+
+_doc = (torch.arange(80) // 24).to(torch.int32).to(DEVICE)  # documents of 24 tokens
+_start = torch.arange(0, 96, 24, dtype=torch.int32).to(DEVICE)
+
+
+def _doc_local_causal(b, h, q_idx, kv_idx):
+    # doc[q_idx] read twice, as generate_doc_mask_mod-style masks do (once to compare, once for the start)
+    return (_doc[q_idx] == _doc[kv_idx]) & (q_idx - _start[_doc[q_idx]] >= kv_idx - _start[_doc[kv_idx]])
+
+
+def test_an_element_read_twice_is_loaded_once():
+    """Two reads of the same captured element (same tensor, same index values) lower to one load; the mask still
+    computes the reference's attention and gradients."""
+    bm = create_block_mask(_doc_local_causal, None, None, 80, 80, device=DEVICE, BLOCK_SIZE=16)
+    source = flexlite.kernel_source(None, bm, device=DEVICE)
+    mask_mod = source[source.index("def mask_mod("):source.index("@triton.jit", source.index("def mask_mod("))]
+    assert mask_mod.count("tl.load(") == 4  # _doc[q_idx], _doc[kv_idx], _start[...] of each
+    q, k, v = (t.requires_grad_() for t in rand_qkv(1, 2, 2, 80, 80, 16, seed=3))
+    out = flex_attention(q, k, v, block_mask=bm)
+    ref = attention_reference(q, k, v, block_mask=bm)[0]
+    assert_close(out, ref, *TOLERANCES[torch.float32])
+    grad = torch.randn_like(out)
+    for g, w in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
+        assert_close(g, w, *TOLERANCES[torch.float32])

@@ -346,6 +346,9 @@ class _Lowerer:
         self.env: dict[fx.Node, object] = {}
         # int value name -> (float32 expression of the same value, whether that expression is exact: no rounding)
         self.float_forms: dict[str, tuple[str, bool]] = {}
+        # (captured tensor's param, index expressions) -> the value loaded there: a mod that reads an element twice
+        # (a document mask's doc_id[q_idx], once for the comparison and once for the document's start) loads it once
+        self.loaded: dict[tuple, Val] = {}
 
     @functools.cached_property
     def bh_only(self) -> tuple[set, set]:
@@ -380,9 +383,12 @@ class _Lowerer:
         return self.load(node, view) if len(view.indices) == view.tensor.dim() else view
 
     def load(self, node: fx.Node, view: _View) -> Val:
-        ptr, masks = self.address(node, view)
-        mask = f", mask={' & '.join(masks)}, other=0" if masks else ""
-        return self.emit(node, f"tl.load({ptr}{mask})", view.tensor.dtype)
+        key = (view.param, tuple(ix.expr for ix in view.indices))
+        if key not in self.loaded:
+            ptr, masks = self.address(node, view)
+            mask = f", mask={' & '.join(masks)}, other=0" if masks else ""
+            self.loaded[key] = self.emit(node, f"tl.load({ptr}{mask})", view.tensor.dtype)
+        return self.loaded[key]
 
     def address(self, node: fx.Node, view: _View) -> tuple[str, list]:
         """Pointer expression of a fully indexed captured tensor, and its in-range masks."""
@@ -418,6 +424,7 @@ class _Lowerer:
         view = self.capture(base)
         if len(index) != view.tensor.dim():
             self.fail(node, f"index_put_ into a captured tensor of {view.tensor.dim()} dims needs as many indices")
+        self.loaded = {key: v for key, v in self.loaded.items() if key[0] != view.param}  # loads after it reload
         ptr, masks = self.address(node, _View(view.param, view.tensor, self.arg(node, index)))
         v = as_float(self.value(node, self.arg(node, value)))
         mask = f", mask={' & '.join(masks)}" if masks else ""
@@ -579,6 +586,10 @@ def _hoistable(low: _Lowerer) -> tuple[set, list]:
     used = [n for n in low.traced.graph_module.graph.nodes if n in invariant and n.op != "placeholder"
             and any(u not in invariant for u in n.users)
             and isinstance(low.env.get(n), Val) and not low.env[n].is_literal]
+    firsts = {}  # a value loaded once (Lowerer.loaded) is one hoisted value, however many nodes read it
+    for n in used:
+        firsts.setdefault(low.env[n].expr, n)
+    used = list(firsts.values())
     return (invariant, used) if any(n in loads for n in used) else (set(), [])
 
 
