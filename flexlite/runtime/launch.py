@@ -396,7 +396,7 @@ WS_BWD_DEFAULT_HEAD_DIMS = frozenset({64, 128})
 WS_BWD_FUSED_DQ = True
 # each query head's walk: its full tiles, then its partial ones (True), or the other way round: ptxas spills in the
 # walk's second loop, and full tiles are most of a masked walk (H200, benchmarks/probe_bwd_costs.py: the kernel 6-12 %
-# faster at D128 on the harness's masks, even at D64; NOTES 42)
+# faster at D128 on the harness's masks, within noise at D64; NOTES 42)
 WS_BWD_FULL_FIRST = True
 # a persistent grid (a program per SM, each taking every SM-count-th key block; its producer loads a key block's K / V
 # while the consumers store the previous one's dK / dV) instead of a program per key block: not measured yet (NOTES 43)
