@@ -1,8 +1,9 @@
 """GPU probe: where the Gluon backward's time goes beyond its tiles (NOTES 42), in one process:
 
 1. per harness mask and head dim, the backward's kernels' GPU time per call (torch.profiler): the Delta preprocess,
-   zeroing the fp32 dQ buffer, the warp-specialized dK / dV / dQ kernel, the cast to dq; with a program per key block
-   and with a persistent grid (launch.WS_BWD_PERSISTENT; run 4 of results/probes/bwd_costs-H200.md compared the walk
+   zeroing the fp32 dQ buffer, the warp-specialized dK / dV / dQ kernel, the cast to dq; for each of VARIANTS (a
+   program per key block or a persistent grid, launch.WS_BWD_PERSISTENT; mask_mod's query values in the tile's layout
+   or on a compact vector, launch.WS_BWD_QUERY_VALUES; run 4 of results/probes/bwd_costs-H200.md compared the walk
    orders, launch.WS_BWD_FULL_FIRST, in the same way);
 2. at D128 without a mask, the kernel's time against its walk's length (queries 512 ... 8192 for 8192 keys: the same
    programs walking 8 ... 128 tiles; the intercept of a fit is the per-program cost), with the persistent grid too,
@@ -44,8 +45,14 @@ def kernel_ms(fn, calls: int = 5) -> dict:
     return times
 
 
+# the kernel variants compared (launch settings): NOTES 43 (persistent grid), 45 (mask_mod's query values)
+VARIANTS = (("per key block", {}), ("persistent", {"WS_BWD_PERSISTENT": True}),
+            ("query values", {"WS_BWD_QUERY_VALUES": True}),
+            ("persistent, query values", {"WS_BWD_PERSISTENT": True, "WS_BWD_QUERY_VALUES": True}))
+
+
 def costs(masks, dims):
-    saved = launch.WS_BWD_PERSISTENT
+    saved = {name: getattr(launch, name) for _, settings in VARIANTS for name in settings}
     rows = []
     for D, q, k, v, case, bm in probe_cases(masks, dims):
         out = flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm)
@@ -55,16 +62,18 @@ def costs(masks, dims):
             q.grad = k.grad = v.grad = None  # (not timing the gradients' accumulation)
             out.backward(dout, retain_graph=True)
 
-        for persistent in (False, True):
-            launch.WS_BWD_PERSISTENT = persistent
+        for label, settings in VARIANTS:
+            for name, value in saved.items():
+                setattr(launch, name, settings.get(name, value))
             t = kernel_ms(bwd)
             total = _median_ms(bwd)
-            rows.append([case.name, f"D{D}", "persistent" if persistent else "per key block", round(total, 3)]
-                        + [round(t.pop(label, 0.0), 3) for label, _ in KINDS]
+            rows.append([case.name, f"D{D}", label, round(total, 3)]
+                        + [round(t.pop(label_, 0.0), 3) for label_, _ in KINDS]
                         + [", ".join(f"{n}: {ms:.3f}" for n, ms in t.items())])
             print(rows[-1], flush=True)
-    launch.WS_BWD_PERSISTENT = saved
-    print(tabulate(rows, headers=["mask", "D", "grid", "bwd ms (do_bench)"] + [f"{label} ms" for label, _ in KINDS]
+    for name, value in saved.items():
+        setattr(launch, name, value)
+    print(tabulate(rows, headers=["mask", "D", "variant", "bwd ms (do_bench)"] + [f"{label} ms" for label, _ in KINDS]
                    + ["other kernels (ms)"], tablefmt="github"), flush=True)
 
 

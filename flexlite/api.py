@@ -16,6 +16,7 @@ from .codegen.kernel import GeneratedKernel, generate, generate_backward
 from .codegen.lower import FLOAT32_EXACT_INT
 from .codegen.trace import check_arity, trace_mod
 from .runtime.compile import load_module, write_source
+from .runtime import launch as _launch
 from .runtime.autotune import autotune_enabled
 from .runtime.launch import (BACKWARD_CONFIG_KEYS, CONFIG_KEYS, FLEXLITE_OPTIONS, TORCH_PERF_HINTS,
                              backward_config, cdiv, decode_rows, forward_config, head_dim_pad, is_host_scalar,
@@ -265,7 +266,8 @@ def kernel_source(score_mod: Optional[Callable] = None, block_mask=None, *, devi
                          f"(Triton's interpreter cannot run Gluon); got device={str(device)!r}: pass device='cuda'")
     if kernel.startswith("backward"):
         mask_mod = block_mask.mask_mod if block_mask is not None else None
-        return generate_backward(score_mod, mask_mod, interpret=device.type != "cuda", template=_PASSES[kernel]).source
+        return generate_backward(score_mod, mask_mod, interpret=device.type != "cuda", template=_PASSES[kernel],
+                                 query_values=_launch.WS_BWD_QUERY_VALUES).source
     lengths = block_mask.seq_lengths if block_mask is not None else (0, 0)
     return _generate(score_mod, block_mask, device, _PASSES[kernel], _float_index(_PASSES[kernel], *lengths)).source
 
@@ -421,7 +423,8 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
     config = backward_config(query, value, sparse, options, gathers=bool(kernel.captured))
     ws_module = None
     if not (scatter or deterministic) and _warp_specialize_backward(query, key, value, sparse, options):
-        ws_kernel = generate_backward(score_mod, mask_mod, interpret=interpret, template="bwd_ws.py.jinja")
+        ws_kernel = generate_backward(score_mod, mask_mod, interpret=interpret, template="bwd_ws.py.jinja",
+                                      query_values=_launch.WS_BWD_QUERY_VALUES)
         if ws_kernel.source not in _WS_UNCOMPILABLE:
             ws_module = load_module(ws_kernel.source, interpret=interpret)
     buffers = [torch.zeros(t.shape, dtype=torch.float32, device=query.device) for t in scatter]

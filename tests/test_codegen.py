@@ -379,3 +379,55 @@ def test_an_element_read_twice_is_loaded_once():
     grad = torch.randn_like(out)
     for g, w in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
         assert_close(g, w, *TOLERANCES[torch.float32])
+
+
+_QUERY_VALUE_MASKS = {
+    # mask, the values computed apart from b, h, q_idx and captured tensors (None: no gather along the queries)
+    "document": (_doc_local_causal, ("t_getitem", "t_sub")),
+    "per_head_and_query": (lambda b, h, q, kv: (_doc[q] + h == _doc[kv] + h) | (kv < _start[h % 4]),
+                           ("t_add", "t_getitem_2")),  # _start[h % 4] too: it reads b and h only
+    "causal": (lambda b, h, q, kv: q >= kv, None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_QUERY_VALUE_MASKS))
+def test_a_masks_values_along_the_queries_computed_apart_give_the_same_mask(name):
+    """lower_mod's hoist ("b", "h", "q_idx") (bwd_ws.py.jinja's query values, computed there on a compact query
+    vector): ``mask_mod_hoist(b, h, q_idx[vector])`` and the rest of the mask on the tile give the whole mask's
+    values, here through Triton's interpreter on a [64, 64] tile."""
+    from flexlite.codegen.lower import lower_mod
+    from flexlite.codegen.render import load_template
+    from flexlite.runtime.compile import load_module
+
+    mask, names = _QUERY_VALUE_MASKS[name]
+    traced = trace_mod(mask, "mask_mod")
+    whole = lower_mod(traced, "mask_whole", "mm_")
+    split = lower_mod(traced, "mask_split", "mm_", hoist=("b", "h", "q_idx"))
+    assert split.hoisted == (names or ()) and split.params == whole.params
+    if names is None:
+        assert split.source.replace("mask_split", "mask_whole") == whole.source
+        return
+    values = ", ".join(f"v{i}" for i in range(len(names)))
+    spread = "".join(f", v{i}[:, None]" for i in range(len(names)))
+    params = ", ".join(whole.params)
+    source = load_template("common.py.jinja").render(
+        template_name="test", score_mod_name="none", mask_mod_name=name, interpret=True, score_mod_source="",
+        mask_mod_source="\n\n".join([whole.source, split.source, split.hoist_source, f"""
+@triton.jit
+def check(OUT_WHOLE, OUT_SPLIT, {params}, L: tl.constexpr):
+    q = tl.arange(0, L)
+    kv = tl.arange(0, L)
+    offs = q[:, None] * L + kv[None, :]
+    for h in range(3):
+        tl.store(OUT_WHOLE + h * L * L + offs, mask_whole(0, h, q[:, None], kv[None, :], {params}).to(tl.int32))
+        {values} = mask_split_hoist(0, h, q, {params})
+        tl.store(OUT_SPLIT + h * L * L + offs,
+                 mask_split(0, h, q[:, None], kv[None, :]{spread}, {params}).to(tl.int32))
+"""]))
+    module = load_module(source, interpret=True)
+    L = 64
+    out_whole, out_split = (torch.full((3, L, L), -1, dtype=torch.int32) for _ in range(2))
+    module.check[(1,)](out_whole, out_split, *whole.kernel_args(), L=L)
+    want = torch.stack([mask(0, torch.tensor(h), torch.arange(L)[:, None], torch.arange(L)[None, :])
+                        for h in range(3)]).to(torch.int32)
+    assert torch.equal(out_whole, want) and torch.equal(out_split, want)

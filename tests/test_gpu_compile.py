@@ -136,31 +136,30 @@ def test_warp_specialized_forward_compiles_for_sm90(case):
     assert facts["shared"] <= 232448
 
 
-# the warp-specialized (Gluon) dK / dV kernel: (score_mod, mask, head dim, (query heads, kv heads), dQ added by it
-# (launch.WS_BWD_FUSED_DQ: the two warpgroups split dQ's columns at D128, not at D64) or by the dQ kernel, a
-# persistent grid (launch.WS_BWD_PERSISTENT) or a program per key block)
+# the warp-specialized (Gluon) dK / dV kernel: (score_mod, mask, head dim, (query heads, kv heads), options of
+# offline_compile.compile_backward_ws: dQ added by it (fused_dq, launch.WS_BWD_FUSED_DQ: the two warpgroups split dQ's
+# columns at D128, not at D64) or by the dQ kernel, a persistent grid (launch.WS_BWD_PERSISTENT), mask_mod's values
+# along the queries on a compact vector (launch.WS_BWD_QUERY_VALUES))
 BACKWARD_WS = {
-    "causal, softcap (its derivative), D128": (generate_tanh_softcap(30.0, approx=True), "causal", 128, (2, 2), True,
-                                               False),
-    "dense, GQA, D64": (None, "none", 64, (4, 2), True, False),
-    "document (mask gathers), ALiBi (hoisted gather), D128": (generate_alibi_bias(2), "document", 128, (2, 1), True,
-                                                              False),
-    "causal, D128, dQ kernel": (None, "causal", 128, (2, 2), False, False),
-    "document, D128, persistent grid": (None, "document", 128, (2, 1), True, True),
+    "causal, softcap (its derivative), D128": (generate_tanh_softcap(30.0, approx=True), "causal", 128, (2, 2), {}),
+    "dense, GQA, D64": (None, "none", 64, (4, 2), {}),
+    "document (mask gathers), ALiBi (hoisted gather), D128": (generate_alibi_bias(2), "document", 128, (2, 1), {}),
+    "causal, D128, dQ kernel": (None, "causal", 128, (2, 2), {"fused_dq": False}),
+    "document, D128, persistent grid, query values": (None, "document", 128, (2, 1),
+                                                      {"persistent": True, "query_values": True}),
 }
 
 
 def _compile_backward_ws(case: str) -> dict:
-    score_mod, mask, D, heads, fused_dq, persistent = BACKWARD_WS[case]
+    score_mod, mask, D, heads, options = BACKWARD_WS[case]
     offline = _offline()
-    kernels = offline.compile_backward_ws(score_mod, _masks()[mask], D, L=L, heads=heads, fused_dq=fused_dq,
-                                          persistent=persistent)
+    kernels = offline.compile_backward_ws(score_mod, _masks()[mask], D, L=L, heads=heads, **options)
     return {name: _facts(kernel, offline) for name, kernel in kernels.items()}
 
 
 @pytest.mark.parametrize("case", list(BACKWARD_WS))
 def test_warp_specialized_backward_compiles_for_sm90(case):
-    fused_dq = BACKWARD_WS[case][4]
+    fused_dq = BACKWARD_WS[case][4].get("fused_dq", True)
     kernels = _compiled("backward_ws", case)
     # the preprocess kernel is the Triton one, dK / dV (and dQ, added into an fp32 buffer by TMA reduce-adds) the
     # Gluon kernel, or else the Triton dQ kernel

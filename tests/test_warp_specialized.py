@@ -432,6 +432,30 @@ if ON_HOPPER:
                        name=f"ws backward, persistent grid, {name}")
         assert ws_backward
 
+    @pytest.mark.parametrize("persistent", [False, True], ids=["per key block", "persistent"])
+    @pytest.mark.parametrize("D", [128, 64])
+    def test_backward_with_the_masks_query_values_on_a_compact_vector(ws_backward, monkeypatch, D, persistent):
+        # launch.WS_BWD_QUERY_VALUES: the catalog's document mask (doc_q[q_idx]) and one whose query values are a
+        # gather of a gather (the document's start) and a difference
+        from test_backward import check_backward
+
+        monkeypatch.setattr(launch, "WS_BWD_QUERY_VALUES", True)
+        if persistent:
+            facts = launch._device_facts(torch.device(DEVICE))
+            monkeypatch.setattr(launch, "WS_BWD_PERSISTENT", True)
+            monkeypatch.setattr(launch, "_device_facts", lambda device: (3, facts[1]))
+        doc = (torch.arange(640, device=DEVICE) // 200).to(torch.int32)
+        start = torch.arange(0, 800, 200, device=DEVICE, dtype=torch.int32)
+
+        def local_causal(b, h, q_idx, kv_idx):
+            return (doc[q_idx] == doc[kv_idx]) & (q_idx - start[doc[q_idx]] >= kv_idx - start[doc[kv_idx]])
+
+        q, k, v = rand_qkv(1, 4, 2, 640, 640, D, dtype=torch.bfloat16, seed=8)
+        for mask in (CATALOG["document"](1, 4, 640, 640, DEVICE).mask_mod, local_causal):
+            bm = create_block_mask(mask, None, None, 640, 640, device=DEVICE)
+            check_backward(q, k, v, block_mask=bm, enable_gqa=True, name="ws backward, query values")
+        assert len(ws_backward) == 2
+
     @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
     def test_dq_is_added_by_the_dkdv_programs_unless_sums_must_be_reproducible(monkeypatch, deterministic):
         import flexlite.api as api

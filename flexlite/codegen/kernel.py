@@ -34,22 +34,26 @@ class GeneratedKernel:
         return self.score_mod.tensors + self.mask_mod.tensors
 
 
-def _lowered(traced: Optional[TracedMod], fn_name: str, prefix: str, float_index: bool = False) -> LoweredMod:
+def _lowered(traced: Optional[TracedMod], fn_name: str, prefix: str, float_index: bool = False,
+             query_values: bool = False) -> LoweredMod:
+    """``query_values`` (mask_mod): its values from b, h, q_idx and captured tensors alone computed apart
+    (bwd_ws.py.jinja evaluates them on a compact query vector)."""
     if traced is None:
         return identity_score_mod() if fn_name == "score_mod" else noop_mask_mod()
-    key = (fn_name, "float_index") if float_index else fn_name
+    key = (fn_name,) + (("float_index",) if float_index else ()) + (("query_values",) if query_values else ())
     if key not in traced.lowered:
         # score_mod's loop-invariant loads are hoisted out of the kernels' loops (lower_mod's ``hoist``)
-        traced.lowered[key] = lower_mod(traced, fn_name, prefix, float_index, hoist=fn_name == "score_mod")
+        hoist = ("b", "h") if fn_name == "score_mod" else ("b", "h", "q_idx") if query_values else ()
+        traced.lowered[key] = lower_mod(traced, fn_name, prefix, float_index, hoist=hoist)
     return traced.lowered[key]
 
 
 @functools.lru_cache(maxsize=512)
 def _render(template: str, sm_source: str, mm_source: str, sm_params: tuple, mm_params: tuple,
             interpret: bool, sm_name: str, mm_name: str, extra: tuple = (), sm_hoisted: tuple = (),
-            sm_hoist_source: str = "") -> str:
+            sm_hoist_source: str = "", mm_hoisted: tuple = (), mm_hoist_source: str = "") -> str:
     sm = LoweredMod("score_mod", sm_source, list(sm_params), [], hoisted=sm_hoisted, hoist_source=sm_hoist_source)
-    mm = LoweredMod("mask_mod", mm_source, list(mm_params), [])
+    mm = LoweredMod("mask_mod", mm_source, list(mm_params), [], hoisted=mm_hoisted, hoist_source=mm_hoist_source)
     extra_mods = {name: LoweredMod(name, src, list(params), []) if src is not None else None
                   for name, src, params in extra}
     return render(template, sm, mm, interpret=interpret, score_mod_name=sm_name, mask_mod_name=mm_name,
@@ -112,14 +116,17 @@ def _captured_grad(traced: TracedMod, grad_captured: tuple) -> tuple:
 
 
 def generate_backward(score_mod: Optional[Callable], mask_mod: Optional[Callable], *, interpret: bool,
-                      grad_captured: tuple = (), template: str = "bwd.py.jinja") -> BackwardKernel:
+                      grad_captured: tuple = (), template: str = "bwd.py.jinja",
+                      query_values: bool = False) -> BackwardKernel:
     """Backward kernel source for these mods. ``grad_captured``: tensors captured by ``score_mod``
     whose gradients the dK/dV kernel scatters (atomically) into buffers; () for none. ``template``:
     ``"bwd.py.jinja"`` (preprocess, dK/dV and dQ kernels) or ``"bwd_ws.py.jinja"`` (the warp-specialized dK/dV
-    kernel; no captured-tensor gradients)."""
+    kernel; no captured-tensor gradients). ``query_values`` (bwd_ws.py.jinja): mask_mod's values from b, h, q_idx
+    and captured tensors alone (its gathers along the queries) computed apart, on a compact query vector."""
     sm = trace_mod(score_mod, "score_mod") if score_mod is not None else None
     mm = trace_mod(mask_mod, "mask_mod") if mask_mod is not None else None
-    low_sm, low_mm = _lowered(sm, "score_mod", "sm_"), _lowered(mm, "mask_mod", "mm_")
+    low_sm = _lowered(sm, "score_mod", "sm_")
+    low_mm = _lowered(mm, "mask_mod", "mm_", query_values=query_values and template == "bwd_ws.py.jinja")
     score_grad = _score_grad(sm) if sm is not None else None
     captured_grad, slots = _captured_grad(sm, tuple(grad_captured)) if sm is not None and grad_captured \
         else (None, ())
@@ -127,6 +134,6 @@ def generate_backward(score_mod: Optional[Callable], mask_mod: Optional[Callable
                   for name, m in (("score_grad", score_grad), ("captured_grad", captured_grad)))
     source = _render(template, low_sm.source, low_mm.source, tuple(low_sm.params), tuple(low_mm.params),
                      interpret, sm.name if sm else "none", mm.name if mm else "none", extra, low_sm.hoisted,
-                     low_sm.hoist_source)
+                     low_sm.hoist_source, low_mm.hoisted, low_mm.hoist_source)
     return BackwardKernel(template, source, low_sm, low_mm, has_score_mod=sm is not None,
                           score_grad=score_grad, captured_grad=captured_grad, buffer_slots=slots)

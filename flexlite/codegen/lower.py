@@ -312,8 +312,8 @@ class LoweredMod:
     params: list  # kernel parameter names for the captured tensors, in order
     tensors: list  # captured tensors, in order (one per pointer parameter)
     result_dtype: Optional[torch.dtype] = None  # torch dtype of the mod's value before the final cast
-    # loop-invariant values (see lower_mod's ``hoist``): their names in the mod, which takes them as parameters
-    # after its inputs, and ``hoist_source`` defines ``<fn_name>_hoist(b, h, <params>)`` that returns them
+    # values computed apart (see lower_mod's ``hoist``): their names in the mod, which takes them as parameters
+    # after its inputs, and ``hoist_source`` defines ``<fn_name>_hoist(<hoist inputs>, <params>)`` that returns them
     hoisted: tuple = ()
     hoist_source: str = ""
 
@@ -352,8 +352,8 @@ class _Lowerer:
 
     @functools.cached_property
     def bh_only(self) -> tuple[set, set]:
-        """:func:`_bh_only` of the mod's graph, walked once."""
-        return _bh_only(self.traced.graph_module)
+        """:func:`_only` ``b`` and ``h`` of the mod's graph, walked once."""
+        return _only(self.traced.graph_module, ("b", "h"))
 
     def fail(self, node: fx.Node, why: str):
         raise UntraceableModError(f"{self.traced.kind} {self.traced.name!r}: {why} (at `{node.format_node()}`)")
@@ -541,14 +541,15 @@ class _Lowerer:
             self.float_forms[result.expr] = (f"tl.abs({forms[0][0]})", forms[0][1])
 
 
-def _bh_only(gm: fx.GraphModule) -> tuple[set, set]:
-    """(the nodes whose values read no mod input but ``b`` and ``h``, besides captured tensors and constants;
-    the subset of them that reads a captured tensor). b and h are loop-invariant in every kernel and scalars in
-    all but decoding (score, q_idx and kv_idx change from tile to tile)."""
+def _only(gm: fx.GraphModule, inputs: tuple) -> tuple[set, set]:
+    """(the nodes whose values read no mod input but ``inputs``, besides captured tensors and constants; the subset
+    of them that reads a captured tensor). b and h are loop-invariant in every kernel and scalars in all but
+    decoding (score, q_idx and kv_idx change from tile to tile); what reads b, h and q_idx alone is a vector along
+    the queries of a tile."""
     invariant, loads = set(), set()
     for node in gm.graph.nodes:
         if node.op == "placeholder":
-            if node.target in ("b", "h"):
+            if node.target in inputs:
                 invariant.add(node)
         elif node.op == "get_attr":
             invariant.add(node)
@@ -578,11 +579,11 @@ def literal_none() -> Val:
     return Val("None", None, None, True)
 
 
-def _hoistable(low: _Lowerer) -> tuple[set, list]:
-    """(nodes computed from b, h and captured tensors only: the same for every tile of a kernel's loop, in every
-    kernel; the values among them that the rest of the mod uses), when one of those values reads a captured
-    tensor (what is worth taking out of the loop: a load whose latency each tile would wait for)."""
-    invariant, loads = low.bh_only
+def _hoistable(low: _Lowerer, inputs: tuple) -> tuple[set, list]:
+    """(nodes computed from ``inputs`` and captured tensors only, e.g. b and h: the same for every tile of a
+    kernel's loop, in every kernel; the values among them that the rest of the mod uses), when one of those values
+    reads a captured tensor (what is worth computing apart: a load whose latency each tile would wait for)."""
+    invariant, loads = low.bh_only if inputs == ("b", "h") else _only(low.traced.graph_module, inputs)
     used = [n for n in low.traced.graph_module.graph.nodes if n in invariant and n.op != "placeholder"
             and any(u not in invariant for u in n.users)
             and isinstance(low.env.get(n), Val) and not low.env[n].is_literal]
@@ -594,15 +595,17 @@ def _hoistable(low: _Lowerer) -> tuple[set, list]:
 
 
 def lower_mod(traced: TracedMod, fn_name: str, prefix: str, float_index: bool = False,
-              hoist: bool = False) -> LoweredMod:
+              hoist: tuple = ()) -> LoweredMod:
     """Lower a traced mod to ``@triton.jit def fn_name(...)``; captured params are named ``prefix``c<i>.
-    ``float_index``: the kernel's q_idx / kv_idx stay below 2**24 (see :class:`_Lowerer`). ``hoist``: the values
-    the mod computes from b, h and captured tensors alone (ALiBi's ``slopes[h]``) move to ``<fn_name>_hoist``,
-    which the kernels call once before their loops (a load per tile waits for memory after the tile's matmul);
-    the mod takes them as parameters (:attr:`LoweredMod.hoisted`)."""
+    ``float_index``: the kernel's q_idx / kv_idx stay below 2**24 (see :class:`_Lowerer`). ``hoist``: mod inputs
+    (e.g. ``("b", "h")``) whose values, with captured tensors, the kernel can compute apart: what the mod computes
+    from them alone (ALiBi's ``slopes[h]``; with q_idx a document mask's ``doc_id[q_idx]``) moves to
+    ``<fn_name>_hoist(<hoist>, <params>)``, which kernels call once before their loops (b, h) or once per tile on
+    a compact query vector (q_idx: the warp-specialized backward), when it reads a captured tensor; the mod takes
+    those values as parameters (:attr:`LoweredMod.hoisted`)."""
     low = _Lowerer(traced, prefix, float_index)
     lines, result = low.run()
-    invariant, hoisted = _hoistable(low) if hoist else (set(), [])
+    invariant, hoisted = _hoistable(low, hoist) if hoist else (set(), [])
     hoist_lines = [line for n in low.traced.graph_module.graph.nodes if n in invariant
                    for line in lines[slice(*low.node_lines[n])]]
     if hoisted:
@@ -623,8 +626,9 @@ def lower_mod(traced: TracedMod, fn_name: str, prefix: str, float_index: bool = 
     hoist_source = ""
     if hoisted:
         hoist_source = "\n".join(
-            ["@triton.jit", f"def {fn_name}_hoist({', '.join(['b', 'h'] + low.params)}):",
-             f"    # the loop-invariant values of {traced.kind} {traced.name} (b, h and captured tensors only)"]
+            ["@triton.jit", f"def {fn_name}_hoist({', '.join(list(hoist) + low.params)}):",
+             f"    # the values of {traced.kind} {traced.name} computed from {', '.join(hoist)} and captured tensors "
+             f"only"]
             + [f"    {line}" for line in hoist_lines] + [f"    return {', '.join(names)}"]) + "\n"
     return LoweredMod(fn_name=fn_name, source=source, params=low.params, tensors=low.tensors,
                       result_dtype=result.dtype, hoisted=names, hoist_source=hoist_source)

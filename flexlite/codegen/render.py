@@ -55,6 +55,10 @@ def render(template: str, score_mod: LoweredMod, mask_mod: LoweredMod, *, interp
             return "pass  # score_mod has no loop-invariant values"
         return f"{', '.join(hoisted)} = score_mod_hoist({', '.join([b, h] + score_mod.params)})"
 
+    # mask_mod's query values (lowered with hoist b, h, q_idx: bwd_ws.py.jinja only): the kernel computes them per tile
+    # with ``mask_mod_hoist`` and hands them to mask_mod under these names (``mask_query_params``)
+    mask_query = [f"mm_q_{name}" for name in mask_mod.hoisted]
+
     for name, mod in (extra_mods or {}).items():
         extra[f"{name}_source"] = mod.source if mod is not None else ""
         extra[f"{name}_args"] = _param_list(mod.params) if mod is not None else ""
@@ -63,11 +67,14 @@ def render(template: str, score_mod: LoweredMod, mask_mod: LoweredMod, *, interp
         template_name=template,
         interpret=interpret,
         score_mod_source=score_mod.source + ("\n\n" + score_mod.hoist_source if score_mod.hoist_source else ""),
-        mask_mod_source=mask_mod.source,
+        mask_mod_source=mask_mod.source + ("\n\n" + mask_mod.hoist_source if mask_mod.hoist_source else ""),
         score_mod_name=score_mod_name,
         mask_mod_name=mask_mod_name,
         score_args=_param_list(hoisted + score_mod.params),
-        mask_args=_param_list(mask_mod.params),
+        mask_args=_param_list(mask_query + mask_mod.params),
+        mask_query=mask_query,
+        mask_query_params=_param_list(mask_query),
+        mask_params=_param_list(mask_mod.params),
         mod_params=_param_list(score_mod.params + mask_mod.params),
         inner_params=_param_list(score_mod.params + mask_mod.params + hoisted),
         score_hoist=score_hoist,

@@ -401,6 +401,10 @@ WS_BWD_FULL_FIRST = True
 # a persistent grid (a program per SM, each taking every SM-count-th key block; its producer loads a key block's K / V
 # while the consumers store the previous one's dK / dV) instead of a program per key block: not measured yet (NOTES 43)
 WS_BWD_PERSISTENT = False
+# mask_mod's values along the queries (what it computes from b, h, q_idx and captured tensors: a document mask's
+# doc_id[q_idx] and the document's start) gathered on a compact vector, a query per thread, and spread along the
+# tile's columns after the matmuls, instead of 16 gathers per thread in the tile's layout: not measured yet (NOTES 45)
+WS_BWD_QUERY_VALUES = False
 
 
 def ws_backward_unmet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sparse_block: tuple) -> Optional[str]:
