@@ -12,7 +12,7 @@
 
 Gradients are checked by the harness and the GPU tests, not here (the timings are of the same kernels).
 
-Usage: python benchmarks/probe_bwd_costs.py [mask,mask,...] [D,D,...]"""
+Usage: python benchmarks/probe_bwd_costs.py [mask,mask,...] [D,D,...] [--no-walks]"""
 
 import sys
 
@@ -120,7 +120,7 @@ def walks():
 def main():
     masks, dims = probe_args(sys.argv)
     costs(masks, dims)
-    if 128 in dims:
+    if 128 in dims and "--no-walks" not in sys.argv:
         walks()
 
 
