@@ -398,8 +398,9 @@ WS_BWD_FUSED_DQ = True
 # walk's second loop, and full tiles are most of a masked walk (H200, benchmarks/probe_bwd_costs.py: the kernel 6-12 %
 # faster at D128 on the harness's masks, within noise at D64; NOTES 42)
 WS_BWD_FULL_FIRST = True
-# a persistent grid (a program per SM, each taking every SM-count-th key block; its producer loads a key block's K / V
-# while the consumers store the previous one's dK / dV) instead of a program per key block: not measured yet (NOTES 43)
+# a persistent grid (a program per SM, taking a key block per pass over the grid, passes alternating in direction; its
+# producer loads a key block's K / V while the consumers store the previous one's dK / dV) instead of a program per
+# key block: not measured yet (NOTES 43)
 WS_BWD_PERSISTENT = False
 # mask_mod's values along the queries (what it computes from b, h, q_idx and captured tensors: a document mask's
 # doc_id[q_idx] and the document's start) gathered on a compact vector, a query per thread, and spread along the
