@@ -579,19 +579,22 @@ def literal_none() -> Val:
     return Val("None", None, None, True)
 
 
-def _hoistable(low: _Lowerer, inputs: tuple) -> tuple[set, list]:
+def _hoistable(low: _Lowerer, inputs: tuple) -> tuple[set, set, list]:
     """(nodes computed from ``inputs`` and captured tensors only, e.g. b and h: the same for every tile of a
-    kernel's loop, in every kernel; the values among them that the rest of the mod uses), when one of those values
-    reads a captured tensor (what is worth computing apart: a load whose latency each tile would wait for)."""
+    kernel's loop, in every kernel; those of them the mod no longer computes; the values among those that the rest of
+    the mod uses), when one of those values reads a captured tensor (what is worth computing apart: a load whose
+    latency each tile would wait for). With q_idx among ``inputs`` the values that read b and h alone stay in the mod
+    (scalars, not vectors along the queries), and the function computing the others recomputes what they need."""
     invariant, loads = low.bh_only if inputs == ("b", "h") else _only(low.traced.graph_module, inputs)
-    used = [n for n in low.traced.graph_module.graph.nodes if n in invariant and n.op != "placeholder"
+    moved = invariant if inputs == ("b", "h") else invariant - low.bh_only[0]
+    used = [n for n in low.traced.graph_module.graph.nodes if n in moved and n.op != "placeholder"
             and any(u not in invariant for u in n.users)
             and isinstance(low.env.get(n), Val) and not low.env[n].is_literal]
     firsts = {}  # a value loaded once (Lowerer.loaded) is one hoisted value, however many nodes read it
     for n in used:
         firsts.setdefault(low.env[n].expr, n)
     used = list(firsts.values())
-    return (invariant, used) if any(n in loads for n in used) else (set(), [])
+    return (invariant, moved, used) if any(n in loads for n in used) else (set(), set(), [])
 
 
 def lower_mod(traced: TracedMod, fn_name: str, prefix: str, float_index: bool = False,
@@ -605,11 +608,11 @@ def lower_mod(traced: TracedMod, fn_name: str, prefix: str, float_index: bool = 
     those values as parameters (:attr:`LoweredMod.hoisted`)."""
     low = _Lowerer(traced, prefix, float_index)
     lines, result = low.run()
-    invariant, hoisted = _hoistable(low, hoist) if hoist else (set(), [])
+    invariant, moved, hoisted = _hoistable(low, hoist) if hoist else (set(), set(), [])
     hoist_lines = [line for n in low.traced.graph_module.graph.nodes if n in invariant
                    for line in lines[slice(*low.node_lines[n])]]
     if hoisted:
-        lines = [line for n in low.traced.graph_module.graph.nodes if n not in invariant
+        lines = [line for n in low.traced.graph_module.graph.nodes if n not in moved
                  for line in lines[slice(*low.node_lines[n])]]
     names = tuple(low.env[n].expr for n in hoisted)
     if traced.kind == "score_mod":
