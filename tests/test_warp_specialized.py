@@ -450,11 +450,14 @@ if ON_HOPPER:
         def local_causal(b, h, q_idx, kv_idx):
             return (doc[q_idx] == doc[kv_idx]) & (q_idx - start[doc[q_idx]] >= kv_idx - start[doc[kv_idx]])
 
+        def with_a_head_value(b, h, q_idx, kv_idx):  # start[h % 2] reads h alone: it stays in the mask
+            return (doc[q_idx] + start[h % 2] == doc[kv_idx] + start[h % 2]) | (kv_idx < start[h % 2] + 64)
+
         q, k, v = rand_qkv(1, 4, 2, 640, 640, D, dtype=torch.bfloat16, seed=8)
-        for mask in (CATALOG["document"](1, 4, 640, 640, DEVICE).mask_mod, local_causal):
+        for mask in (CATALOG["document"](1, 4, 640, 640, DEVICE).mask_mod, local_causal, with_a_head_value):
             bm = create_block_mask(mask, None, None, 640, 640, device=DEVICE)
             check_backward(q, k, v, block_mask=bm, enable_gqa=True, name="ws backward, query values")
-        assert len(ws_backward) == 2
+        assert len(ws_backward) == 3
 
     @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
     def test_dq_is_added_by_the_dkdv_programs_unless_sums_must_be_reproducible(monkeypatch, deterministic):
