@@ -1,6 +1,7 @@
 """GPU probe for what score_mods cost: forward and backward ms of ALiBi + causal (per-head slopes gathered, and
-one constant slope; the distance converted to float as an int tile or as float q / kv vectors), softcap + causal and an identity score_mod next to plain causal; each is first checked
-against the fp64 reference. Prints a table; benchmarks/NOTES.md records
+one constant slope; the distance converted to float as an int tile or as float q / kv vectors), softcap + causal (also
+with its factors folded into the forward's multiplies, launch.FOLD_SCORE_SCALES: NOTES 46) and an identity score_mod
+next to plain causal; each is first checked against the fp64 reference. Prints a table; benchmarks/NOTES.md records
 what it showed (17: the ALiBi lowering experiment it was written for).
 
 Usage: python benchmarks/probe_mods.py [D,D,...]"""
@@ -13,6 +14,18 @@ from tabulate import tabulate
 from flexlite import attention_reference, create_block_mask, flex_attention
 from flexlite.bench import _median_ms, _timed, mask_cases
 from flexlite.mods import alibi_slopes
+from flexlite.runtime import launch
+
+
+def _folded(fn):
+    """``fn`` run with launch.FOLD_SCORE_SCALES on."""
+    def run(*args, **kwargs):
+        saved, launch.FOLD_SCORE_SCALES = launch.FOLD_SCORE_SCALES, True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            launch.FOLD_SCORE_SCALES = saved
+    return run
 
 
 def _error(score_mod, mask_mod, D: int) -> float:
@@ -43,10 +56,12 @@ def main():
                     kv_idx - q_idx),
                 "alibi, constant slope, float indices": lambda score, b, h, q_idx, kv_idx: score + 0.0625 * (
                     kv_idx.float() - q_idx.float()),
-                "softcap30_causal": cases["softcap30_causal"].score_mod}
+                "softcap30_causal": cases["softcap30_causal"].score_mod,
+                "softcap30_causal, factors folded": cases["softcap30_causal"].score_mod}
         for name, score_mod in mods.items():
-            err = _error(score_mod, cases["causal"].mask_mod, D)
-            fwd = lambda: flex_attention(q, k, v, score_mod=score_mod, block_mask=bm)  # noqa: E731
+            fold = _folded if name.endswith("folded") else (lambda fn: fn)
+            err = fold(_error)(score_mod, cases["causal"].mask_mod, D)
+            fwd = fold(lambda score_mod=score_mod: flex_attention(q, k, v, score_mod=score_mod, block_mask=bm))
             row = [name, f"D{D}", f"{err:.1e}", round(_median_ms(fwd), 3),
                    round(_median_ms(_timed(fwd, "bwd"), grad_to_none=[q, k, v]), 3)]
             rows.append(row)

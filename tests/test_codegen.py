@@ -298,9 +298,9 @@ def test_float_index_only_while_positions_are_exact_in_float32(monkeypatch):
     from flexlite.codegen import kernel as kernel_module
     seen, real = [], kernel_module.generate
 
-    def spy(template, score_mod, mask_mod, *, interpret, float_index=False):
+    def spy(template, score_mod, mask_mod, *, interpret, float_index=False, **kwargs):
         seen.append((template, float_index))
-        return real(template, score_mod, mask_mod, interpret=interpret, float_index=float_index)
+        return real(template, score_mod, mask_mod, interpret=interpret, float_index=float_index, **kwargs)
     monkeypatch.setattr(api, "generate", spy)
     mod = FLOAT_INDEX_MODS["alibi"][0]
     q, k, v = rand_qkv(1, 2, 2, 100, 70, 16, seed=5)  # more than 64 queries: the forward kernel, not decoding
@@ -432,3 +432,38 @@ def check(OUT_WHOLE, OUT_SPLIT, {params}, L: tl.constexpr):
     want = torch.stack([mask(0, torch.tensor(h), torch.arange(L)[:, None], torch.arange(L)[None, :])
                         for h in range(3)]).to(torch.int32)
     assert torch.equal(out_whole, want) and torch.equal(out_split, want)
+
+
+FOLD_MODS = {
+    # score_mod, (in_scale, out_scale) lower_mod's fold_scales takes out
+    "softcap": (lambda s, b, h, q, kv: 30.0 * torch.tanh(s / 30.0), (1 / 30.0, 30.0)),
+    "scaled_bias": (lambda s, b, h, q, kv: (s * 2 + _slopes[h] * (kv - q)) * 0.5, (2.0, 0.5)),
+    "times_a_constant": (lambda s, b, h, q, kv: 3 * s, (3.0, None)),  # one node: taken as the input's factor
+    "negative_output_factor": (lambda s, b, h, q, kv: -2.0 * torch.tanh(s / 8), (0.125, None)),  # max would flip
+    "score_used_twice": (lambda s, b, h, q, kv: torch.tanh(s * 0.5) * s * 4.0, (None, 4.0)),
+    "no_factor": (lambda s, b, h, q, kv: s + h, (None, None)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FOLD_MODS))
+def test_score_mod_constant_factors_are_folded_into_the_forward(monkeypatch, name):
+    """launch.FOLD_SCORE_SCALES: a score_mod's constant input factor and positive output factor are left to the
+    forward kernel, which folds them into its own multiplies; outputs and gradients stay the reference's."""
+    from flexlite.codegen.lower import lower_mod
+    from flexlite.runtime import launch
+
+    mod, (in_scale, out_scale) = FOLD_MODS[name]
+    low = lower_mod(trace_mod(mod, "score_mod"), "score_mod", "sm_", fold_scales=True)
+    assert (low.in_scale, low.out_scale) == (in_scale, out_scale)
+    monkeypatch.setattr(launch, "FOLD_SCORE_SCALES", True)
+    source = flexlite.kernel_source(mod, device=DEVICE)
+    assert (f"qk_scale * {in_scale!r}" in source) == (in_scale is not None)
+    assert ("* LOG2E\n" not in source.split("def flex_fwd_block")[1].split("def ")[0]) == (out_scale is not None)
+    q, k, v = (t.requires_grad_() for t in rand_qkv(2, H, H, 100, 70, 16, seed=11))
+    bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx + 20 >= kv_idx, None, None, 100, 70, device=DEVICE)
+    out = flex_attention(q, k, v, score_mod=mod, block_mask=bm)
+    ref = attention_reference(q, k, v, score_mod=mod, block_mask=bm)[0]
+    assert_close(out, ref, *TOLERANCES[torch.float32])
+    grad = torch.randn_like(out)
+    for g, w in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
+        assert_close(g, w, *TOLERANCES[torch.float32])

@@ -111,12 +111,17 @@ FORWARD_WS = {
     "document (mask gathers), softcap, D128": (generate_tanh_softcap(30.0, approx=True), "document", 128, L, L,
                                                (2, 2)),
     "ALiBi (hoisted gather), ragged, D64": (generate_alibi_bias(2), "none", 64, 200, 333, (2, 2)),
+    "causal, softcap with its factors folded, D128": (generate_tanh_softcap(30.0, approx=True), "causal", 128, L, L,
+                                                      (2, 2)),
 }
 
 
 def _compile_ws(case: str) -> dict:
+    from flexlite.runtime import launch
+
     score_mod, mask, D, Lq, Lkv, heads = FORWARD_WS[case]
     offline = _offline()
+    launch.FOLD_SCORE_SCALES = "folded" in case  # (a fresh process per compile)
     return _facts(offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads), offline)
 
 

@@ -333,6 +333,16 @@ if ON_HOPPER:
 
         run_case(name, shape, dtype, kernel_options={"WARP_SPECIALIZE": True})
 
+    @pytest.mark.parametrize("D", [128, 64])
+    def test_folded_score_mod_factors(monkeypatch, D):
+        # launch.FOLD_SCORE_SCALES (softcap's 1 / cap and cap folded into the kernel's multiplies), through the
+        # warp-specialized forward and the Triton one
+        from test_flex_attention import run_case
+
+        monkeypatch.setattr(launch, "FOLD_SCORE_SCALES", True)
+        for options in ({"WARP_SPECIALIZE": True}, {"WARP_SPECIALIZE": False}):
+            run_case("softcap_causal", (1, 2, 2, 256, 256, D), torch.bfloat16, kernel_options=options)
+
     @pytest.mark.parametrize("block_size", [(256, 128), (128, 256)], ids=str)
     def test_larger_sparse_blocks(block_size):
         q, k, v = rand_qkv(1, 2, 2, 512, 512, 128, dtype=torch.bfloat16, seed=1)

@@ -35,24 +35,28 @@ class GeneratedKernel:
 
 
 def _lowered(traced: Optional[TracedMod], fn_name: str, prefix: str, float_index: bool = False,
-             query_values: bool = False) -> LoweredMod:
+             query_values: bool = False, fold_scales: bool = False) -> LoweredMod:
     """``query_values`` (mask_mod): its values from b, h, q_idx and captured tensors alone computed apart
-    (bwd_ws.py.jinja evaluates them on a compact query vector)."""
+    (bwd_ws.py.jinja evaluates them on a compact query vector). ``fold_scales`` (score_mod): its constant input and
+    output factors left to the kernel (lower_mod's ``fold_scales``)."""
     if traced is None:
         return identity_score_mod() if fn_name == "score_mod" else noop_mask_mod()
-    key = (fn_name,) + (("float_index",) if float_index else ()) + (("query_values",) if query_values else ())
+    key = (fn_name,) + tuple(name for name, on in (("float_index", float_index), ("query_values", query_values),
+                                                    ("fold_scales", fold_scales)) if on)
     if key not in traced.lowered:
         # score_mod's loop-invariant loads are hoisted out of the kernels' loops (lower_mod's ``hoist``)
         hoist = ("b", "h") if fn_name == "score_mod" else ("b", "h", "q_idx") if query_values else ()
-        traced.lowered[key] = lower_mod(traced, fn_name, prefix, float_index, hoist=hoist)
+        traced.lowered[key] = lower_mod(traced, fn_name, prefix, float_index, hoist=hoist, fold_scales=fold_scales)
     return traced.lowered[key]
 
 
 @functools.lru_cache(maxsize=512)
 def _render(template: str, sm_source: str, mm_source: str, sm_params: tuple, mm_params: tuple,
             interpret: bool, sm_name: str, mm_name: str, extra: tuple = (), sm_hoisted: tuple = (),
-            sm_hoist_source: str = "", mm_hoisted: tuple = (), mm_hoist_source: str = "") -> str:
-    sm = LoweredMod("score_mod", sm_source, list(sm_params), [], hoisted=sm_hoisted, hoist_source=sm_hoist_source)
+            sm_hoist_source: str = "", mm_hoisted: tuple = (), mm_hoist_source: str = "",
+            sm_scales: tuple = (None, None)) -> str:
+    sm = LoweredMod("score_mod", sm_source, list(sm_params), [], hoisted=sm_hoisted, hoist_source=sm_hoist_source,
+                    in_scale=sm_scales[0], out_scale=sm_scales[1])
     mm = LoweredMod("mask_mod", mm_source, list(mm_params), [], hoisted=mm_hoisted, hoist_source=mm_hoist_source)
     extra_mods = {name: LoweredMod(name, src, list(params), []) if src is not None else None
                   for name, src, params in extra}
@@ -61,17 +65,18 @@ def _render(template: str, sm_source: str, mm_source: str, sm_params: tuple, mm_
 
 
 def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Callable], *,
-             interpret: bool, float_index: bool = False) -> GeneratedKernel:
+             interpret: bool, float_index: bool = False, fold_scales: bool = False) -> GeneratedKernel:
     """Kernel source for ``template`` with ``score_mod`` / ``mask_mod`` (None: identity / keep all).
     ``float_index``: lower index arithmetic that ends in float32 from float index vectors (the caller guarantees
-    lengths below 2**24; :class:`~flexlite.codegen.lower._Lowerer`)."""
+    lengths below 2**24; :class:`~flexlite.codegen.lower._Lowerer`). ``fold_scales`` (the forward templates):
+    score_mod's constant input and output factors folded into the kernel's multiplies."""
     sm = trace_mod(score_mod, "score_mod") if score_mod is not None else None
     mm = trace_mod(mask_mod, "mask_mod") if mask_mod is not None else None
-    low_sm = _lowered(sm, "score_mod", "sm_", float_index)
+    low_sm = _lowered(sm, "score_mod", "sm_", float_index, fold_scales=fold_scales)
     low_mm = _lowered(mm, "mask_mod", "mm_", float_index)
     source = _render(template, low_sm.source, low_mm.source, tuple(low_sm.params), tuple(low_mm.params),
                      interpret, sm.name if sm else "none", mm.name if mm else "none", (), low_sm.hoisted,
-                     low_sm.hoist_source)
+                     low_sm.hoist_source, sm_scales=(low_sm.in_scale, low_sm.out_scale))
     return GeneratedKernel(template, source, low_sm, low_mm, has_score_mod=sm is not None)
 
 

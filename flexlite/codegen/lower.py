@@ -316,6 +316,10 @@ class LoweredMod:
     # after its inputs, and ``hoist_source`` defines ``<fn_name>_hoist(<hoist inputs>, <params>)`` that returns them
     hoisted: tuple = ()
     hoist_source: str = ""
+    # score_mod's constant factors taken out (lower_mod's ``fold_scales``): the mod is ``out_scale * f(in_scale *
+    # score)`` and the function computes f of its (already multiplied) input; None: no such factor
+    in_scale: Optional[float] = None
+    out_scale: Optional[float] = None
 
     def kernel_args(self) -> list:
         """Runtime values for ``params``: per tensor its pointer, strides, sizes."""
@@ -349,6 +353,7 @@ class _Lowerer:
         # (captured tensor's param, index expressions) -> the value loaded there: a mod that reads an element twice
         # (a document mask's doc_id[q_idx], once for the comparison and once for the document's start) loads it once
         self.loaded: dict[tuple, Val] = {}
+        self.aliases: dict[fx.Node, fx.Node] = {}  # nodes that take another node's value (lower_mod's fold_scales)
 
     @functools.cached_property
     def bh_only(self) -> tuple[set, set]:
@@ -466,7 +471,9 @@ class _Lowerer:
         for node in self.traced.graph_module.graph.nodes:
             start = len(self.lines)
             self.node_lines[node] = (start, start)
-            if node.op == "placeholder":
+            if node in self.aliases:
+                self.env[node] = self.env[self.aliases[node]]
+            elif node.op == "placeholder":
                 self.env[node] = Val(node.target, node.meta["dtype"])
                 if self.float_index and node.target in ("q_idx", "kv_idx"):
                     self.float_forms[node.target] = (f"{node.target}.to(tl.float32)", True)
@@ -597,16 +604,59 @@ def _hoistable(low: _Lowerer, inputs: tuple) -> tuple[set, set, list]:
     return (invariant, moved, used) if any(n in loads for n in used) else (set(), set(), [])
 
 
+def _constant_factor(node) -> Optional[tuple]:
+    """(x, c) when ``node`` is x * c, c * x or x / c for a finite, nonzero number c (as x times a float), else None."""
+    if not isinstance(node, fx.Node) or op_key(node) not in ("mul", "truediv") or node.kwargs or len(node.args) != 2:
+        return None
+    a, b = node.args
+
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and 1e-30 < abs(v) < 1e30
+
+    if op_key(node) == "truediv":
+        return (a, 1.0 / b) if isinstance(a, fx.Node) and number(b) else None
+    if isinstance(a, fx.Node) and number(b):
+        return a, float(b)
+    if isinstance(b, fx.Node) and number(a):
+        return b, float(a)
+    return None
+
+
+def _fold_scales(low: "_Lowerer") -> tuple:
+    """score_mod = out_scale * f(in_scale * score): (in_scale, out_scale), each None where the mod has no such factor
+    (score used once, by a multiply or a division by a constant; the result a multiply by a positive constant), and
+    the nodes that then take another's value registered on ``low``."""
+    gm = low.traced.graph_module
+    score = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.target == "score")
+    in_scale = out_scale = None
+    if len(score.users) == 1:
+        user = next(iter(score.users))
+        factor = _constant_factor(user)
+        if factor is not None and factor[0] is score:
+            low.aliases[user] = score
+            in_scale = factor[1]
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    factor = _constant_factor(out)
+    if factor is not None and out not in low.aliases and factor[1] > 0 and len(out.users) == 1 and \
+            out.meta.get("dtype") is not None and out.meta["dtype"].is_floating_point:
+        low.aliases[out] = factor[0]
+        out_scale = factor[1]
+    return in_scale, out_scale
+
+
 def lower_mod(traced: TracedMod, fn_name: str, prefix: str, float_index: bool = False,
-              hoist: tuple = ()) -> LoweredMod:
+              hoist: tuple = (), fold_scales: bool = False) -> LoweredMod:
     """Lower a traced mod to ``@triton.jit def fn_name(...)``; captured params are named ``prefix``c<i>.
     ``float_index``: the kernel's q_idx / kv_idx stay below 2**24 (see :class:`_Lowerer`). ``hoist``: mod inputs
     (e.g. ``("b", "h")``) whose values, with captured tensors, the kernel can compute apart: what the mod computes
     from them alone (ALiBi's ``slopes[h]``; with q_idx a document mask's ``doc_id[q_idx]``) moves to
     ``<fn_name>_hoist(<hoist>, <params>)``, which kernels call once before their loops (b, h) or once per tile on
     a compact query vector (q_idx: the warp-specialized backward), when it reads a captured tensor; the mod takes
-    those values as parameters (:attr:`LoweredMod.hoisted`)."""
+    those values as parameters (:attr:`LoweredMod.hoisted`). ``fold_scales`` (score_mod): a constant factor of its
+    input and a positive one of its output (softcap's ``30 * tanh(score / 30)``) are left to the kernel, which folds
+    them into its own multiplies (:attr:`LoweredMod.in_scale`, :attr:`LoweredMod.out_scale`)."""
     low = _Lowerer(traced, prefix, float_index)
+    in_scale, out_scale = _fold_scales(low) if fold_scales else (None, None)
     lines, result = low.run()
     invariant, moved, hoisted = _hoistable(low, hoist) if hoist else (set(), set(), [])
     hoist_lines = [line for n in low.traced.graph_module.graph.nodes if n in invariant
@@ -634,7 +684,8 @@ def lower_mod(traced: TracedMod, fn_name: str, prefix: str, float_index: bool = 
              f"only"]
             + [f"    {line}" for line in hoist_lines] + [f"    return {', '.join(names)}"]) + "\n"
     return LoweredMod(fn_name=fn_name, source=source, params=low.params, tensors=low.tensors,
-                      result_dtype=result.dtype, hoisted=names, hoist_source=hoist_source)
+                      result_dtype=result.dtype, hoisted=names, hoist_source=hoist_source, in_scale=in_scale,
+                      out_scale=out_scale)
 
 
 def identity_score_mod() -> LoweredMod:

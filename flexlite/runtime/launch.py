@@ -406,6 +406,10 @@ WS_BWD_PERSISTENT = False
 # doc_id[q_idx] and the document's start) gathered on a compact vector, a query per thread, and spread along the
 # tile's columns after the matmuls, instead of 16 gathers per thread in the tile's layout: not measured yet (NOTES 45)
 WS_BWD_QUERY_VALUES = False
+# the forward kernels (fwd.py.jinja, fwd_ws.py.jinja) fold a score_mod's constant input factor and positive output
+# factor (softcap's 30 * tanh(score / 30)) into their own multiplies: per score one multiply before the mod and one
+# FMA into exp2 instead of four multiplies and a subtraction; not measured yet (NOTES 46)
+FOLD_SCORE_SCALES = False
 
 
 def ws_backward_unmet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sparse_block: tuple) -> Optional[str]:
