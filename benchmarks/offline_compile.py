@@ -7,7 +7,9 @@ JITFunction.run's questions (target sm_90, device 0, stream 0) and every launch 
 The arguments are CPU tensors with the same dtypes, strides and 16-byte alignment as the GPU run's, so Triton
 specializes the kernel the same way. Costs no device time; times nothing (use the probes for that).
 
-Usage: python benchmarks/offline_compile.py [D,...] [--backward]"""
+Usage: python benchmarks/offline_compile.py [D,...] [--backward | --ws]
+(--ws: the warp-specialized kernels' tile loops, and the Triton forward's with softcap, per loop: SASS instructions
+per warp and tile, spill stores / loads, global loads, with and without their optional variants: NOTES 42-46)"""
 
 from __future__ import annotations
 
@@ -119,6 +121,28 @@ def ptxas_report(ptx: str) -> dict:
                 **{op: ops.get(op, 0) for op in _SASS_OPS})
 
 
+def sass_loops(ck) -> list:
+    """The innermost loops of a compiled kernel that issue wgmma (its tile loops; each warp-specialized partition
+    has its own), in address order: per loop its SASS instruction count and counts of a few ops (spill traffic
+    STL / LDL, global loads LDG, MUFU, ISETP)."""
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, "k.cubin"), "wb") as f:
+            f.write(ck.asm["cubin"])
+        sass = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-sass", f.name], capture_output=True,
+                              text=True).stdout
+    ins = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in
+           re.finditer(r"^\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)\s*([^;]*)", sass, re.M)]
+    spans = [(int(arg.split()[0], 16), addr) for addr, op, arg in ins
+             if op == "BRA" and int(arg.split()[0], 16) < addr]  # backward branches: loops
+    ops = {span: collections.Counter(op.split(".")[0] for addr, op, _ in ins if span[0] <= addr <= span[1])
+           for span in set(spans)}
+    tile = [span for span, c in ops.items() if c["HGMMA"]]
+    inner = sorted(span for span in tile if not any(o != span and span[0] <= o[0] and o[1] <= span[1] for o in tile))
+    return [dict(start=hex(a), instructions=sum(ops[(a, b)].values()),
+                 **{op: ops[(a, b)][op] for op in ("HGMMA", "STL", "LDL", "LDG", "MUFU", "ISETP")})
+            for a, b in inner]
+
+
 def compile_forward(score_mod, block_mask, D: int, tile: tuple, use_tma: bool, L: int = 1024,
                     dtype=torch.bfloat16, split_partial: bool = False):
     """The compiled forward kernel for these mods at head dim ``D`` and ``tile`` (BLOCK_M, BLOCK_N, warps,
@@ -209,6 +233,8 @@ def main():
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     dims = [int(d) for d in args[0].split(",")] if args else [128, 64]
     backward = "--backward" in sys.argv
+    if "--ws" in sys.argv:
+        return _main_ws(dims)
     L = 1024
     doc = (torch.arange(L) // 256).to(torch.int32)
 
@@ -262,6 +288,43 @@ def _main_backward(dims, cases, masks, L):
                     rows.append(row)
     print(tabulate(rows, headers=["mods", "D", "tiles (dK/dV, dQ)", "kernel", "regs", "spill bytes", *_SASS_OPS],
                    tablefmt="github"))
+
+
+def _main_ws(dims):
+    from flexlite.masks import generate_causal_document_mask
+    from flexlite.mods import generate_alibi_bias, generate_tanh_softcap
+    L = 1024
+    masks = {name: create_block_mask(mask, None, None, L, L, device="cpu") for name, mask in
+             (("causal", causal_mask), ("document", generate_causal_document_mask([L // 4] * 4, device="cpu")))}
+    softcap, alibi = generate_tanh_softcap(30.0), generate_alibi_bias(2, device="cpu")
+    rows = []
+
+    def report(label, ck):
+        spill = ptxas_report(ck.asm["ptx"])["spill_bytes"]
+        for i, loop in enumerate(sass_loops(ck)):
+            rows.append(label + [spill, i] + list(loop.values())[1:])
+            print(rows[-1], flush=True)
+
+    for D in dims:
+        for name, score_mod, mask in (("causal", None, "causal"), ("softcap causal", softcap, "causal"),
+                                      ("document", None, "document")):
+            for fold in (False, True):
+                saved, launch.FOLD_SCORE_SCALES = launch.FOLD_SCORE_SCALES, fold
+                try:
+                    variant = "factors folded" if fold else ""
+                    report(["forward_ws", name, f"D{D}", variant], compile_forward_ws(score_mod, masks[mask], D, L=L))
+                    if score_mod is not None:  # the Triton forward too (D64's), at its default tile there
+                        report(["forward", name, f"D{D}", variant],
+                               compile_forward(score_mod, masks[mask], D, (128, 128, 4, 3), use_tma=True, L=L))
+                finally:
+                    launch.FOLD_SCORE_SCALES = saved
+        for name, score_mod, mask in (("causal", None, "causal"), ("ALiBi causal", alibi, "causal"),
+                                      ("softcap causal", softcap, "causal"), ("document", None, "document")):
+            for variant in ({}, {"query_values": True}, {"persistent": True}):
+                ck = compile_backward_ws(score_mod, masks[mask], D, L=L, **variant)["flex_bwd_ws_dkdv_kernel"]
+                report(["backward_ws", name, f"D{D}", ", ".join(variant)], ck)
+    print(tabulate(rows, headers=["kernel", "mods", "D", "variant", "spill bytes", "loop", "instructions", "HGMMA",
+                                  "STL", "LDL", "LDG", "MUFU", "ISETP"], tablefmt="github"))
 
 
 if __name__ == "__main__":

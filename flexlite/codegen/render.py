@@ -78,10 +78,10 @@ def render(template: str, score_mod: LoweredMod, mask_mod: LoweredMod, *, interp
         mod_params=_param_list(score_mod.params + mask_mod.params),
         inner_params=_param_list(score_mod.params + mask_mod.params + hoisted),
         score_hoist=score_hoist,
-        # score_mod's constant factors left to the kernel (lower_mod's fold_scales), as Python float literals: the
-        # input's, and the output's times log2(e) (the forward's exp2 argument then one FMA, as without a score_mod)
+        # score_mod's constant factors left to the kernel (lower_mod's fold_scales), as Python float literals (the
+        # templates multiply the output's by LOG2E: the forward's exp2 argument then one FMA, as without a score_mod)
         score_in_scale=None if score_mod.in_scale is None else repr(float(score_mod.in_scale)),
-        score_exp2_scale=None if score_mod.out_scale is None else repr(score_mod.out_scale * 1.4426950408889634),
+        score_out_scale=None if score_mod.out_scale is None else repr(float(score_mod.out_scale)),
         extra_params=_param_list(extra_params),
         **extra,
     )
