@@ -400,16 +400,20 @@ WS_BWD_FUSED_DQ = True
 WS_BWD_FULL_FIRST = True
 # a persistent grid (a program per SM, taking a key block per pass over the grid, passes alternating in direction; its
 # producer loads a key block's K / V while the consumers store the previous one's dK / dV) instead of a program per
-# key block: not measured yet (NOTES 43)
+# key block: off, H200 (benchmarks/probe_bwd_costs.py, NOTES 47): 2-4 % faster on the short walks (sliding window,
+# document) but up to 4 % slower on long ones (prefix-LM, softcap at D64), and which walks are short is known only on
+# the device (a host sync per call to choose)
 WS_BWD_PERSISTENT = False
 # mask_mod's values along the queries (what it computes from b, h, q_idx and captured tensors: a document mask's
 # doc_id[q_idx] and the document's start) gathered on a compact vector, a query per thread, and spread along the
-# tile's columns after the matmuls, instead of 16 gathers per thread in the tile's layout: not measured yet (NOTES 45)
-WS_BWD_QUERY_VALUES = False
+# tile's columns after the matmuls, instead of 16 gathers per thread in the tile's layout (H200: the document mask's
+# backward 7 % faster at D128, 5 % at D64; masks without such gathers render the same source; NOTES 47)
+WS_BWD_QUERY_VALUES = True
 # the forward kernels (fwd.py.jinja, fwd_ws.py.jinja) fold a score_mod's constant input factor and positive output
 # factor (softcap's 30 * tanh(score / 30)) into their own multiplies: per score one multiply before the mod and one
-# FMA into exp2 instead of four multiplies and a subtraction; not measured yet (NOTES 46)
-FOLD_SCORE_SCALES = False
+# FMA into exp2 instead of four multiplies and a subtraction (H200: softcap + causal's forward 4-5 % faster at both
+# head dims; NOTES 47)
+FOLD_SCORE_SCALES = True
 
 
 def ws_backward_unmet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sparse_block: tuple) -> Optional[str]:
