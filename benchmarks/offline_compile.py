@@ -199,7 +199,7 @@ def compile_backward_ws(score_mod, block_mask, D: int, L: int = 1024, dtype=torc
     """The compiled backward kernels (name -> kernel) with the warp-specialized (Gluon) dK / dV kernel, for these
     mods at head dim ``D``, ``L`` queries and keys, ``heads`` = (query heads, kv heads); ``fused_dq``: dQ added by
     its programs (launch.WS_BWD_FUSED_DQ), else by the dQ kernel; ``persistent``: with its persistent grid
-    (launch.WS_BWD_PERSISTENT, for 132 SMs as on an H100 or H200); ``query_values``: mask_mod's values along the
+    (launch.WS_BWD_PERSISTENT: the launch's ws_persistent, for 132 SMs as on an H100 or H200); ``query_values``: mask_mod's values along the
     queries on a compact vector (launch.WS_BWD_QUERY_VALUES)."""
     q, out, grad_out = [torch.randn(1, heads[0], L, D, dtype=dtype) for _ in range(3)]
     k, v = [torch.randn(1, heads[1], L, D, dtype=dtype) for _ in range(2)]
@@ -212,16 +212,16 @@ def compile_backward_ws(score_mod, block_mask, D: int, L: int = 1024, dtype=torc
     *kv_blocks, sparse = _block_tensors(block_mask, L, L, torch.device("cpu"))
     q_blocks = _q_block_tensors(block_mask, L, L, torch.device("cpu"))
     config = launch.BackwardTileConfig(64, 64, 64, 64, 4, 2)  # the dQ kernel's (the CUDA defaults at D128)
-    saved = launch.WS_BWD_FUSED_DQ, launch.WS_BWD_PERSISTENT, launch._device_facts
-    launch.WS_BWD_FUSED_DQ, launch.WS_BWD_PERSISTENT = fused_dq, persistent
+    saved = launch.WS_BWD_FUSED_DQ, launch._device_facts
+    launch.WS_BWD_FUSED_DQ = fused_dq
     launch._device_facts = lambda device: (132, 9)
     try:
         with offline_cuda() as compiled:
             launch.launch_backward(module, kernel.mod_args(), kernel.grad_args([]), q, k, v, out, lse, grad_out,
                                    None, tuple(kv_blocks), q_blocks, sparse, D ** -0.5, kernel.has_score_mod, config,
-                                   pinned=True, dense=block_mask is None, ws_module=ws_module)
+                                   pinned=True, dense=block_mask is None, ws_module=ws_module, ws_persistent=persistent)
     finally:
-        launch.WS_BWD_FUSED_DQ, launch.WS_BWD_PERSISTENT, launch._device_facts = saved
+        launch.WS_BWD_FUSED_DQ, launch._device_facts = saved
     return {ck.name: ck for ck in compiled}
 
 

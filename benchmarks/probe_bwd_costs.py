@@ -2,9 +2,9 @@
 
 1. per harness mask and head dim, the backward's kernels' GPU time per call (torch.profiler): the Delta preprocess,
    zeroing the fp32 dQ buffer, the warp-specialized dK / dV / dQ kernel, the cast to dq; for each of VARIANTS (a
-   program per key block or a persistent grid, launch.WS_BWD_PERSISTENT; mask_mod's query values in the tile's layout
-   or on a compact vector, launch.WS_BWD_QUERY_VALUES; run 4 of results/probes/bwd_costs-H200.md compared the walk
-   orders, launch.WS_BWD_FULL_FIRST, in the same way);
+   program per key block, a persistent grid, or either by the walk's length: launch.WS_BWD_PERSISTENT; runs 4 and 5
+   of results/probes/bwd_costs-H200.md compared the walk orders, launch.WS_BWD_FULL_FIRST, and mask_mod's query
+   values in the tile's layout or on a compact vector, launch.WS_BWD_QUERY_VALUES, in the same way);
 2. at D128 without a mask, the kernel's time against its walk's length (queries 512 ... 8192 for 8192 keys: the same
    programs walking 8 ... 128 tiles; the intercept of a fit is the per-program cost), with the persistent grid too,
    and the same walks through block lists of full blocks only and of partial blocks only (a mask that keeps every
@@ -45,10 +45,10 @@ def kernel_ms(fn, calls: int = 5) -> dict:
     return times
 
 
-# the kernel variants compared (launch settings): NOTES 43 (persistent grid), 45 (mask_mod's query values)
-VARIANTS = (("per key block", {}), ("persistent", {"WS_BWD_PERSISTENT": True}),
-            ("query values", {"WS_BWD_QUERY_VALUES": True}),
-            ("persistent, query values", {"WS_BWD_PERSISTENT": True, "WS_BWD_QUERY_VALUES": True}))
+# the kernel variants compared (launch settings): the grids of NOTES 43, 47 (run 5 of results/probes/bwd_costs-H200.md
+# compared mask_mod's query values, launch.WS_BWD_QUERY_VALUES, the same way)
+VARIANTS = (("per key block", {"WS_BWD_PERSISTENT": False}), ("persistent", {"WS_BWD_PERSISTENT": True}),
+            ("by walk (default)", {"WS_BWD_PERSISTENT": None}))
 
 
 def costs(masks, dims):

@@ -436,7 +436,8 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
             module, kernel.mod_args(), kernel.grad_args(buffers), query, key, value, out, lse, grad_out, grad_lse,
             tuple(kv_blocks), q_blocks, sparse, scale, kernel.has_score_mod, config, need_dq=need_dq, ds=ds,
             scatter_captured_grads=bool(scatter), pinned=any(k in options for k in BACKWARD_CONFIG_KEYS),
-            tune=autotune_enabled(options), dense=block_mask is None, use_tma=_use_tma(options), ws_module=ws_module)
+            tune=autotune_enabled(options), dense=block_mask is None, use_tma=_use_tma(options), ws_module=ws_module,
+            ws_persistent=ws_module is not None and _ws_backward_persistent(block_mask, Lq, Lkv))
     try:
         dq, dk, dv = run(ws_module)
     except Exception as e:  # noqa: BLE001 - only compiler failures of the warp-specialized kernel are handled
@@ -451,23 +452,33 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
     return dq, dk, dv, [next(wanted) if need else None for need in need_captured]
 
 
-def _mean_walk_keys(block_mask, Lkv: int) -> Optional[float]:
-    """Keys a q block walks on average (partial and full blocks), or None while a CUDA graph is being captured
-    and it is not known yet: counting reads the block mask on the host once (then it is kept on the BlockMask,
-    for as long as its block counts are the same tensors, unmodified)."""
+def _mean_walk(block_mask, Lq: int, Lkv: int) -> Optional[tuple[float, float]]:
+    """Keys a q block walks and queries a kv block walks, on average (partial and full blocks), or None while a CUDA
+    graph is being captured and they are not known yet: counting reads the block mask on the host once (then the
+    count is kept on the BlockMask, for as long as its block counts are the same tensors, unmodified)."""
     if block_mask is None:
-        return float(Lkv)
+        return float(Lkv), float(Lq)
     counts = [t for t in (block_mask.kv_num_blocks, block_mask.full_kv_num_blocks) if t is not None]
-    key = tuple((id(t), t._version) for t in counts) + (tuple(block_mask.BLOCK_SIZE),)
-    cached = getattr(block_mask, "_mean_walk", None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    if counts[0].is_cuda and torch.cuda.is_current_stream_capturing():
-        return None
-    blocks = sum(int(t.sum(dtype=torch.int64)) for t in counts)
-    mean = blocks / max(1, counts[0].numel()) * block_mask.BLOCK_SIZE[1]
-    block_mask._mean_walk = (key, mean)
-    return mean
+    key = tuple((id(t), t._version) for t in counts)
+    cached = getattr(block_mask, "_block_count", None)
+    if cached is None or cached[0] != key:
+        if counts[0].is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        cached = block_mask._block_count = (key, sum(int(t.sum(dtype=torch.int64)) for t in counts))
+    q_rows = max(1, counts[0].numel())  # batch x heads x q blocks
+    kv_rows = max(1, q_rows // max(1, counts[0].shape[-1]) * block_mask.kv_indices.shape[-1])
+    bq, bkv = block_mask.BLOCK_SIZE
+    return cached[1] / q_rows * bkv, cached[1] / kv_rows * bq
+
+
+def _ws_backward_persistent(block_mask, Lq: int, Lkv: int) -> bool:
+    """Whether the warp-specialized backward takes its persistent grid: :data:`launch.WS_BWD_PERSISTENT` when set,
+    else where kv blocks walk at most :data:`launch.WS_BWD_PERSISTENT_MAX_WALK` queries on average (not while a CUDA
+    graph is captured before the walk is counted)."""
+    if _launch.WS_BWD_PERSISTENT is not None:
+        return _launch.WS_BWD_PERSISTENT
+    walk = _mean_walk(block_mask, Lq, Lkv)
+    return walk is not None and walk[1] <= _launch.WS_BWD_PERSISTENT_MAX_WALK
 
 
 def _warp_specialize(query, key, value, block_mask, num_blocks, sparse, options) -> bool:
@@ -491,8 +502,8 @@ def _warp_specialize(query, key, value, block_mask, num_blocks, sparse, options)
         return False
     if ws_host_descriptors(query, key, value, sparse):
         return True
-    walk = _mean_walk_keys(block_mask, key.shape[2])
-    return walk is not None and walk >= WS_MIN_WALK_KEYS
+    walk = _mean_walk(block_mask, query.shape[2], key.shape[2])
+    return walk is not None and walk[0] >= WS_MIN_WALK_KEYS
 
 
 def _warp_specialize_backward(query, key, value, sparse, options) -> bool:

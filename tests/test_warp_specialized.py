@@ -131,16 +131,37 @@ def test_flex_attention_picks_it_only_where_it_can_run_measured_faster_and_was_n
 
 
 def test_mean_walk_is_counted_once_per_block_mask_and_again_when_its_counts_change():
-    from flexlite.api import _mean_walk_keys
+    from flexlite.api import _mean_walk
 
-    assert _mean_walk_keys(None, 333) == 333.0
+    assert _mean_walk(None, 222, 333) == (333.0, 222.0)
     bm = create_block_mask(CATALOG["causal"](1, 1, 512, 512, DEVICE).mask_mod, None, None, 512, 512, device=DEVICE)
-    assert _mean_walk_keys(bm, 512) == (1 + 2 + 3 + 4) / 4 * 128  # partial (diagonal) and full blocks
-    kept = bm._mean_walk
-    bm._mean_walk = (kept[0], -1.0)  # a second call reads the kept value, it does not count again
-    assert _mean_walk_keys(bm, 512) == -1.0
+    walk = (1 + 2 + 3 + 4) / 4 * 128  # partial (diagonal) and full blocks, along either side
+    assert _mean_walk(bm, 512, 512) == (walk, walk)
+    kept = bm._block_count
+    bm._block_count = (kept[0], 4)  # a second call reads the kept count, it does not count again
+    assert _mean_walk(bm, 512, 512) == (128.0, 128.0)
     bm.full_kv_num_blocks.zero_()  # modified in place: counted again
-    assert _mean_walk_keys(bm, 512) == 128.0
+    assert _mean_walk(bm, 512, 512) == (128.0, 128.0) and bm._block_count[1] == 4
+    # 2 q blocks of 64 over 4 kv blocks of 128, all partial: 4 keys blocks per q block, 2 q blocks per kv block
+    wide = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= 0, 2, 3, 128, 512, device=DEVICE,
+                             BLOCK_SIZE=(64, 128))
+    assert _mean_walk(wide, 128, 512) == (512.0, 128.0)
+
+
+@pytest.mark.parametrize("setting", [None, True, False])
+def test_the_backward_takes_its_persistent_grid_on_short_walks(monkeypatch, setting):
+    """launch.WS_BWD_PERSISTENT: forced on or off, or (None) where kv blocks walk at most
+    launch.WS_BWD_PERSISTENT_MAX_WALK queries on average."""
+    from flexlite.api import _ws_backward_persistent
+
+    monkeypatch.setattr(launch, "WS_BWD_PERSISTENT", setting)
+    L = 4 * launch.WS_BWD_PERSISTENT_MAX_WALK
+    window = create_block_mask(CATALOG["sliding_window"](1, 1, L, L, DEVICE, window=1024).mask_mod, None, None, L, L,
+                               device=DEVICE)
+    causal = create_block_mask(CATALOG["causal"](1, 1, L, L, DEVICE).mask_mod, None, None, L, L, device=DEVICE)
+    picks = [_ws_backward_persistent(bm, L, L) for bm in (window, causal, None)]
+    assert picks == ([True, False, False] if setting is None else [setting] * 3)
+    assert _ws_backward_persistent(None, launch.WS_BWD_PERSISTENT_MAX_WALK, L) == (setting is not False)
 
 
 @pytest.mark.parametrize("failure", ["PassManager::run failed", "out of resource: shared memory"])
@@ -158,7 +179,7 @@ def test_a_compiler_failure_falls_back_to_the_triton_forward_for_good(monkeypatc
         raise RuntimeError(failure) if "PassManager" in failure else OutOfResources(232448 + 1, 232448, "shared memory")
     monkeypatch.setattr(api, "launch_forward_ws", failing_launch)
     monkeypatch.setattr(api, "ws_forward_unmet", lambda *args: None)
-    monkeypatch.setattr(api, "_mean_walk_keys", lambda *args: float(launch.WS_MIN_WALK_KEYS))
+    monkeypatch.setattr(api, "_mean_walk", lambda *args: (float(launch.WS_MIN_WALK_KEYS),) * 2)
     monkeypatch.setattr(api, "WS_DEFAULT_HEAD_DIMS", {64})
     monkeypatch.setattr(api, "_WS_UNCOMPILABLE", set())
     case = CATALOG["captured_bias"](1, 2, 128, 128, DEVICE)
@@ -292,13 +313,13 @@ def test_the_gluon_grid_is_a_program_per_key_block_or_one_per_sm(monkeypatch, pe
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launches.append((grid, args, kwargs))
 
-    monkeypatch.setattr(launch, "WS_BWD_PERSISTENT", persistent)
     monkeypatch.setattr(launch, "_device_facts", lambda device: (5, 9))
     q, k, v = rand_qkv(2, 4, 2, 384, 384, 64, dtype=torch.bfloat16, device="cpu")
     lse, delta = torch.zeros(2, 4, 384), torch.zeros(2, 4, 384)
     q_blocks, _, has_full = launch._block_args(*_q_block_tensors(None, 384, 384, torch.device("cpu")))
     launch._launch_dkdv_ws(types.SimpleNamespace(flex_bwd_ws_dkdv_kernel=Kernel()), [], [], q, k, v, q, lse, delta,
-                           torch.empty_like(k), torch.empty_like(v), q_blocks, (128, 128), 0.125, False, has_full, True)
+                           torch.empty_like(k), torch.empty_like(v), q_blocks, (128, 128), 0.125, False, has_full, True,
+                           persistent=persistent)
     (grid, args, kwargs), = launches
     assert grid == (programs,) and kwargs["PERSISTENT"] == persistent
     assert args[9 + len(q_blocks) + 6] == 12  # N_WORK: after 5 descriptors, lse, delta, dk, dv, the lists, 6 strides
@@ -333,13 +354,14 @@ if ON_HOPPER:
 
         run_case(name, shape, dtype, kernel_options={"WARP_SPECIALIZE": True})
 
+    @pytest.mark.parametrize("fold", [True, False], ids=["folded", "in the mod"])
     @pytest.mark.parametrize("D", [128, 64])
-    def test_folded_score_mod_factors(monkeypatch, D):
-        # launch.FOLD_SCORE_SCALES (softcap's 1 / cap and cap folded into the kernel's multiplies), through the
-        # warp-specialized forward and the Triton one
+    def test_folded_score_mod_factors(monkeypatch, D, fold):
+        # launch.FOLD_SCORE_SCALES (on by default: softcap's 1 / cap and cap folded into the kernel's multiplies),
+        # through the warp-specialized forward and the Triton one
         from test_flex_attention import run_case
 
-        monkeypatch.setattr(launch, "FOLD_SCORE_SCALES", True)
+        monkeypatch.setattr(launch, "FOLD_SCORE_SCALES", fold)
         for options in ({"WARP_SPECIALIZE": True}, {"WARP_SPECIALIZE": False}):
             run_case("softcap_causal", (1, 2, 2, 256, 256, D), torch.bfloat16, kernel_options=options)
 
@@ -381,14 +403,22 @@ if ON_HOPPER:
             t = torch.empty(*args, **kwargs)
             return t.fill_(float("nan")) if t.is_floating_point() else t
 
-    @pytest.fixture(params=["fused dq", "dq kernel"])
+    @pytest.fixture(params=["fused dq, per key block", "fused dq, persistent", "dq kernel"])
     def ws_backward(monkeypatch, request):
         """The backward's dK / dV forced through the warp-specialized kernel, with dQ added by it (the default) or
-        by the dQ kernel, outputs poisoned; yields the list its launches are counted in."""
+        by the dQ kernel, outputs poisoned; with the fused dQ, on a grid of a program per key block or on the
+        persistent grid of three programs (as if the GPU had 3 SMs, so that programs take several key blocks);
+        yields the list its launches are counted in."""
         import flexlite.api as api
 
         ran, real = [], launch._launch_dkdv_ws
-        monkeypatch.setattr(launch, "WS_BWD_FUSED_DQ", request.param == "fused dq")
+        monkeypatch.setattr(launch, "WS_BWD_FUSED_DQ", request.param.startswith("fused dq"))
+        if request.param.startswith("fused dq"):
+            persistent = request.param.endswith("persistent")
+            monkeypatch.setattr(launch, "WS_BWD_PERSISTENT", persistent)
+            if persistent:
+                facts = launch._device_facts(torch.device(DEVICE))
+                monkeypatch.setattr(launch, "_device_facts", lambda device: (3, facts[1]))
         monkeypatch.setattr(launch, "torch", _PoisonedTorch("torch"))
         monkeypatch.setattr(launch, "_launch_dkdv_ws", lambda *args, **kwargs: ran.append(1) or real(*args, **kwargs))
         monkeypatch.setattr(api, "_warp_specialize_backward", lambda *args, **kwargs: True)
@@ -427,14 +457,11 @@ if ON_HOPPER:
         assert ws_backward
 
     @pytest.mark.parametrize("name, D", [("alibi_causal", 128), ("document", 128), ("prefix_lm", 64)])
-    def test_backward_with_a_persistent_grid(ws_backward, monkeypatch, name, D):
-        # a grid of 3 programs (as if the GPU had 3 SMs) over 10 key blocks (5 per kv head): 4, 3 and 3 each, every
-        # program's K / V reloaded between them
+    def test_backward_of_masked_mods_over_ten_key_blocks(ws_backward, name, D):
+        # 10 key blocks (5 per kv head): on the persistent grid of 3 programs 4, 3 and 3 each, every program's K / V
+        # reloaded between them
         from test_backward import check_backward
 
-        facts = launch._device_facts(torch.device(DEVICE))
-        monkeypatch.setattr(launch, "WS_BWD_PERSISTENT", True)
-        monkeypatch.setattr(launch, "_device_facts", lambda device: (3, facts[1]))
         case = CATALOG[name](1, 4, 640, 640, DEVICE)
         q, k, v = rand_qkv(1, 4, 2, 640, 640, D, dtype=torch.bfloat16, seed=7)
         bm = create_block_mask(case.mask_mod, None, None, 640, 640, device=DEVICE)
@@ -442,18 +469,14 @@ if ON_HOPPER:
                        name=f"ws backward, persistent grid, {name}")
         assert ws_backward
 
-    @pytest.mark.parametrize("persistent", [False, True], ids=["per key block", "persistent"])
+    @pytest.mark.parametrize("query_values", [True, False], ids=["compact", "in the tile's layout"])
     @pytest.mark.parametrize("D", [128, 64])
-    def test_backward_with_the_masks_query_values_on_a_compact_vector(ws_backward, monkeypatch, D, persistent):
-        # launch.WS_BWD_QUERY_VALUES: the catalog's document mask (doc_q[q_idx]) and one whose query values are a
-        # gather of a gather (the document's start) and a difference
+    def test_backward_with_the_masks_query_values_on_a_compact_vector(ws_backward, monkeypatch, D, query_values):
+        # launch.WS_BWD_QUERY_VALUES (on by default): the catalog's document mask (doc_q[q_idx]) and one whose query
+        # values are a gather of a gather (the document's start) and a difference
         from test_backward import check_backward
 
-        monkeypatch.setattr(launch, "WS_BWD_QUERY_VALUES", True)
-        if persistent:
-            facts = launch._device_facts(torch.device(DEVICE))
-            monkeypatch.setattr(launch, "WS_BWD_PERSISTENT", True)
-            monkeypatch.setattr(launch, "_device_facts", lambda device: (3, facts[1]))
+        monkeypatch.setattr(launch, "WS_BWD_QUERY_VALUES", query_values)
         doc = (torch.arange(640, device=DEVICE) // 200).to(torch.int32)
         start = torch.arange(0, 800, 200, device=DEVICE, dtype=torch.int32)
 

@@ -400,10 +400,12 @@ WS_BWD_FUSED_DQ = True
 WS_BWD_FULL_FIRST = True
 # a persistent grid (a program per SM, taking a key block per pass over the grid, passes alternating in direction; its
 # producer loads a key block's K / V while the consumers store the previous one's dK / dV) instead of a program per
-# key block: off, H200 (benchmarks/probe_bwd_costs.py, NOTES 47): 2-4 % faster on the short walks (sliding window,
-# document) but up to 4 % slower on long ones (prefix-LM, softcap at D64), and which walks are short is known only on
-# the device (a host sync per call to choose)
-WS_BWD_PERSISTENT = False
+# key block: True / False force it, None (the default) takes it where key blocks walk at most
+# WS_BWD_PERSISTENT_MAX_WALK queries on average (flexlite.api._mean_walk, counted once per block mask). H200
+# (benchmarks/probe_bwd_costs.py, NOTES 47): 2-4 % faster on the short walks (sliding window 1024, document: ~1100 and
+# ~600 queries), up to 4.5 % slower on long ones (prefix-LM, softcap: 4000+)
+WS_BWD_PERSISTENT: Optional[bool] = None
+WS_BWD_PERSISTENT_MAX_WALK = 2048
 # mask_mod's values along the queries (what it computes from b, h, q_idx and captured tensors: a document mask's
 # doc_id[q_idx] and the document's start) gathered on a compact vector, a query per thread, and spread along the
 # tile's columns after the matmuls, instead of 16 gathers per thread in the tile's layout (H200: the document mask's
@@ -436,9 +438,10 @@ def ws_backward_unmet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sparse_
 
 def _launch_dkdv_ws(module, mod_args: list, grad_args: list, q, k, v, grad_out, lse, delta, dk, dv, q_blocks: list,
                     sparse_block: tuple, scale: float, has_score_mod: bool, has_full: bool, dense: bool,
-                    dq_acc: Optional[torch.Tensor] = None):
+                    dq_acc: Optional[torch.Tensor] = None, persistent: bool = False):
     """Run ``module.flex_bwd_ws_dkdv_kernel`` (the inputs must pass :func:`ws_backward_unmet`) into dk, dv, and
-    with ``dq_acc`` (a zeroed fp32 tensor shaped as q) add dQ into it as well."""
+    with ``dq_acc`` (a zeroed fp32 tensor shaped as q) add dQ into it as well; ``persistent``: a program per SM
+    (:data:`WS_BWD_PERSISTENT`) instead of one per key block."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     B, Hq, Lq, D = q.shape
     Hkv, Lkv = k.shape[1], k.shape[2]
@@ -452,13 +455,13 @@ def _launch_dkdv_ws(module, mod_args: list, grad_args: list, q, k, v, grad_out, 
     else:
         descs.append(descs[0])  # unused
     work = Lkv // WS_BWD_BLOCK_N * B * Hkv  # key blocks, each a work item (bws_work)
-    programs = min(work, _device_facts(q.device)[0]) if WS_BWD_PERSISTENT else work
+    programs = min(work, _device_facts(q.device)[0]) if persistent else work
     module.flex_bwd_ws_dkdv_kernel[(programs,)](
         *descs, lse, delta, dk, dv, *q_blocks, *_mask_strides(q_blocks[0]),
         *_mask_strides(q_blocks[1]), work, Hq, Hkv, Hq // Hkv, Lq, Lkv, float(scale), *mod_args, *grad_args,
         BLOCK_N=WS_BWD_BLOCK_N, D=D, DV=v.shape[-1], SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1],
         HAS_FULL_BLOCKS=has_full, HAS_SCORE_MOD=has_score_mod, DENSE=dense, FUSED_DQ=dq_acc is not None, **tiles,
-        FULL_FIRST=WS_BWD_FULL_FIRST, PERSISTENT=WS_BWD_PERSISTENT,
+        FULL_FIRST=WS_BWD_FULL_FIRST, PERSISTENT=persistent,
         num_warps=4)
 
 
@@ -806,7 +809,8 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
                     grad_lse: Optional[torch.Tensor], kv_blocks: tuple, q_blocks: tuple, sparse_block: tuple,
                     scale: float, has_score_mod: bool, config: BackwardTileConfig, *, need_dq: bool = True,
                     ds: Optional[torch.Tensor] = None, scatter_captured_grads: bool = False, pinned: bool = False,
-                    tune: bool = False, dense: bool = False, use_tma: Optional[bool] = None, ws_module=None):
+                    tune: bool = False, dense: bool = False, use_tma: Optional[bool] = None, ws_module=None,
+                    ws_persistent: bool = False):
     """Run ``module``'s preprocess, dK/dV and dQ kernels; returns dq (None unless ``need_dq``), dk, dv in
     the input dtype. ``tune``: autotune the dK/dV and the dQ tiles (GPU, not pinned; not the dK/dV tiles when
     they scatter captured-tensor gradients with atomics, which a timing rerun would add twice).
@@ -820,7 +824,8 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
     where :func:`tma_ok` allows; None: :func:`default_use_tma`.
     ``ws_module``: run dK / dV with its warp-specialized kernel instead (bwd_ws.py.jinja for the same mods; the
     inputs must pass :func:`ws_backward_unmet`; not with ``ds`` or ``scatter_captured_grads``), and dQ with it too
-    (:data:`WS_BWD_FUSED_DQ`) unless ``torch.use_deterministic_algorithms(True)`` is on.
+    (:data:`WS_BWD_FUSED_DQ`) unless ``torch.use_deterministic_algorithms(True)`` is on; ``ws_persistent``: with
+    its persistent grid (:data:`WS_BWD_PERSISTENT`).
     """
     B, Hq, Lq, D = q.shape
     Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -881,7 +886,8 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
         if ws_module is not None:
             dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused_dq else None
             _launch_dkdv_ws(ws_module, mod_args, grad_args, q, k, v, grad_out, lse, delta, dk, dv, q_block_args,
-                            sparse_block, scale, has_score_mod, has_full, dense, dq_acc=dq_acc)
+                            sparse_block, scale, has_score_mod, has_full, dense, dq_acc=dq_acc,
+                            persistent=ws_persistent)
             if fused_dq:
                 dq = dq_acc.to(q.dtype)
         else:
