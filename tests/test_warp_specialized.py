@@ -271,7 +271,8 @@ def test_the_gluon_launch_gets_a_zeroed_fp32_dq_buffer_unless_sums_must_be_repro
 
     buffers, kernels = [], []
 
-    def gluon_launch(module, mod_args, grad_args, q, k, v, grad_out, lse, delta, dk, dv, *args, dq_acc=None):
+    def gluon_launch(module, mod_args, grad_args, q, k, v, grad_out, lse, delta, dk, dv, *args, dq_acc=None,
+                     persistent=False):
         buffers.append(dq_acc)
         if dq_acc is not None:
             assert dq_acc.dtype == torch.float32 and dq_acc.shape == q.shape and not dq_acc.any()
