@@ -199,8 +199,8 @@ def compile_backward_ws(score_mod, block_mask, D: int, L: int = 1024, dtype=torc
     """The compiled backward kernels (name -> kernel) with the warp-specialized (Gluon) dK / dV kernel, for these
     mods at head dim ``D``, ``L`` queries and keys, ``heads`` = (query heads, kv heads); ``fused_dq``: dQ added by
     its programs (launch.WS_BWD_FUSED_DQ), else by the dQ kernel; ``persistent``: with its persistent grid
-    (launch.WS_BWD_PERSISTENT: the launch's ws_persistent, for 132 SMs as on an H100 or H200); ``query_values``: mask_mod's values along the
-    queries on a compact vector (launch.WS_BWD_QUERY_VALUES)."""
+    (launch_backward's ws_persistent, for 132 SMs as on an H100 or H200); ``query_values``: mask_mod's values along
+    the queries on a compact vector (launch.WS_BWD_QUERY_VALUES)."""
     q, out, grad_out = [torch.randn(1, heads[0], L, D, dtype=dtype) for _ in range(3)]
     k, v = [torch.randn(1, heads[1], L, D, dtype=dtype) for _ in range(2)]
     lse = torch.randn(1, heads[0], L)
