@@ -452,6 +452,11 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
     return dq, dk, dv, [next(wanted) if need else None for need in need_captured]
 
 
+def _capturing(t: torch.Tensor) -> bool:
+    """Whether reading ``t`` on the host is off limits: a CUDA graph is being captured on its device's stream."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def _mean_walk(block_mask, Lq: int, Lkv: int) -> Optional[tuple[float, float]]:
     """Keys a q block walks and queries a kv block walks, on average (partial and full blocks), or None while a CUDA
     graph is being captured and they are not known yet: counting reads the block mask on the host once (then the
@@ -462,7 +467,7 @@ def _mean_walk(block_mask, Lq: int, Lkv: int) -> Optional[tuple[float, float]]:
     key = tuple((id(t), t._version) for t in counts)
     cached = getattr(block_mask, "_block_count", None)
     if cached is None or cached[0] != key:
-        if counts[0].is_cuda and torch.cuda.is_current_stream_capturing():
+        if _capturing(counts[0]):
             return None
         cached = block_mask._block_count = (key, sum(int(t.sum(dtype=torch.int64)) for t in counts))
     q_rows = max(1, counts[0].numel())  # batch x heads x q blocks

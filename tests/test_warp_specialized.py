@@ -164,6 +164,22 @@ def test_the_backward_takes_its_persistent_grid_on_short_walks(monkeypatch, sett
     assert _ws_backward_persistent(None, launch.WS_BWD_PERSISTENT_MAX_WALK, L) == (setting is not False)
 
 
+def test_a_walk_not_yet_counted_while_a_cuda_graph_is_captured_takes_the_default_kernels(monkeypatch):
+    """Counting a block mask's walk reads it on the host, which a CUDA graph capture forbids: until it has been
+    counted outside a capture, the forward keeps the Triton kernel where it needs the count, and the backward the
+    grid of a program per key block."""
+    import flexlite.api as api
+
+    bm = create_block_mask(CATALOG["causal"](1, 1, 512, 512, DEVICE).mask_mod, None, None, 512, 512, device=DEVICE)
+    monkeypatch.setattr(api, "_capturing", lambda t: True)
+    assert api._mean_walk(bm, 512, 512) is None and not api._ws_backward_persistent(bm, 512, 512)
+    assert api._mean_walk(None, 512, 512) == (512.0, 512.0)  # nothing to count
+    monkeypatch.undo()
+    assert api._mean_walk(bm, 512, 512) == (320.0, 320.0) and api._ws_backward_persistent(bm, 512, 512)
+    monkeypatch.setattr(api, "_capturing", lambda t: True)  # counted: the count is kept, even in a capture
+    assert api._mean_walk(bm, 512, 512) == (320.0, 320.0)
+
+
 @pytest.mark.parametrize("failure", ["PassManager::run failed", "out of resource: shared memory"])
 def test_a_compiler_failure_falls_back_to_the_triton_forward_for_good(monkeypatch, failure):
     """Triton 3.6's Gluon compiler fails on some mods (a score_mod gathering a whole tile from a captured tensor),
@@ -365,6 +381,16 @@ if ON_HOPPER:
         monkeypatch.setattr(launch, "FOLD_SCORE_SCALES", fold)
         for options in ({"WARP_SPECIALIZE": True}, {"WARP_SPECIALIZE": False}):
             run_case("softcap_causal", (1, 2, 2, 256, 256, D), torch.bfloat16, kernel_options=options)
+
+    def test_a_block_mask_is_not_read_on_the_host_while_a_cuda_graph_is_captured(monkeypatch):
+        import flexlite.api as api
+
+        bm = create_block_mask(CATALOG["causal"](1, 1, 512, 512, DEVICE).mask_mod, None, None, 512, 512,
+                               device=DEVICE)
+        assert api._capturing(bm.kv_num_blocks) is False
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+        assert api._capturing(bm.kv_num_blocks) and not api._capturing(bm.kv_num_blocks.cpu())
+        assert api._mean_walk(bm, 512, 512) is None
 
     @pytest.mark.parametrize("block_size", [(256, 128), (128, 256)], ids=str)
     def test_larger_sparse_blocks(block_size):
