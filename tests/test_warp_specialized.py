@@ -392,6 +392,43 @@ if ON_HOPPER:
         assert api._capturing(bm.kv_num_blocks) and not api._capturing(bm.kv_num_blocks.cpu())
         assert api._mean_walk(bm, 512, 512) is None
 
+    def test_forward_and_backward_replay_from_a_cuda_graph():
+        from test_backward import assert_grad_close
+
+        # a training step's attention captured once (after a step outside the capture: kernels compiled, the block
+        # mask's walk counted) and replayed on new inputs: the replay's output and gradients are the reference's
+        case = CATALOG["document"](1, 4, 640, 640, DEVICE)
+        bm = create_block_mask(case.mask_mod, None, None, 640, 640, device=DEVICE)
+        q, k, v = (t.requires_grad_() for t in rand_qkv(1, 4, 2, 640, 640, 128, dtype=torch.bfloat16, seed=9))
+        grad_out = torch.randn(1, 4, 640, 128, device=DEVICE, dtype=torch.bfloat16)
+
+        def step():
+            out = flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+            return (out, *torch.autograd.grad(out, (q, k, v), grad_out))
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static = step()
+        fresh = rand_qkv(1, 4, 2, 640, 640, 128, dtype=torch.bfloat16, seed=10)
+        with torch.no_grad():
+            for t, new in zip((q, k, v), fresh):
+                t.copy_(new)
+        for t in static:
+            t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        ref = attention_reference(*inputs, block_mask=bm, enable_gqa=True)[0]
+        ref_grads = torch.autograd.grad(ref, inputs, grad_out.double())
+        assert_close(static[0], ref, *TOLERANCES[torch.bfloat16])
+        for name, got, want in zip(("dq", "dk", "dv"), static[1:], ref_grads):
+            assert_grad_close(got, want, torch.bfloat16, f"replayed {name}")
+
     @pytest.mark.parametrize("block_size", [(256, 128), (128, 256)], ids=str)
     def test_larger_sparse_blocks(block_size):
         q, k, v = rand_qkv(1, 2, 2, 512, 512, 128, dtype=torch.bfloat16, seed=1)
