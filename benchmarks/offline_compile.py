@@ -29,7 +29,7 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime.jit import JITFunction
 
 from flexlite import create_block_mask
-from flexlite.api import _block_tensors, _generate, _q_block_tensors
+from flexlite.api import _block_tensors, _float_index, _generate, _q_block_tensors
 from flexlite.codegen.kernel import generate_backward
 from flexlite.masks import causal_mask
 from flexlite.runtime import launch
@@ -148,7 +148,7 @@ def compile_forward(score_mod, block_mask, D: int, tile: tuple, use_tma: bool, L
     """The compiled forward kernel for these mods at head dim ``D`` and ``tile`` (BLOCK_M, BLOCK_N, warps,
     stages); the block mask's tensors must already exist (they are built on the CPU, before going offline)."""
     q, k, v = [torch.randn(1, 2, L, D, dtype=dtype) for _ in range(3)]
-    kernel = _generate(score_mod, block_mask, torch.device("cuda"), "fwd.py.jinja")
+    kernel = _generate(score_mod, block_mask, torch.device("cuda"), "fwd.py.jinja", _float_index("fwd.py.jinja", L, L))
     module = load_module(kernel.source, interpret=False)
     num, idx, full_num, full_idx, sparse = _block_tensors(block_mask, L, L, torch.device("cpu"))
     config = launch.TileConfig(*tile)
@@ -166,7 +166,8 @@ def compile_forward_ws(score_mod, block_mask, D: int, L: int = 1024, Lkv: Option
     Lkv = L if Lkv is None else Lkv
     q = torch.randn(1, heads[0], L, D, dtype=dtype)
     k, v = [torch.randn(1, heads[1], Lkv, D, dtype=dtype) for _ in range(2)]
-    kernel = _generate(score_mod, block_mask, torch.device("cuda"), "fwd_ws.py.jinja")
+    kernel = _generate(score_mod, block_mask, torch.device("cuda"), "fwd_ws.py.jinja",
+                       _float_index("fwd_ws.py.jinja", L, Lkv))
     module = load_module(kernel.source, interpret=False)
     num, idx, full_num, full_idx, sparse = _block_tensors(block_mask, L, Lkv, torch.device("cpu"))
     with offline_cuda() as compiled:

@@ -267,18 +267,20 @@ FLOAT_INDEX_MODS = {
 
 @pytest.mark.parametrize("name", sorted(FLOAT_INDEX_MODS))
 def test_forward_lowers_index_distances_from_float_vectors(name):
-    """The forward computes int index arithmetic that a float32 op consumes from float32 q / kv vectors
+    """Both forwards compute int index arithmetic that a float32 op consumes from float32 q / kv vectors
     (one subtraction per score instead of an int subtraction and a per-score conversion), only where that is
     bit-identical (one add / subtract of exact values); the backward keeps the int form. Same output as the int
     form, bit for bit, and the reference's."""
     import flexlite.api as api
     mod, lowered = FLOAT_INDEX_MODS[name]
     source = flexlite.kernel_source(mod, device=DEVICE)
+    ws_source = flexlite.kernel_source(mod, device="cuda", kernel="forward_ws")  # (its CUDA source: no GPU needed)
     backward = flexlite.kernel_source(mod, device=DEVICE, kernel="backward")
-    if lowered is None:
-        assert "kv_idx.to(tl.float32)" not in source and "q_idx.to(tl.float32)" not in source
-    else:
-        assert lowered in source
+    for forward in (source, ws_source):
+        if lowered is None:
+            assert "kv_idx.to(tl.float32)" not in forward and "q_idx.to(tl.float32)" not in forward
+        else:
+            assert lowered in forward
     assert "kv_idx.to(tl.float32)" not in backward
     q, k, v = rand_qkv(1, 2, 2, 100, 70, 16, seed=4)  # more than 64 queries: the forward kernel
     out = flex_attention(q, k, v, score_mod=mod)
@@ -458,7 +460,9 @@ def test_score_mod_constant_factors_are_folded_into_the_forward(monkeypatch, nam
     monkeypatch.setattr(launch, "FOLD_SCORE_SCALES", True)
     source = flexlite.kernel_source(mod, device=DEVICE)
     assert (f"qk_scale * {in_scale!r}" in source) == (in_scale is not None)
-    assert ("* LOG2E\n" not in source.split("def flex_fwd_block")[1].split("def ")[0]) == (out_scale is not None)
+    block = source.split("def flex_fwd_block")[1].split("def ")[0]
+    # the output factor (1.0 where the mod keeps it) times LOG2E scales the row max and exp2's argument, one FMA
+    assert f"({float(1.0 if out_scale is None else out_scale)!r} * LOG2E)" in block and "* LOG2E\n" not in block
     q, k, v = (t.requires_grad_() for t in rand_qkv(2, H, H, 100, 70, 16, seed=11))
     bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx + 20 >= kv_idx, None, None, 100, 70, device=DEVICE)
     out = flex_attention(q, k, v, score_mod=mod, block_mask=bm)

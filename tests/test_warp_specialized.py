@@ -382,6 +382,20 @@ if ON_HOPPER:
         for options in ({"WARP_SPECIALIZE": True}, {"WARP_SPECIALIZE": False}):
             run_case("softcap_causal", (1, 2, 2, 256, 256, D), torch.bfloat16, kernel_options=options)
 
+    @pytest.mark.parametrize("name", ["alibi", "explicit_cast_abs_neg", "truediv"])
+    def test_index_distances_from_float_vectors_equal_the_int_form(monkeypatch, name):
+        # api._float_index: the warp-specialized forward lowers them as the Triton one does, bit for bit
+        import flexlite.api as api
+        from test_codegen import FLOAT_INDEX_MODS
+
+        mod = FLOAT_INDEX_MODS[name][0]
+        q, k, v = rand_qkv(1, 2, 2, 256, 256, 128, dtype=torch.bfloat16, seed=3)
+        options = {"WARP_SPECIALIZE": True}
+        out = flex_attention(q, k, v, score_mod=mod, kernel_options=options)
+        assert_close(out, attention_reference(q, k, v, score_mod=mod)[0], *TOLERANCES[torch.bfloat16])
+        monkeypatch.setattr(api, "_float_index", lambda *args: False)
+        assert torch.equal(out, flex_attention(q, k, v, score_mod=mod, kernel_options=options))
+
     def test_a_block_mask_is_not_read_on_the_host_while_a_cuda_graph_is_captured(monkeypatch):
         import flexlite.api as api
 
