@@ -383,18 +383,23 @@ if ON_HOPPER:
             run_case("softcap_causal", (1, 2, 2, 256, 256, D), torch.bfloat16, kernel_options=options)
 
     @pytest.mark.parametrize("name", ["alibi", "explicit_cast_abs_neg", "truediv"])
-    def test_index_distances_from_float_vectors_equal_the_int_form(monkeypatch, name):
-        # api._float_index: the warp-specialized forward lowers them as the Triton one does, bit for bit
+    def test_index_distances_from_float_vectors_match_the_int_form(monkeypatch, name):
+        # api._float_index: the warp-specialized forward lowers them as the Triton one does. The distances are the
+        # same numbers, but ptxas contracts ALiBi's slope * distance + score into one FMA in one form and not in the
+        # other (H200), so the outputs may differ by a rounding: both are checked against the reference
         import flexlite.api as api
         from test_codegen import FLOAT_INDEX_MODS
 
         mod = FLOAT_INDEX_MODS[name][0]
         q, k, v = rand_qkv(1, 2, 2, 256, 256, 128, dtype=torch.bfloat16, seed=3)
         options = {"WARP_SPECIALIZE": True}
+        ref = attention_reference(q, k, v, score_mod=mod)[0]
         out = flex_attention(q, k, v, score_mod=mod, kernel_options=options)
-        assert_close(out, attention_reference(q, k, v, score_mod=mod)[0], *TOLERANCES[torch.bfloat16])
         monkeypatch.setattr(api, "_float_index", lambda *args: False)
-        assert torch.equal(out, flex_attention(q, k, v, score_mod=mod, kernel_options=options))
+        int_form = flex_attention(q, k, v, score_mod=mod, kernel_options=options)
+        for got in (out, int_form):
+            assert_close(got, ref, *TOLERANCES[torch.bfloat16])
+        assert_close(out, int_form, *TOLERANCES[torch.bfloat16], name="float form vs int form")
 
     def test_a_block_mask_is_not_read_on_the_host_while_a_cuda_graph_is_captured(monkeypatch):
         import flexlite.api as api
