@@ -622,9 +622,14 @@ def _constant_factor(node) -> Optional[tuple]:
     return None
 
 
+_BOUNDED_OPS = ("tanh", "tanh_approx", "sigmoid")  # |f| <= 1
+_MAX_OUT_SCALE = 1024.0
+
+
 def _fold_scales(low: "_Lowerer") -> tuple:
     """score_mod = out_scale * f(in_scale * score): (in_scale, out_scale), each None where the mod has no such factor
-    (score used once, by a multiply or a division by a constant; the result a multiply by a positive constant), and
+    (score used once, by a multiply or a division by a constant; the result a positive constant of at most
+    _MAX_OUT_SCALE times tanh or sigmoid), and
     the nodes that then take another's value registered on ``low``."""
     gm = low.traced.graph_module
     score = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.target == "score")
@@ -637,8 +642,12 @@ def _fold_scales(low: "_Lowerer") -> tuple:
             in_scale = factor[1]
     out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     factor = _constant_factor(out)
-    if factor is not None and out not in low.aliases and factor[1] > 0 and len(out.users) == 1 and \
-            out.meta.get("dtype") is not None and out.meta["dtype"].is_floating_point:
+    # the kernel then scales the row max and each score apart (m = max(s) * d, exp2(s * d - m) as one FMA), so the
+    # max's own score gets the product's rounding error back, |m| * 2**-24, as an exponent: only where |m| is small,
+    # an output factor of at most _MAX_OUT_SCALE on a bounded function (softcap's cap * tanh)
+    if factor is not None and out not in low.aliases and 0 < factor[1] <= _MAX_OUT_SCALE and len(out.users) == 1 and \
+            op_key(factor[0]) in _BOUNDED_OPS and out.meta.get("dtype") is not None and \
+            out.meta["dtype"].is_floating_point:
         low.aliases[out] = factor[0]
         out_scale = factor[1]
     return in_scale, out_scale

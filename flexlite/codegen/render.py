@@ -78,11 +78,10 @@ def render(template: str, score_mod: LoweredMod, mask_mod: LoweredMod, *, interp
         mod_params=_param_list(score_mod.params + mask_mod.params),
         inner_params=_param_list(score_mod.params + mask_mod.params + hoisted),
         score_hoist=score_hoist,
-        # score_mod's constant factors left to the kernel (lower_mod's fold_scales), as Python float literals; the
-        # output's (1.0 where the mod keeps its own) times LOG2E scales the row max and exp2's argument after the mod,
-        # so that the forward's exp2 argument is one FMA, as without a score_mod
+        # score_mod's constant factors left to the kernel (lower_mod's fold_scales), as Python float literals (the
+        # templates multiply the output's by LOG2E: the forward's exp2 argument then one FMA, as without a score_mod)
         score_in_scale=None if score_mod.in_scale is None else repr(float(score_mod.in_scale)),
-        score_out_scale=repr(float(1.0 if score_mod.out_scale is None else score_mod.out_scale)),
+        score_out_scale=None if score_mod.out_scale is None else repr(float(score_mod.out_scale)),
         extra_params=_param_list(extra_params),
         **extra,
     )
