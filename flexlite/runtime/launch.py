@@ -412,9 +412,9 @@ WS_BWD_PERSISTENT_MAX_WALK = 2048
 # backward 7 % faster at D128, 5 % at D64; masks without such gathers render the same source; NOTES 47)
 WS_BWD_QUERY_VALUES = True
 # the forward kernels (fwd.py.jinja, fwd_ws.py.jinja) fold a score_mod's constant input factor and positive output
-# factor (softcap's 30 * tanh(score / 30)) into their own multiplies: per score one multiply before the mod and one
-# FMA into exp2 instead of four multiplies and a subtraction (H200: softcap + causal's forward 4-5 % faster at both
-# head dims; NOTES 47)
+# factor on tanh / sigmoid, up to 1024 (softcap's 30 * tanh(score / 30); NOTES 48 says why no more) into their own
+# multiplies: per score one multiply before the mod and one FMA into exp2 instead of four multiplies and a subtraction
+# (H200: softcap + causal's forward 4-5 % faster at both head dims; NOTES 47)
 FOLD_SCORE_SCALES = True
 
 
