@@ -213,9 +213,9 @@ def _use_tma(options: dict) -> Optional[bool]:
 
 def _float_index(template: str, Lq: int, Lkv: int) -> bool:
     """Whether a kernel lowers index arithmetic that ends in float32 from float index vectors
-    (:class:`flexlite.codegen.lower._Lowerer`): the forwards only, where it measured faster (ALiBi's Triton
-    forward, benchmarks/NOTES.md 28; the warp-specialized one: NOTES 48; the backward measured slower and decoding
-    reads memory), and only while positions are exact in float32."""
+    (:class:`flexlite.codegen.lower._Lowerer`): the forwards only (ALiBi's Triton forward measured faster,
+    benchmarks/NOTES.md 28; the warp-specialized one's loop is 4 % shorter offline, not timed alone, NOTES 48; the
+    backward measured slower and decoding reads memory), and only while positions are exact in float32."""
     return template in ("fwd.py.jinja", "fwd_ws.py.jinja") and max(Lq, Lkv) <= FLOAT32_EXACT_INT
 
 

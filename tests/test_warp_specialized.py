@@ -549,7 +549,7 @@ if ON_HOPPER:
         q, k, v = rand_qkv(1, 4, 2, 640, 640, D, dtype=torch.bfloat16, seed=7)
         bm = create_block_mask(case.mask_mod, None, None, 640, 640, device=DEVICE)
         check_backward(q, k, v, score_mod=case.score_mod, block_mask=bm, enable_gqa=True,
-                       name=f"ws backward, persistent grid, {name}")
+                       name=f"ws backward over ten key blocks, {name}")
         assert ws_backward
 
     @pytest.mark.parametrize("query_values", [True, False], ids=["compact", "in the tile's layout"])

@@ -629,8 +629,7 @@ _MAX_OUT_SCALE = 1024.0
 def _fold_scales(low: "_Lowerer") -> tuple:
     """score_mod = out_scale * f(in_scale * score): (in_scale, out_scale), each None where the mod has no such factor
     (score used once, by a multiply or a division by a constant; the result a positive constant of at most
-    _MAX_OUT_SCALE times tanh or sigmoid), and
-    the nodes that then take another's value registered on ``low``."""
+    _MAX_OUT_SCALE times tanh or sigmoid), and the nodes that then take another's value registered on ``low``."""
     gm = low.traced.graph_module
     score = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.target == "score")
     in_scale = out_scale = None
@@ -662,8 +661,9 @@ def lower_mod(traced: TracedMod, fn_name: str, prefix: str, float_index: bool = 
     ``<fn_name>_hoist(<hoist>, <params>)``, which kernels call once before their loops (b, h) or once per tile on
     a compact query vector (q_idx: the warp-specialized backward), when it reads a captured tensor; the mod takes
     those values as parameters (:attr:`LoweredMod.hoisted`). ``fold_scales`` (score_mod): a constant factor of its
-    input and a positive one of its output (softcap's ``30 * tanh(score / 30)``) are left to the kernel, which folds
-    them into its own multiplies (:attr:`LoweredMod.in_scale`, :attr:`LoweredMod.out_scale`)."""
+    input and a small positive one of a bounded output (softcap's ``30 * tanh(score / 30)``; :func:`_fold_scales`)
+    are left to the kernel, which folds them into its own multiplies (:attr:`LoweredMod.in_scale`,
+    :attr:`LoweredMod.out_scale`)."""
     low = _Lowerer(traced, prefix, float_index)
     in_scale, out_scale = _fold_scales(low) if fold_scales else (None, None)
     lines, result = low.run()
