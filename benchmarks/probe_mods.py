@@ -17,10 +17,10 @@ from flexlite.mods import alibi_slopes
 from flexlite.runtime import launch
 
 
-def _folded(fn):
-    """``fn`` run with launch.FOLD_SCORE_SCALES on."""
+def _fold(fn, on: bool):
+    """``fn`` run with launch.FOLD_SCORE_SCALES ``on`` (softcap's factors folded into the forward's multiplies)."""
     def run(*args, **kwargs):
-        saved, launch.FOLD_SCORE_SCALES = launch.FOLD_SCORE_SCALES, True
+        saved, launch.FOLD_SCORE_SCALES = launch.FOLD_SCORE_SCALES, on
         try:
             return fn(*args, **kwargs)
         finally:
@@ -56,10 +56,10 @@ def main():
                     kv_idx - q_idx),
                 "alibi, constant slope, float indices": lambda score, b, h, q_idx, kv_idx: score + 0.0625 * (
                     kv_idx.float() - q_idx.float()),
-                "softcap30_causal": cases["softcap30_causal"].score_mod,
-                "softcap30_causal, factors folded": cases["softcap30_causal"].score_mod}
+                "softcap30_causal, factors folded": cases["softcap30_causal"].score_mod,
+                "softcap30_causal, factors in the mod": cases["softcap30_causal"].score_mod}
         for name, score_mod in mods.items():
-            fold = _folded if name.endswith("folded") else (lambda fn: fn)
+            fold = (lambda fn: _fold(fn, name.endswith("folded"))) if name.startswith("softcap") else (lambda fn: fn)
             err = fold(_error)(score_mod, cases["causal"].mask_mod, D)
             fwd = fold(lambda score_mod=score_mod: flex_attention(q, k, v, score_mod=score_mod, block_mask=bm))
             row = [name, f"D{D}", f"{err:.1e}", round(_median_ms(fwd), 3),
