@@ -105,6 +105,12 @@ def offline_cuda(capability: int = 90):
         triton.runtime.driver._active = active
 
 
+def _disassemble(cubin_path: str) -> str:
+    """The SASS of a cubin, from the wheel's cuobjdump."""
+    return subprocess.run([os.path.join(_BIN, "cuobjdump"), "-sass", cubin_path], capture_output=True,
+                          text=True).stdout
+
+
 def ptxas_report(ptx: str) -> dict:
     """Registers, spill bytes and SASS op counts of one kernel's PTX, from the wheel's ptxas and cuobjdump."""
     with tempfile.TemporaryDirectory() as d:
@@ -112,8 +118,7 @@ def ptxas_report(ptx: str) -> dict:
             f.write(ptx)
         info = subprocess.run([os.path.join(_BIN, "ptxas"), "-arch=sm_90a", "-v", f.name, "-o",
                                os.path.join(d, "k.cubin")], capture_output=True, text=True).stderr
-        sass = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-sass", os.path.join(d, "k.cubin")],
-                              capture_output=True, text=True).stdout
+        sass = _disassemble(os.path.join(d, "k.cubin"))
     regs = re.search(r"Used (\d+) registers", info)
     spills = re.search(r"(\d+) bytes spill stores", info)
     ops = collections.Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", sass, re.M))
@@ -128,8 +133,7 @@ def sass_loops(ck) -> list:
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "k.cubin"), "wb") as f:
             f.write(ck.asm["cubin"])
-        sass = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-sass", f.name], capture_output=True,
-                              text=True).stdout
+        sass = _disassemble(f.name)
     ins = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in
            re.finditer(r"^\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)\s*([^;]*)", sass, re.M)]
     spans = [(int(arg.split()[0], 16), addr) for addr, op, arg in ins
