@@ -457,23 +457,61 @@ def _capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def _mean_walk(block_mask, Lq: int, Lkv: int) -> Optional[tuple[float, float]]:
-    """Keys a q block walks and queries a kv block walks, on average (partial and full blocks), or None while a CUDA
-    graph is being captured and they are not known yet: counting reads the block mask on the host once (then the
-    count is kept on the BlockMask, for as long as its block counts are the same tensors, unmodified)."""
-    if block_mask is None:
-        return float(Lkv), float(Lq)
+class _PendingCount:
+    """A block mask's block count being summed on its device and copied to pinned host memory behind an event, so
+    that starting it (in the forward) does not wait for the GPU; :meth:`value` waits for the event only, which has
+    long passed by the time a backward asks."""
+
+    def __init__(self, counts: list):
+        total = sum(t.sum(dtype=torch.int64) for t in counts)
+        self._event = None
+        if total.is_cuda:
+            self._host = torch.empty((), dtype=torch.int64, pin_memory=True)
+            self._host.copy_(total, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = total
+
+    def value(self) -> int:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return int(self._host)
+
+
+def _block_count(block_mask, start_only: bool = False) -> Optional[int]:
+    """The number of (partial and full) blocks in ``block_mask``, kept on the BlockMask for as long as its block
+    counts are the same tensors, unmodified; None while a CUDA graph is being captured and it is not known yet (the
+    count reads the block mask on the host). ``start_only``: start the count (:class:`_PendingCount`) and return
+    None without waiting for it."""
     counts = [t for t in (block_mask.kv_num_blocks, block_mask.full_kv_num_blocks) if t is not None]
     key = tuple((id(t), t._version) for t in counts)
     cached = getattr(block_mask, "_block_count", None)
     if cached is None or cached[0] != key:
         if _capturing(counts[0]):
             return None
-        cached = block_mask._block_count = (key, sum(int(t.sum(dtype=torch.int64)) for t in counts))
-    q_rows = max(1, counts[0].numel())  # batch x heads x q blocks
-    kv_rows = max(1, q_rows // max(1, counts[0].shape[-1]) * block_mask.kv_indices.shape[-1])
+        cached = block_mask._block_count = (key, _PendingCount(counts))
+    if start_only:
+        return None
+    if isinstance(cached[1], _PendingCount):
+        cached = block_mask._block_count = (key, cached[1].value())
+    return cached[1]
+
+
+def _mean_walk(block_mask, Lq: int, Lkv: int) -> Optional[tuple[float, float]]:
+    """Keys a q block walks and queries a kv block walks, on average (partial and full blocks), or None while a CUDA
+    graph is being captured and they are not known yet: counting reads the block mask on the host once
+    (:func:`_block_count`; a forward that will have a backward starts it without waiting: FlexAttentionFunction)."""
+    if block_mask is None:
+        return float(Lkv), float(Lq)
+    total = _block_count(block_mask)
+    if total is None:
+        return None
+    q_rows = max(1, block_mask.kv_num_blocks.numel())  # batch x heads x q blocks
+    kv_rows = max(1, q_rows // max(1, block_mask.kv_num_blocks.shape[-1]) * block_mask.kv_indices.shape[-1])
     bq, bkv = block_mask.BLOCK_SIZE
-    return cached[1] / q_rows * bkv, cached[1] / kv_rows * bq
+    return total / q_rows * bkv, total / kv_rows * bq
 
 
 def _ws_backward_persistent(block_mask, Lq: int, Lkv: int) -> bool:
@@ -548,6 +586,8 @@ class FlexAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, score_mod, block_mask, scale, kernel_options, *captured):
+        if block_mask is not None and _launch.WS_BWD_PERSISTENT is None:
+            _block_count(block_mask, start_only=True)  # for the backward's grid: counted now, read there unsynced
         out, lse = _forward(query, key, value, score_mod, block_mask, scale, kernel_options)
         ctx.save_for_backward(query, key, value, out, lse, *captured)
         ctx.score_mod, ctx.block_mask, ctx.scale, ctx.kernel_options = score_mod, block_mask, scale, kernel_options

@@ -148,6 +148,26 @@ def test_mean_walk_is_counted_once_per_block_mask_and_again_when_its_counts_chan
     assert _mean_walk(wide, 128, 512) == (512.0, 128.0)
 
 
+def test_a_forward_that_will_have_a_backward_starts_counting_its_block_mask():
+    """The backward's grid policy reads the block mask's walk: the forward starts the count (on a GPU without
+    waiting for it: a pinned copy behind an event), and the backward's read finds it; an inference call counts
+    nothing."""
+    import flexlite.api as api
+
+    def causal_mask():
+        return create_block_mask(CATALOG["causal"](1, 1, 256, 256, DEVICE).mask_mod, None, None, 256, 256,
+                                 device=DEVICE)
+    q, k, v = rand_qkv(1, 1, 1, 256, 256, 16)
+    unused = causal_mask()
+    flex_attention(q, k, v, block_mask=unused)
+    assert getattr(unused, "_block_count", None) is None
+    bm = causal_mask()
+    flex_attention(q.requires_grad_(), k, v, block_mask=bm)
+    assert isinstance(bm._block_count[1], api._PendingCount)
+    assert api._mean_walk(bm, 256, 256) == (192.0, 192.0)  # (1 + 2) blocks over 2 rows of 128
+    assert bm._block_count[1] == 3
+
+
 @pytest.mark.parametrize("setting", [None, True, False])
 def test_the_backward_takes_its_persistent_grid_on_short_walks(monkeypatch, setting):
     """launch.WS_BWD_PERSISTENT: forced on or off, or (None) where kv blocks walk at most
@@ -447,6 +467,37 @@ if ON_HOPPER:
         assert_close(static[0], ref, *TOLERANCES[torch.bfloat16])
         for name, got, want in zip(("dq", "dk", "dv"), static[1:], ref_grads):
             assert_grad_close(got, want, torch.bfloat16, f"replayed {name}")
+
+    def test_a_training_step_with_a_new_block_mask_does_not_wait_for_the_gpu(monkeypatch):
+        # the backward's persistent-grid policy reads each new block mask's walk: the forward started the count
+        # without waiting, so neither pass synchronizes (torch's sync debug mode raises on any implicit sync)
+        import flexlite.api as api
+        from test_backward import assert_grad_close
+
+        monkeypatch.setattr(launch, "WS_BWD_PERSISTENT", None)
+        case = CATALOG["document"](1, 2, 1024, 1024, DEVICE)
+        q, k, v = (t.requires_grad_() for t in rand_qkv(1, 2, 2, 1024, 1024, 128, dtype=torch.bfloat16, seed=4))
+        grad_out = torch.randn(1, 2, 1024, 128, device=DEVICE, dtype=torch.bfloat16)
+
+        def step(bm):
+            out = flex_attention(q, k, v, block_mask=bm)
+            return (out, *torch.autograd.grad(out, (q, k, v), grad_out))
+
+        step(create_block_mask(case.mask_mod, None, None, 1024, 1024, device=DEVICE))  # kernels compiled
+        bm = create_block_mask(case.mask_mod, None, None, 1024, 1024, device=DEVICE)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = step(bm)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert bm._block_count[1] == int(bm.kv_num_blocks.sum() + bm.full_kv_num_blocks.sum())
+        assert api._ws_backward_persistent(bm, 1024, 1024)  # the grid the step took
+        inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        ref = attention_reference(*inputs, block_mask=bm)[0]
+        assert_close(got[0], ref, *TOLERANCES[torch.bfloat16])
+        for name, g, want in zip(("dq", "dk", "dv"), got[1:], torch.autograd.grad(ref, inputs, grad_out.double())):
+            assert_grad_close(g, want, torch.bfloat16, name)
 
     @pytest.mark.parametrize("block_size", [(256, 128), (128, 256)], ids=str)
     def test_larger_sparse_blocks(block_size):

@@ -401,7 +401,8 @@ WS_BWD_FULL_FIRST = True
 # a persistent grid (a program per SM, taking a key block per pass over the grid, passes alternating in direction; its
 # producer loads a key block's K / V while the consumers store the previous one's dK / dV) instead of a program per
 # key block: True / False force it, None (the default) takes it where key blocks walk at most
-# WS_BWD_PERSISTENT_MAX_WALK queries on average (flexlite.api._mean_walk, counted once per block mask). H200
+# WS_BWD_PERSISTENT_MAX_WALK queries on average (flexlite.api._mean_walk: counted once per block mask, started by
+# the forward, read by the backward without a device sync). H200
 # (benchmarks/probe_bwd_costs.py, NOTES 47): 2-4 % faster on the short walks (sliding window 1024, document: ~1100 and
 # ~600 queries), up to 4.5 % slower on long ones (prefix-LM, softcap: 4000+)
 WS_BWD_PERSISTENT: Optional[bool] = None
