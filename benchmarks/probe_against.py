@@ -1,0 +1,66 @@
+"""GPU probe: a change to kernel templates against the versions before it, in one process.
+
+For each harness mask and head dim (``flexlite.bench.probe_cases``), flexlite's forward and backward with the
+package's templates and with the templates named on the command line rendered from other files instead (an earlier
+version, e.g. from ``git show <commit>:flexlite/codegen/templates/bwd_ws.py.jinja``): each checked against the fp64
+reference first (``bench.check_against_reference``, outputs and gradients), then timed (do_bench medians) in
+alternating rounds, the best round of each kept. Prints a table: ms of both and their ratio.
+
+Usage: python benchmarks/probe_against.py NAME=PATH[,NAME=PATH...] [mask,mask,...] [D,D,...]
+(NAME: a template file name under flexlite/codegen/templates, e.g. fwd_ws.py.jinja)"""
+
+import contextlib
+import sys
+from pathlib import Path
+
+from tabulate import tabulate
+
+from flexlite import flex_attention
+from flexlite.bench import _median_ms, _timed, check_against_reference, probe_args, probe_cases
+
+ROUNDS = 2
+
+
+@contextlib.contextmanager
+def templates_from(files: dict):
+    """Kernels rendered from ``files`` (template name -> path of the text to use instead) while inside."""
+    from flexlite.codegen import kernel, render
+    load = render.load_template
+    texts = {name: Path(path).read_text() for name, path in files.items()}
+    render.load_template = lambda name: (render._environment().from_string(texts[name]) if name in texts
+                                         else load(name))
+    kernel._render.cache_clear()
+    try:
+        yield
+    finally:
+        render.load_template = load
+        kernel._render.cache_clear()
+
+
+def main():
+    files = dict(pair.split("=", 1) for pair in sys.argv[1].split(","))
+    masks, dims = probe_args(sys.argv[1:])
+    variants = (("now", contextlib.nullcontext), ("before", lambda: templates_from(files)))
+    rows = []
+    for D, q, k, v, case, bm in probe_cases(masks, dims):
+        errors = {}
+        for label, scope in variants:
+            with scope():
+                errors[label] = max(check_against_reference(case, D, "cuda", backward=True).values())
+        for pass_ in ("fwd", "bwd"):
+            best = {}
+            for _ in range(ROUNDS):
+                for label, scope in variants:
+                    with scope():
+                        fn = _timed(lambda: flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm), pass_)
+                        ms = _median_ms(fn, grad_to_none=(q, k, v) if pass_ == "bwd" else None)
+                    best[label] = min(best.get(label, ms), ms)
+            rows.append([case.name, f"D{D}", pass_, round(best["now"], 4), round(best["before"], 4),
+                         round(best["now"] / best["before"], 4), f"{errors['now']:.2e} / {errors['before']:.2e}"])
+            print(rows[-1], flush=True)
+    print(tabulate(rows, headers=["mask", "D", "pass", "ms now", "ms before", "now / before",
+                                  "max err vs fp64 (now / before)"], tablefmt="github"), flush=True)
+
+
+if __name__ == "__main__":
+    main()
