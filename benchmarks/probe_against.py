@@ -4,9 +4,9 @@ For each harness mask and head dim (``flexlite.bench.probe_cases``), flexlite's 
 package's templates and with the templates named on the command line rendered from other files instead (an earlier
 version, e.g. from ``git show <commit>:flexlite/codegen/templates/bwd_ws.py.jinja``): each checked against the fp64
 reference first (``bench.check_against_reference``, outputs and gradients), then timed (do_bench medians) in
-alternating rounds, the best round of each kept. Prints a table: ms of both and their ratio.
+rounds of alternating order, the best round of each kept. Prints a table: ms of both and their ratio.
 
-Usage: python benchmarks/probe_against.py NAME=PATH[,NAME=PATH...] [mask,mask,...] [D,D,...]
+Usage: python benchmarks/probe_against.py NAME=PATH[,NAME=PATH...] [mask,mask,...] [D,D,...] [--rounds=N]
 (NAME: a template file name under flexlite/codegen/templates, e.g. fwd_ws.py.jinja)"""
 
 import contextlib
@@ -18,7 +18,7 @@ from tabulate import tabulate
 from flexlite import flex_attention
 from flexlite.bench import _median_ms, _timed, check_against_reference, probe_args, probe_cases
 
-ROUNDS = 2
+ROUNDS = 2  # (--rounds=N)
 
 
 @contextlib.contextmanager
@@ -39,6 +39,7 @@ def templates_from(files: dict):
 
 def main():
     files = dict(pair.split("=", 1) for pair in sys.argv[1].split(","))
+    rounds = next((int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--rounds=")), ROUNDS)
     masks, dims = probe_args(sys.argv[1:])
     variants = (("now", contextlib.nullcontext), ("before", lambda: templates_from(files)))
     rows = []
@@ -49,8 +50,8 @@ def main():
                 errors[label] = max(check_against_reference(case, D, "cuda", backward=True).values())
         for pass_ in ("fwd", "bwd"):
             best = {}
-            for _ in range(ROUNDS):
-                for label, scope in variants:
+            for r in range(rounds):  # (each round in the other order)
+                for label, scope in variants[::1 if r % 2 == 0 else -1]:
                     with scope():
                         fn = _timed(lambda: flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm), pass_)
                         ms = _median_ms(fn, grad_to_none=(q, k, v) if pass_ == "bwd" else None)

@@ -73,8 +73,6 @@ def render(template: str, score_mod: LoweredMod, mask_mod: LoweredMod, *, interp
         score_args=_param_list(hoisted + score_mod.params),
         mask_args=_param_list(mask_query + mask_mod.params),
         mask_query=mask_query,
-        mask_query_c=[f"{name}_c" for name in mask_query],  # compact (a query per thread), and a tile ahead
-        mask_query_next=[f"{name}_next" for name in mask_query],
         mask_query_params=_param_list(mask_query),
         mask_params=_param_list(mask_mod.params),
         mod_params=_param_list(score_mod.params + mask_mod.params),
