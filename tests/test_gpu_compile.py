@@ -177,3 +177,31 @@ def test_warp_specialized_backward_compiles_for_sm90(case):
     assert not ptx["tensormap.replace"]  # its descriptors are always made on the host
     assert 0 < facts["report"]["regs"] <= 255 and facts["report"]["HGMMA"] > 0
     assert facts["shared"] <= 232448
+
+
+# a kernel compiled at one length runs at another: lengths whose block counts differ in divisibility by 16 (2 and 16
+# blocks of 128) reuse the compiled kernel (the block mask's strides are not specialized: common.py.jinja)
+LENGTHS = {
+    "forward, warp-specialized, D128": lambda offline, bm, n: offline.compile_forward_ws(None, bm, 128, L=n),
+    "forward, D64": lambda offline, bm, n: offline.compile_forward(None, bm, 64, (128, 128, 4, 3), False, L=n),
+    "backward, warp-specialized, D128": lambda offline, bm, n: offline.compile_backward_ws(None, bm, 128, L=n),
+    "backward, D64": lambda offline, bm, n: offline.compile_backward(None, bm, 64,
+                                                                    launch.BackwardTileConfig(64, 64, 64, 32, 4, 3),
+                                                                    L=n),
+}
+
+
+def _compile_lengths(case: str) -> dict:
+    offline = _offline()
+    compiled = {}
+    for n in (256, 2048):
+        got = LENGTHS[case](offline, create_block_mask(causal_mask, None, None, n, n, device="cpu"), n)
+        for name, kernel in (got.items() if isinstance(got, dict) else [(got.name, got)]):
+            compiled.setdefault(name, []).append(id(kernel))
+    return {name: ids[0] == ids[1] for name, ids in compiled.items()}
+
+
+@pytest.mark.parametrize("case", list(LENGTHS))
+def test_a_kernel_compiled_at_one_length_runs_at_another(case):
+    reused = _compiled("lengths", case)
+    assert reused and all(reused.values()), reused
