@@ -469,7 +469,7 @@ class _PendingCount:
             self._host = torch.empty((), dtype=torch.int64, pin_memory=True)
             self._host.copy_(total, non_blocking=True)
             self._event = torch.cuda.Event()
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(total.device))  # (the copy's stream: the mask's device's)
         else:
             self._host = total
 
