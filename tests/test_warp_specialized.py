@@ -470,7 +470,8 @@ if ON_HOPPER:
 
     def test_a_training_step_with_a_new_block_mask_does_not_wait_for_the_gpu(monkeypatch):
         # the backward's persistent-grid policy reads each new block mask's walk: the forward started the count
-        # without waiting, so neither pass synchronizes (torch's sync debug mode raises on any implicit sync)
+        # without waiting, so neither pass synchronizes (torch's sync debug mode raises on the implicit syncs it
+        # detects, a tensor read on the host, as the count did before, among them)
         import flexlite.api as api
         from test_backward import assert_grad_close
 
