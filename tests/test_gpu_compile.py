@@ -42,7 +42,8 @@ def _facts(kernel, offline) -> dict:
     return dict(name=kernel.name, report=offline.ptxas_report(ptx), shared=kernel.metadata.shared,
                 ptx={marker: marker in ptx for marker in ("wgmma", "wgmma.mma_async", "cp.async.bulk.tensor",
                                                           "mbarrier", "setmaxnreg", "tensormap.replace",
-                                                          "cp.reduce.async.bulk.tensor")})
+                                                          "cp.reduce.async.bulk.tensor", "st.global.v4",
+                                                          "st.global.b32")})
 
 
 def _compiled(kind: str, case: str) -> dict:
@@ -175,6 +176,9 @@ def test_warp_specialized_backward_compiles_for_sm90(case):
     assert ptx["wgmma.mma_async"] and ptx["cp.async.bulk.tensor"] and ptx["mbarrier"] and ptx["setmaxnreg"]
     assert ptx["cp.reduce.async.bulk.tensor"] == fused_dq
     assert not ptx["tensormap.replace"]  # its descriptors are always made on the host
+    # dK / dV stored in 16-byte vectors, a warp writing whole rows (bws_store_rows): not in 4-byte pieces straight from
+    # the accumulator's layout, which cost 2-3 tiles' time per key block (NOTES 52)
+    assert ptx["st.global.v4"] and not ptx["st.global.b32"]
     assert 0 < facts["report"]["regs"] <= 255 and facts["report"]["HGMMA"] > 0
     assert facts["shared"] <= 232448
 
