@@ -81,13 +81,14 @@ def offline_cuda(capability: int = 90):
         compiled.append(kernel)
         return kernel
 
-    saved = (launch.tma_ok, launch._ensure_allocator, launch.interpreter_scope)
+    saved = (launch.tma_ok, launch._ensure_allocator, launch.interpreter_scope, launch._device_facts)
     active = triton.runtime.driver._active  # None until a driver is asked for (reset_active would create one)
     triton.runtime.driver.set_active(_OfflineDriver(GPUTarget("cuda", capability, 32)))
     JITFunction.run = compile_only
     launch.tma_ok = lambda *tensors: all(t.stride(-1) == 1 for t in tensors)
     launch._ensure_allocator = lambda: None
     launch.interpreter_scope = lambda interpret: contextlib.nullcontext()
+    launch._device_facts = lambda device: (132, capability // 10)  # (persistent grids: as on an H100 / H200)
     os.environ["TRITON_INTERPRET"] = "0"
     for mod, name, _, jit in helpers:
         setattr(mod, name, jit)
@@ -101,7 +102,7 @@ def offline_cuda(capability: int = 90):
         else:
             os.environ["TRITON_INTERPRET"] = interpret
         JITFunction.run = run
-        launch.tma_ok, launch._ensure_allocator, launch.interpreter_scope = saved
+        launch.tma_ok, launch._ensure_allocator, launch.interpreter_scope, launch._device_facts = saved
         triton.runtime.driver._active = active
 
 
@@ -164,9 +165,10 @@ def compile_forward(score_mod, block_mask, D: int, tile: tuple, use_tma: bool, L
 
 
 def compile_forward_ws(score_mod, block_mask, D: int, L: int = 1024, Lkv: Optional[int] = None, dtype=torch.bfloat16,
-                       heads: tuple = (2, 2)):
+                       heads: tuple = (2, 2), persistent: Optional[bool] = None):
     """The compiled warp-specialized (Gluon) forward kernel for these mods at head dim ``D``, ``L`` queries and
-    ``Lkv`` keys (default ``L``), ``heads`` = (query heads, kv heads)."""
+    ``Lkv`` keys (default ``L``), ``heads`` = (query heads, kv heads); ``persistent``: with its persistent grid or
+    without (launch.WS_FWD_PERSISTENT; None: its default)."""
     Lkv = L if Lkv is None else Lkv
     q = torch.randn(1, heads[0], L, D, dtype=dtype)
     k, v = [torch.randn(1, heads[1], Lkv, D, dtype=dtype) for _ in range(2)]
@@ -174,9 +176,14 @@ def compile_forward_ws(score_mod, block_mask, D: int, L: int = 1024, Lkv: Option
                        _float_index("fwd_ws.py.jinja", L, Lkv))
     module = load_module(kernel.source, interpret=False)
     num, idx, full_num, full_idx, sparse = _block_tensors(block_mask, L, Lkv, torch.device("cpu"))
-    with offline_cuda() as compiled:
-        launch.launch_forward_ws(module, kernel.mod_args(), q, k, v, num, idx, full_num, full_idx, sparse,
-                                 D ** -0.5, kernel.has_score_mod, dense=block_mask is None)
+    saved = launch.WS_FWD_PERSISTENT
+    launch.WS_FWD_PERSISTENT = saved if persistent is None else persistent
+    try:
+        with offline_cuda() as compiled:
+            launch.launch_forward_ws(module, kernel.mod_args(), q, k, v, num, idx, full_num, full_idx, sparse,
+                                     D ** -0.5, kernel.has_score_mod, dense=block_mask is None)
+    finally:
+        launch.WS_FWD_PERSISTENT = saved
     return compiled[-1]
 
 
@@ -217,16 +224,15 @@ def compile_backward_ws(score_mod, block_mask, D: int, L: int = 1024, dtype=torc
     *kv_blocks, sparse = _block_tensors(block_mask, L, L, torch.device("cpu"))
     q_blocks = _q_block_tensors(block_mask, L, L, torch.device("cpu"))
     config = launch.BackwardTileConfig(64, 64, 64, 64, 4, 2)  # the dQ kernel's (the CUDA defaults at D128)
-    saved = launch.WS_BWD_FUSED_DQ, launch._device_facts
+    saved = launch.WS_BWD_FUSED_DQ
     launch.WS_BWD_FUSED_DQ = fused_dq
-    launch._device_facts = lambda device: (132, 9)
     try:
         with offline_cuda() as compiled:
             launch.launch_backward(module, kernel.mod_args(), kernel.grad_args([]), q, k, v, out, lse, grad_out,
                                    None, tuple(kv_blocks), q_blocks, sparse, D ** -0.5, kernel.has_score_mod, config,
                                    pinned=True, dense=block_mask is None, ws_module=ws_module, ws_persistent=persistent)
     finally:
-        launch.WS_BWD_FUSED_DQ, launch._device_facts = saved
+        launch.WS_BWD_FUSED_DQ = saved
     return {ck.name: ck for ck in compiled}
 
 

@@ -1,16 +1,21 @@
-"""GPU probe: a change to kernel templates against the versions before it, in one process.
+"""GPU probe: a change to kernel templates or launch settings against what was before it, in one process.
 
-For each harness mask and head dim (``flexlite.bench.probe_cases``), flexlite's forward and backward with the
-package's templates and with the templates named on the command line rendered from other files instead (an earlier
-version, e.g. from ``git show <commit>:flexlite/codegen/templates/bwd_ws.py.jinja``): each checked against the fp64
-reference first (``bench.check_against_reference``, outputs and gradients), then timed (do_bench medians) in
-rounds of alternating order, the best round of each kept. Prints a table: ms of both and their ratio.
+For each harness mask and head dim (``flexlite.bench.probe_cases``), flexlite's forward and backward as the package
+has them ("now") and with the templates or settings named on the command line ("before"): templates rendered from
+other files instead (an earlier version, e.g. from ``git show <commit>:flexlite/codegen/templates/bwd_ws.py.jinja``),
+settings of flexlite.runtime.launch given other values. Each is checked against the fp64 reference first
+(``bench.check_against_reference``, outputs and gradients), then timed (do_bench medians) in rounds of alternating
+order, the best round of each kept. Prints a table: ms of both and their ratio.
 
-Usage: python benchmarks/probe_against.py NAME=PATH[,NAME=PATH...] [mask,mask,...] [D,D,...] [--rounds=N]
-(NAME: a template file name under flexlite/codegen/templates, e.g. fwd_ws.py.jinja)"""
+Usage: python benchmarks/probe_against.py NAME=VALUE[,NAME=VALUE...] [mask,mask,...] [D,D,...] [--rounds=N]
+[--passes=fwd,bwd]
+(NAME: a template file name under flexlite/codegen/templates, e.g. fwd_ws.py.jinja, and VALUE the path of the text
+to use; or launch.SETTING, e.g. launch.WS_FWD_PERSISTENT, and VALUE a Python literal)"""
 
+import ast
 import contextlib
 import sys
+import unittest.mock
 from pathlib import Path
 
 from tabulate import tabulate
@@ -37,18 +42,33 @@ def templates_from(files: dict):
         kernel._render.cache_clear()
 
 
+@contextlib.contextmanager
+def before(changes: dict):
+    """The templates and launch settings of ``changes`` (NAME -> VALUE, as on the command line) while inside."""
+    from flexlite.runtime import launch
+    settings = {name.split(".", 1)[1]: ast.literal_eval(value) for name, value in changes.items()
+                if name.startswith("launch.")}
+    for name in settings:
+        if not hasattr(launch, name):
+            raise ValueError(f"flexlite.runtime.launch has no setting {name!r}")
+    with templates_from({name: path for name, path in changes.items() if not name.startswith("launch.")}), \
+            unittest.mock.patch.multiple(launch, **settings) if settings else contextlib.nullcontext():
+        yield
+
+
 def main():
-    files = dict(pair.split("=", 1) for pair in sys.argv[1].split(","))
+    changes = dict(pair.split("=", 1) for pair in sys.argv[1].split(","))
     rounds = next((int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--rounds=")), ROUNDS)
+    passes = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--passes=")), ["fwd", "bwd"])
     masks, dims = probe_args(sys.argv[1:])
-    variants = (("now", contextlib.nullcontext), ("before", lambda: templates_from(files)))
+    variants = (("now", contextlib.nullcontext), ("before", lambda: before(changes)))
     rows = []
     for D, q, k, v, case, bm in probe_cases(masks, dims):
         errors = {}
         for label, scope in variants:
             with scope():
-                errors[label] = max(check_against_reference(case, D, "cuda", backward=True).values())
-        for pass_ in ("fwd", "bwd"):
+                errors[label] = max(check_against_reference(case, D, "cuda", backward="bwd" in passes).values())
+        for pass_ in passes:
             best = {}
             for r in range(rounds):  # (each round in the other order)
                 for label, scope in variants[::1 if r % 2 == 0 else -1]:

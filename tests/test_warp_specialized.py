@@ -362,6 +362,38 @@ def test_the_gluon_grid_is_a_program_per_key_block_or_one_per_sm(monkeypatch, pe
     assert args[9 + len(q_blocks) + 6] == 12  # N_WORK: after 5 descriptors, lse, delta, dk, dv, the lists, 6 strides
 
 
+@pytest.mark.parametrize("setting, shape, programs", [
+    (True, (2, 4, 4, 384, 384, 64), 5), (False, (2, 4, 4, 384, 384, 64), 24), (True, (2, 4, 4, 200, 384, 64), 16)],
+    ids=["persistent", "per q block", "persistent, ragged: per q block"])
+def test_the_gluon_forward_grid_is_a_program_per_q_block_or_one_per_sm(monkeypatch, setting, shape, programs):
+    """The Gluon forward's grid (the kernel itself runs on a Hopper GPU): 24 q blocks (3 per (batch, head)) as 24
+    programs, or with the persistent grid (launch.WS_FWD_PERSISTENT) as many programs as SMs (here 5), each told how
+    many items and q blocks per head there are; where the descriptors are made on the device (here a query length
+    that is not a multiple of 128) a program per q block whatever the setting."""
+    launches = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((grid, args, kwargs))
+
+    monkeypatch.setattr(launch, "_device_facts", lambda device: (5, 9))
+    monkeypatch.setattr(launch, "WS_FWD_PERSISTENT", setting)
+    monkeypatch.setattr(launch, "_ensure_allocator", lambda: None)
+    q, k, v = rand_qkv(*shape, dtype=torch.bfloat16, device="cpu")
+    blocks = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, shape[3], shape[4],
+                               device="cpu")
+    from flexlite.api import _block_tensors
+    num, idx, full_num, full_idx, sparse = _block_tensors(blocks, shape[3], shape[4], torch.device("cpu"))
+    launch.launch_forward_ws(types.SimpleNamespace(flex_fwd_ws_kernel=Kernel()), [], q, k, v, num, idx, full_num,
+                             full_idx, sparse, 0.125, False)
+    (grid, args, kwargs), = launches
+    n_qblocks = -(-shape[3] // 128)
+    assert grid == (programs,) and kwargs["PERSISTENT"] == (programs == 5)
+    assert kwargs["HOST_DESC"] == (shape[3] % 128 == 0)
+    # N_WORK and NQB: after q, k, v, out, 4 descriptors, lse, 4 block lists and 18 strides
+    assert args[9 + 4 + 18:9 + 4 + 18 + 2] == (2 * 4 * n_qblocks, n_qblocks)
+
+
 def test_the_fused_dq_needs_the_tma_reduce_op(monkeypatch):
     """A Triton whose Gluon builder lacks the TMA reduce-add (its name may change) runs the dQ kernel instead."""
     from triton._C.libtriton import gluon_ir
@@ -383,12 +415,24 @@ if ON_HOPPER:
     # Triton 3.6's Gluon compiler fails on captured_bias's whole-tile gathers (test_a_compiler_failure_falls_back...)
     WS_CATALOG = sorted(set(CATALOG) - {"captured_bias"})
 
+    # each shape on a program per q block, and where the forward's descriptors are made on the host (contiguous inputs,
+    # lengths multiples of the tiles) on its persistent grid as well, here of three programs (as if the GPU had 3
+    # SMs), so that programs take several q blocks (launch.WS_FWD_PERSISTENT)
+    WS_FORWARD_RUNS = [pytest.param(*case.values, grid, id=f"{case.id}-{grid}") for case in WS_SHAPES
+                       for grid in ("per q block", "persistent")
+                       if grid == "per q block" or case.values[0][3] % 128 == case.values[0][4] % 128 == 0]
+
     @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-    @pytest.mark.parametrize("shape", WS_SHAPES)
+    @pytest.mark.parametrize("shape, grid", WS_FORWARD_RUNS)
     @pytest.mark.parametrize("name", WS_CATALOG)
-    def test_matches_the_reference(name, shape, dtype):
+    def test_matches_the_reference(monkeypatch, name, shape, grid, dtype):
         from test_flex_attention import run_case
 
+        persistent = grid == "persistent"
+        monkeypatch.setattr(launch, "WS_FWD_PERSISTENT", persistent)
+        if persistent:
+            facts = launch._device_facts(torch.device(DEVICE))
+            monkeypatch.setattr(launch, "_device_facts", lambda device: (3, facts[1]))
         run_case(name, shape, dtype, kernel_options={"WARP_SPECIALIZE": True})
 
     @pytest.mark.parametrize("fold", [True, False], ids=["folded", "in the mod"])

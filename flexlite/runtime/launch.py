@@ -251,6 +251,10 @@ WS_HOST_DESCRIPTORS = True
 # at best even), and, where its descriptors are made on the device, the fewest keys a q block must walk on average
 # (faster from 2048, slower on the 1024 sliding window and 8-document masks)
 WS_DEFAULT_HEAD_DIMS = frozenset({128})
+# a persistent grid for the warp-specialized forward where its descriptors are made on the host: a program per SM
+# taking q blocks in turn, its producer loading the next one's Q and first K / V tiles while the consumers store the
+# last one's OUT (NOTES 54); False: a program per q block
+WS_FWD_PERSISTENT = True
 WS_MIN_WALK_KEYS = 2048
 
 
@@ -370,13 +374,17 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
     else:
         _ensure_allocator()  # the kernel makes its tensor descriptors on the device
         descs = [None] * 4
-    module.flex_fwd_ws_kernel[(cdiv(Lq, WS_BLOCK_M), B * Hq)](
+    n_qblocks = cdiv(Lq, WS_BLOCK_M)
+    work = n_qblocks * B * Hq
+    persistent = WS_FWD_PERSISTENT and host_desc
+    programs = min(work, _device_facts(q.device)[0]) if persistent else work
+    module.flex_fwd_ws_kernel[(programs,)](
         q, k, v, out, *descs, lse, *blocks, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        *block_strides, Hq, Hq // Hkv, Lq, Lkv, float(scale), *scalars_to(mod_args, q.device),
+        *block_strides, work, n_qblocks, Hq, Hq // Hkv, Lq, Lkv, float(scale), *scalars_to(mod_args, q.device),
         BLOCK_M=WS_BLOCK_M, D=D, SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1],
         EVEN_M=Lq % WS_BLOCK_M == 0, EVEN_N=Lkv % sparse_block[1] == 0, HAS_FULL_BLOCKS=has_full,
         HAS_SCORE_MOD=has_score_mod, REVERSE_M=REVERSE_Q_BLOCKS, DENSE=dense, HOST_DESC=host_desc,
-        **tiles, num_warps=4)
+        PERSISTENT=persistent, **tiles, num_warps=4)
     return out, lse
 
 
