@@ -390,8 +390,10 @@ def test_the_gluon_forward_grid_is_a_program_per_q_block_or_one_per_sm(monkeypat
     n_qblocks = -(-shape[3] // 128)
     assert grid == (programs,) and kwargs["PERSISTENT"] == (programs == 5)
     assert kwargs["HOST_DESC"] == (shape[3] % 128 == 0)
-    # N_WORK and NQB: after q, k, v, out, 4 descriptors, lse, 4 block lists and 18 strides
-    assert args[9 + 4 + 18:9 + 4 + 18 + 2] == (2 * 4 * n_qblocks, n_qblocks)
+    # N_WORK and NQB: after q, k, v, out, 4 descriptors, lse, the item counter, 4 block lists and 18 strides
+    assert args[10 + 4 + 18:10 + 4 + 18 + 2] == (2 * 4 * n_qblocks, n_qblocks)
+    if programs == 5:  # the persistent grid's counter, zeroed
+        assert args[9].dtype == torch.int32 and args[9].tolist() == [0]
 
 
 def test_the_fused_dq_needs_the_tma_reduce_op(monkeypatch):

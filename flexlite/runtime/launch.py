@@ -251,9 +251,9 @@ WS_HOST_DESCRIPTORS = True
 # at best even), and, where its descriptors are made on the device, the fewest keys a q block must walk on average
 # (faster from 2048, slower on the 1024 sliding window and 8-document masks)
 WS_DEFAULT_HEAD_DIMS = frozenset({128})
-# a persistent grid for the warp-specialized forward where its descriptors are made on the host: a program per SM
-# taking q blocks in turn, its producer loading the next one's Q and first K / V tiles while the consumers store the
-# last one's OUT (NOTES 54); False: a program per q block
+# a persistent grid for the warp-specialized forward where its descriptors are made on the host: a program per SM,
+# its producer claiming q blocks from a counter in their order and loading the next one's Q and first K / V tiles
+# while the consumers store the last one's OUT (NOTES 54); False: a program per q block
 WS_FWD_PERSISTENT = True
 WS_MIN_WALK_KEYS = 2048
 
@@ -378,8 +378,10 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
     work = n_qblocks * B * Hq
     persistent = WS_FWD_PERSISTENT and host_desc
     programs = min(work, _device_facts(q.device)[0]) if persistent else work
+    # the persistent grid's item counter (items past the first pass, claimed in order); else a stand-in
+    sched = torch.zeros(1, dtype=torch.int32, device=q.device) if persistent else lse
     module.flex_fwd_ws_kernel[(programs,)](
-        q, k, v, out, *descs, lse, *blocks, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        q, k, v, out, *descs, lse, sched, *blocks, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         *block_strides, work, n_qblocks, Hq, Hq // Hkv, Lq, Lkv, float(scale), *scalars_to(mod_args, q.device),
         BLOCK_M=WS_BLOCK_M, D=D, SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1],
         EVEN_M=Lq % WS_BLOCK_M == 0, EVEN_N=Lkv % sparse_block[1] == 0, HAS_FULL_BLOCKS=has_full,
