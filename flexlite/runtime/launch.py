@@ -252,9 +252,11 @@ WS_HOST_DESCRIPTORS = True
 # (faster from 2048, slower on the 1024 sliding window and 8-document masks)
 WS_DEFAULT_HEAD_DIMS = frozenset({128})
 # a persistent grid for the warp-specialized forward where its descriptors are made on the host: a program per SM,
-# its producer claiming q blocks from a counter in their order and loading the next one's Q and first K / V tiles
-# while the consumers store the last one's OUT (NOTES 54); False: a program per q block
-WS_FWD_PERSISTENT = True
+# its producer loading the next q block's Q and first K / V tiles while the consumers store the last one's OUT
+# (NOTES 54); "static": q blocks in passes over the grid, alternating in direction; "claim": claimed from a counter in
+# their order as the programs free up; False: a program per q block
+WS_FWD_PERSISTENT = "claim"
+_WS_FWD_GRIDS = {False: 0, "static": 1, "claim": 2}
 WS_MIN_WALK_KEYS = 2048
 
 
@@ -376,10 +378,10 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
         descs = [None] * 4
     n_qblocks = cdiv(Lq, WS_BLOCK_M)
     work = n_qblocks * B * Hq
-    persistent = WS_FWD_PERSISTENT and host_desc
+    persistent = _WS_FWD_GRIDS[WS_FWD_PERSISTENT] if host_desc else 0
     programs = min(work, _device_facts(q.device)[0]) if persistent else work
-    # the persistent grid's item counter (items past the first pass, claimed in order); else a stand-in
-    sched = torch.zeros(1, dtype=torch.int32, device=q.device) if persistent else lse
+    # the claiming grid's item counter (items past the first pass, claimed in order); else a stand-in
+    sched = torch.zeros(1, dtype=torch.int32, device=q.device) if persistent == 2 else lse
     module.flex_fwd_ws_kernel[(programs,)](
         q, k, v, out, *descs, lse, sched, *blocks, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         *block_strides, work, n_qblocks, Hq, Hq // Hkv, Lq, Lkv, float(scale), *scalars_to(mod_args, q.device),
