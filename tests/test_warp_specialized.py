@@ -363,9 +363,8 @@ def test_the_gluon_grid_is_a_program_per_key_block_or_one_per_sm(monkeypatch, pe
 
 
 @pytest.mark.parametrize("setting, shape, programs", [
-    ("claim", (2, 4, 4, 384, 384, 64), 5), ("static", (2, 4, 4, 384, 384, 64), 5),
-    (False, (2, 4, 4, 384, 384, 64), 24), ("claim", (2, 4, 4, 200, 384, 64), 16)],
-    ids=["persistent, claiming", "persistent, static", "per q block", "persistent, ragged: per q block"])
+    (True, (2, 4, 4, 384, 384, 64), 5), (False, (2, 4, 4, 384, 384, 64), 24), (True, (2, 4, 4, 200, 384, 64), 16)],
+    ids=["persistent", "per q block", "persistent, ragged: per q block"])
 def test_the_gluon_forward_grid_is_a_program_per_q_block_or_one_per_sm(monkeypatch, setting, shape, programs):
     """The Gluon forward's grid (the kernel itself runs on a Hopper GPU): 24 q blocks (3 per (batch, head)) as 24
     programs, or with the persistent grid (launch.WS_FWD_PERSISTENT) as many programs as SMs (here 5), each told how
@@ -389,12 +388,10 @@ def test_the_gluon_forward_grid_is_a_program_per_q_block_or_one_per_sm(monkeypat
                              full_idx, sparse, 0.125, False)
     (grid, args, kwargs), = launches
     n_qblocks = -(-shape[3] // 128)
-    assert grid == (programs,) and kwargs["PERSISTENT"] == (launch._WS_FWD_GRIDS[setting] if programs == 5 else 0)
+    assert grid == (programs,) and kwargs["PERSISTENT"] == (programs == 5)
     assert kwargs["HOST_DESC"] == (shape[3] % 128 == 0)
-    # N_WORK and NQB: after q, k, v, out, 4 descriptors, lse, the item counter, 4 block lists and 18 strides
-    assert args[10 + 4 + 18:10 + 4 + 18 + 2] == (2 * 4 * n_qblocks, n_qblocks)
-    if setting == "claim" and programs == 5:  # the claiming grid's counter, zeroed
-        assert args[9].dtype == torch.int32 and args[9].tolist() == [0]
+    # N_WORK and NQB: after q, k, v, out, 4 descriptors, lse, 4 block lists and 18 strides
+    assert args[9 + 4 + 18:9 + 4 + 18 + 2] == (2 * 4 * n_qblocks, n_qblocks)
 
 
 def test_the_fused_dq_needs_the_tma_reduce_op(monkeypatch):
@@ -422,7 +419,7 @@ if ON_HOPPER:
     # lengths multiples of the tiles) on its persistent grid as well, here of three programs (as if the GPU had 3
     # SMs), so that programs take several q blocks (launch.WS_FWD_PERSISTENT)
     WS_FORWARD_RUNS = [pytest.param(*case.values, grid, id=f"{case.id}-{grid}") for case in WS_SHAPES
-                       for grid in ("per q block", "static", "claim")
+                       for grid in ("per q block", "persistent")
                        if grid == "per q block" or case.values[0][3] % 128 == case.values[0][4] % 128 == 0]
 
     @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -431,8 +428,8 @@ if ON_HOPPER:
     def test_matches_the_reference(monkeypatch, name, shape, grid, dtype):
         from test_flex_attention import run_case
 
-        persistent = grid != "per q block"
-        monkeypatch.setattr(launch, "WS_FWD_PERSISTENT", grid if persistent else False)
+        persistent = grid == "persistent"
+        monkeypatch.setattr(launch, "WS_FWD_PERSISTENT", persistent)
         if persistent:
             facts = launch._device_facts(torch.device(DEVICE))
             monkeypatch.setattr(launch, "_device_facts", lambda device: (3, facts[1]))

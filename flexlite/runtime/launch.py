@@ -251,12 +251,12 @@ WS_HOST_DESCRIPTORS = True
 # at best even), and, where its descriptors are made on the device, the fewest keys a q block must walk on average
 # (faster from 2048, slower on the 1024 sliding window and 8-document masks)
 WS_DEFAULT_HEAD_DIMS = frozenset({128})
-# a persistent grid for the warp-specialized forward where its descriptors are made on the host: a program per SM,
-# its producer loading the next q block's Q and first K / V tiles while the consumers store the last one's OUT
-# (NOTES 54); "static": q blocks in passes over the grid, alternating in direction; "claim": claimed from a counter in
-# their order as the programs free up; False: a program per q block
-WS_FWD_PERSISTENT = "claim"
-_WS_FWD_GRIDS = {False: 0, "static": 1, "claim": 2}
+# a persistent grid for the warp-specialized forward where its descriptors are made on the host: a program per SM
+# taking q blocks in passes over the grid (alternating in direction), its producer loading the next one's Q and first
+# K / V tiles while the consumers store the last one's OUT (H200, benchmarks/probe_fwd_grid.py, NOTES 54: 5-13 %
+# faster on the sliding window and document masks, even elsewhere; q blocks claimed from a counter in their order
+# measured no better); False: a program per q block
+WS_FWD_PERSISTENT = True
 WS_MIN_WALK_KEYS = 2048
 
 
@@ -378,12 +378,10 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
         descs = [None] * 4
     n_qblocks = cdiv(Lq, WS_BLOCK_M)
     work = n_qblocks * B * Hq
-    persistent = _WS_FWD_GRIDS[WS_FWD_PERSISTENT] if host_desc else 0
+    persistent = WS_FWD_PERSISTENT and host_desc
     programs = min(work, _device_facts(q.device)[0]) if persistent else work
-    # the claiming grid's item counter (items past the first pass, claimed in order); else a stand-in
-    sched = torch.zeros(1, dtype=torch.int32, device=q.device) if persistent == 2 else lse
     module.flex_fwd_ws_kernel[(programs,)](
-        q, k, v, out, *descs, lse, sched, *blocks, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        q, k, v, out, *descs, lse, *blocks, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         *block_strides, work, n_qblocks, Hq, Hq // Hkv, Lq, Lkv, float(scale), *scalars_to(mod_args, q.device),
         BLOCK_M=WS_BLOCK_M, D=D, SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1],
         EVEN_M=Lq % WS_BLOCK_M == 0, EVEN_N=Lkv % sparse_block[1] == 0, HAS_FULL_BLOCKS=has_full,
