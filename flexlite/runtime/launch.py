@@ -253,9 +253,9 @@ WS_HOST_DESCRIPTORS = True
 WS_DEFAULT_HEAD_DIMS = frozenset({128})
 # a persistent grid for the warp-specialized forward where its descriptors are made on the host: a program per SM
 # taking q blocks in passes over the grid (alternating in direction), its producer loading the next one's Q and first
-# K / V tiles while the consumers store the last one's OUT (H200, benchmarks/probe_fwd_grid.py, NOTES 54: 5-13 %
-# faster on the sliding window and document masks, even elsewhere; q blocks claimed from a counter in their order
-# measured no better); False: a program per q block
+# K / V tiles (its Q released once the last Q K^T is done) under the last P V and OUT's store (H200,
+# benchmarks/probe_fwd_grid.py, NOTES 54: sliding window -9.5 %, document -7.6 %, full, causal, prefix-LM and softcap
+# -1.8 to -3.4 %; q blocks claimed from a counter in their order measured no better); False: a program per q block
 WS_FWD_PERSISTENT = True
 WS_MIN_WALK_KEYS = 2048
 
