@@ -257,9 +257,6 @@ WS_DEFAULT_HEAD_DIMS = frozenset({128})
 # benchmarks/probe_fwd_grid.py, NOTES 54: sliding window -9.5 %, document -7.6 %, full, causal, prefix-LM and softcap
 # -1.8 to -3.4 %; q blocks claimed from a counter in their order measured no better); False: a program per q block
 WS_FWD_PERSISTENT = True
-# each q block's walk: its full tiles, then its partial ones (True: a causal walk's diagonal tile last, its softmax
-# under the previous tile's P V), or the other way round (False)
-WS_FWD_FULL_FIRST = True
 WS_MIN_WALK_KEYS = 2048
 
 
@@ -389,7 +386,7 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
         BLOCK_M=WS_BLOCK_M, D=D, SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1],
         EVEN_M=Lq % WS_BLOCK_M == 0, EVEN_N=Lkv % sparse_block[1] == 0, HAS_FULL_BLOCKS=has_full,
         HAS_SCORE_MOD=has_score_mod, REVERSE_M=REVERSE_Q_BLOCKS, DENSE=dense, HOST_DESC=host_desc,
-        PERSISTENT=persistent, FULL_FIRST=WS_FWD_FULL_FIRST, **tiles, num_warps=4)
+        PERSISTENT=persistent, **tiles, num_warps=4)
     return out, lse
 
 
