@@ -214,22 +214,29 @@ def test_a_kernel_compiled_at_one_length_runs_at_another(case):
 def _compile_stamped(case: str) -> dict:
     import tempfile
 
-    spec = importlib.util.spec_from_file_location("probe_bwd_phases", _TOOL.parent / "probe_bwd_phases.py")
+    kind, grid = case.split(", ")
+    name = f"probe_{kind}_phases"
+    spec = importlib.util.spec_from_file_location(name, _TOOL.parent / f"{name}.py")
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
     offline = _offline()
+    template = f"{kind}_ws.py.jinja"
     with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "bwd_ws_stamped.py.jinja"
+        path = Path(d) / template
         path.write_text(probe.stamped_template(1 << 40))
-        with probe.templates_from({"bwd_ws.py.jinja": str(path)}):
-            kernel = offline.compile_backward_ws(None, _masks()["causal"], 128, L=L, persistent=case == "persistent")
-    ptx = kernel["flex_bwd_ws_dkdv_kernel"].asm["ptx"]
-    return {"stamps": ptx.count("%clock64"), "fields": len(probe.FIELDS)}
+        with probe.templates_from({template: str(path)}):
+            persistent = grid == "persistent"
+            if kind == "bwd":
+                kernel = offline.compile_backward_ws(None, _masks()["causal"], 128, L=L, persistent=persistent)
+                kernel = kernel["flex_bwd_ws_dkdv_kernel"]
+            else:
+                kernel = offline.compile_forward_ws(None, _masks()["causal"], 128, L=L, persistent=persistent)
+    return {"stamps": kernel.asm["ptx"].count("%clock64"), "fields": len(probe.FIELDS)}
 
 
-@pytest.mark.parametrize("case", ["per key block", "persistent"])
-def test_the_backward_phase_probe_still_finds_its_insertion_points(case):
-    # benchmarks/probe_bwd_phases.py inserts clock stamps into bwd_ws.py.jinja after lines it finds by their text:
-    # a template change that moves them fails here, not on the GPU
+@pytest.mark.parametrize("case", ["bwd, per key block", "bwd, persistent", "fwd, per q block", "fwd, persistent"])
+def test_the_phase_probes_still_find_their_insertion_points(case):
+    # benchmarks/probe_bwd_phases.py and probe_fwd_phases.py insert clock stamps into bwd_ws.py.jinja / fwd_ws.py.jinja
+    # after lines they find by their text: a template change that moves them fails here, not on the GPU
     facts = _compiled("stamped", case)
     assert facts["stamps"] >= 2 * facts["fields"]  # each field stamped in both consumer warpgroups

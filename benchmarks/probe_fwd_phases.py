@@ -1,0 +1,141 @@
+"""GPU probe: where a tile's and a q block's time goes inside the Gluon forward's consumers (NOTES 57).
+
+The package's fwd_ws.py.jinja with clock stamps inserted after its phase boundaries (the insertion points are found
+by their source lines; the probe fails if one is missing): each consumer warpgroup of the first NPROG programs writes
+the SM clock (%clock64) of each of its first NSLOT ring slot uses (tiles, over the program's q blocks) into a buffer at
+- per tile of the walk's loops: ``top``: the iteration starts; ``issue``: K(j), V(j-1) landed and this warpgroup's
+  turn (ping-pong) came; ``s``: S(j) done; ``sm``: its softmax done; ``pv``: P V(j-1) done;
+- per q block, at its first tile's slot: ``item``: before waiting for Q, ``q``: Q landed, ``first``: the first tile's
+  S and softmax done; at its last tile's slot: ``last``: the last P V done, ``out``: OUT / LSE stored.
+Printed per mask (the harness shape at D128, the default grid): each phase's median clocks per tile and warpgroup,
+the two warpgroups' offset, and per q block the clocks of its parts outside the loop, its span beyond its tiles
+(span - tiles x the median tile) in clocks and in tiles, and its tile count.
+
+Usage: python benchmarks/probe_fwd_phases.py [mask,mask,...]"""
+
+import sys
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+
+from flexlite import flex_attention
+from flexlite.bench import probe_args, probe_cases
+from flexlite.codegen.render import TEMPLATE_DIR
+
+sys.path.insert(0, str(Path(__file__).parent))
+from probe_against import templates_from  # noqa: E402
+
+NPROG, NSLOT = 8, 1024
+FIELDS = ("top", "issue", "s", "sm", "pv", "item", "q", "first", "last", "out")
+STAMP = '''
+
+@gluon.jit
+def dbg_stamp(i, WG: gl.constexpr, FIELD: gl.constexpr):
+    pid = gl.program_id(0)
+    if (pid < {nprog}) & (i >= 0) & (i < {nslot}):
+        addr = ((pid * 2 + WG) * {nslot} + i) * {nf} + FIELD
+        addr = addr.to(gl.int64) * 8 + {base}
+        gl.inline_asm_elementwise("mov.u64 $0, %clock64; st.global.u64 [$1], $0;", "=l,l", [addr], dtype=gl.int64,
+                                  is_pure=False, pack=1)
+'''
+# (source text, indentation, field, slot expression) the stamps go after (after its first line)
+AFTER = (
+    ("        next_n = ws_walk_tile(IDX, j + 1 - n_skip, hi - n_skip, SPARSE_KV_BLOCK, BLOCK_N, DENSE)\n", 8, "top",
+     "i0 + j"),
+    ("        mbarrier.wait(turn.index(WG), phase=(r0 + j) & 1)  # ping-pong: this warpgroup's turn to issue\n", 8,
+     "issue", "i0 + j"),
+    ("        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # P V(j-1) may still run\n", 8, "s", "i0 + j"),
+    ("                                        MASKED, HAS_SCORE_MOD, EVEN_N)\n", 8, "sm", "i0 + j"),
+    ("        o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))\n"
+     "        mbarrier.arrive(kv_empty.index(sp), count=1)  # this warpgroup is done with tile j-1\n", 8, "pv", "i0 + j"),
+    ("    mbarrier.wait(q_bar, phase=jj & 1)\n", 4, "q", "i"),
+    ("        p_cur = gl.convert_layout(p.to(dtype), p_layout)\n        # partial tiles 1", 8, "first", "i"),
+    ("        o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))\n        # OUT in the last slot's K buffer", 8,
+     "last", "i_last"),
+    ("        mbarrier.arrive(kv_empty.index(last), count=1)\n", 8, "out", "i_last"),
+)
+BEFORE = (("    mbarrier.wait(q_bar, phase=jj & 1)\n", 4, "item", "i"),)
+
+
+def stamped_template(base: int) -> str:
+    text = (TEMPLATE_DIR / "fwd_ws.py.jinja").read_text()
+
+    def stamp(indent, field, slot):
+        return " " * indent + f"dbg_stamp({slot}, WG, {FIELDS.index(field)})\n"
+    for point, indent, field, slot in AFTER:  # (after a point's first line; the rest makes it unique)
+        assert text.count(point) == 1, f"insertion point not found once: {point.strip()}"
+        head, _, rest = point.partition("\n")
+        text = text.replace(point, head + "\n" + stamp(indent, field, slot) + rest)
+    for point, indent, field, slot in BEFORE:
+        text = text.replace(point, stamp(indent, field, slot) + point)
+    anchor = "\n\n@gluon.jit\ndef ws_walk("
+    assert anchor in text
+    return text.replace(anchor, STAMP.format(nprog=NPROG, nslot=NSLOT, nf=len(FIELDS), base=base) + anchor, 1)
+
+
+def _median(values) -> float:
+    return float(torch.tensor(values, dtype=torch.float64).median()) if values else float("nan")
+
+
+def summarize(t: torch.Tensor) -> list:
+    """[tile clocks, the loop's phases, WG offset, per q block: Q wait, first tile, last P V, OUT, span beyond the
+    tiles (clocks, tiles), tiles per q block] from the stamps t [NPROG, 2, NSLOT, fields] (medians)."""
+    f = {name: t[..., n] for n, name in enumerate(FIELDS)}
+    loop = f["top"] > 0
+    phases = {}
+    for a, b in zip(FIELDS[:4], FIELDS[1:5]):
+        ok = loop & (f[b] > 0)
+        phases[f"{a}->{b}"] = float((f[b] - f[a])[ok].median())
+    nxt = torch.roll(f["top"], -1, dims=2)
+    ok = loop & (nxt > 0) & (torch.roll(f["item"], -1, dims=2) == 0)
+    tile = float((nxt - f["top"])[ok].median())
+    both = loop[:, 0] & loop[:, 1]
+    offset = float((f["issue"][:, 1] - f["issue"][:, 0])[both].abs().median())
+    parts = {"q": [], "first": [], "lastpv": [], "out": [], "beyond": [], "tiles": []}
+    for p in range(t.shape[0]):
+        for wg in range(2):
+            starts = [int(s) for s in torch.nonzero(f["item"][p, wg] > 0).flatten()]
+            for s, e in zip(starts, starts[1:] + [None]):
+                ends = torch.nonzero(f["out"][p, wg, s:e] > 0).flatten()
+                if len(ends) == 0:
+                    continue
+                last = s + int(ends[0])
+                n = last - s + 1
+                item, out = float(f["item"][p, wg, s]), float(f["out"][p, wg, last])
+                parts["q"].append(float(f["q"][p, wg, s]) - item)
+                parts["first"].append(float(f["first"][p, wg, s] - f["q"][p, wg, s]))
+                if n > 1 and f["pv"][p, wg, last] > 0:
+                    parts["lastpv"].append(float(f["last"][p, wg, last] - f["pv"][p, wg, last]))
+                parts["out"].append(out - float(f["last"][p, wg, last]))
+                parts["beyond"].append(out - item - n * tile)
+                parts["tiles"].append(n)
+    beyond = _median(parts["beyond"])
+    return [tile, *phases.values(), offset, _median(parts["q"]), _median(parts["first"]), _median(parts["lastpv"]),
+            _median(parts["out"]), beyond, beyond / tile, _median(parts["tiles"])]
+
+
+HEADERS = ["clocks per tile (median)", "top->issue", "issue->s", "s->sm", "sm->pv", "|WG1 - WG0| at issue",
+           "q block: Q wait", "first tile", "last P V", "OUT store", "span beyond its tiles", "... in tiles",
+           "tiles per q block"]
+
+
+def main():
+    masks, _ = probe_args(sys.argv)
+    rows = []
+    for D, q, k, v, case, bm in probe_cases(masks, [128], requires_grad=False):
+        buf = torch.zeros(NPROG, 2, NSLOT, len(FIELDS), dtype=torch.int64, device="cuda")
+        path = Path(f"/tmp/fwd_ws_stamped_{case.name}.py.jinja")
+        path.write_text(stamped_template(buf.data_ptr()))
+        with templates_from({"fwd_ws.py.jinja": str(path)}):
+            for _ in range(3):  # (the last run's stamps are kept: warm caches)
+                buf.zero_()
+                flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm)
+            torch.cuda.synchronize()
+        rows.append([case.name] + [round(x, 1) if x == x else "" for x in summarize(buf.cpu().double())])
+        print(rows[-1], flush=True)
+    print(tabulate(rows, headers=["mask", *HEADERS], tablefmt="github"), flush=True)
+
+
+if __name__ == "__main__":
+    main()
