@@ -50,12 +50,12 @@ AFTER = (
     ("        o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))\n"
      "        mbarrier.arrive(kv_empty.index(sp), count=1)  # this warpgroup is done with tile j-1\n", 8, "pv", "i0 + j"),
     ("    mbarrier.wait(q_bar, phase=jj & 1)\n", 4, "q", "i"),
-    ("        p_cur = gl.convert_layout(p.to(dtype), p_layout)\n        # partial tiles 1", 8, "first", "i"),
     ("        o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))\n        # OUT in the last slot's K buffer", 8,
      "last", "i_last"),
     ("        mbarrier.arrive(kv_empty.index(last), count=1)\n", 8, "out", "i_last"),
 )
-BEFORE = (("    mbarrier.wait(q_bar, phase=jj & 1)\n", 4, "item", "i"),)
+BEFORE = (("    mbarrier.wait(q_bar, phase=jj & 1)\n", 4, "item", "i"),
+          ("        # partial tiles 1 .. n_part - 1, then full tiles", 8, "first", "i"))
 
 
 def stamped_template(base: int) -> str:
@@ -68,6 +68,7 @@ def stamped_template(base: int) -> str:
         head, _, rest = point.partition("\n")
         text = text.replace(point, head + "\n" + stamp(indent, field, slot) + rest)
     for point, indent, field, slot in BEFORE:
+        assert text.count(point) == 1, f"insertion point not found once: {point.strip()}"
         text = text.replace(point, stamp(indent, field, slot) + point)
     anchor = "\n\n@gluon.jit\ndef ws_walk("
     assert anchor in text
