@@ -21,8 +21,8 @@ from .runtime.autotune import autotune_enabled
 from .runtime.launch import (BACKWARD_CONFIG_KEYS, CONFIG_KEYS, FLEXLITE_OPTIONS, TORCH_PERF_HINTS,
                              backward_config, cdiv, decode_rows, forward_config, head_dim_pad, is_host_scalar,
                              launch_backward, launch_decode, launch_forward, launch_forward_ws, ws_backward_unmet,
-                             ws_forward_unmet, WS_BWD_DEFAULT_HEAD_DIMS, WS_DEFAULT_HEAD_DIMS, WS_MIN_WALK_KEYS,
-                             is_compile_error, ws_host_descriptors)
+                             ws_forward_unmet, WS_BWD_DEFAULT_HEAD_DIMS, WS_DEFAULT_HEAD_DIMS, WS_DEVICE_DESC_HEAD_DIMS,
+                             WS_MIN_WALK_KEYS, is_compile_error, ws_host_descriptors)
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -528,8 +528,9 @@ def _warp_specialize(query, key, value, block_mask, num_blocks, sparse, options)
     """Whether the forward runs the warp-specialized Gluon kernel (fwd_ws.py.jinja): ``kernel_options``
     ``WARP_SPECIALIZE=True`` insists (a NotImplementedError says what the inputs lack), ``False`` refuses. Unset, it
     runs where it can at the head dims of ``launch.WS_DEFAULT_HEAD_DIMS`` when its tensor descriptors can be made on
-    the host (:func:`launch.ws_host_descriptors`), or else when q blocks walk at least ``launch.WS_MIN_WALK_KEYS`` keys
-    on average (shorter walks with per-program descriptors measured slower: NOTES 38); not where tiles are pinned,
+    the host (:func:`launch.ws_host_descriptors`), or else at ``launch.WS_DEVICE_DESC_HEAD_DIMS`` when q blocks walk at
+    least ``launch.WS_MIN_WALK_KEYS`` keys on average (shorter walks with per-program descriptors, and D64's, measured
+    slower: NOTES 38); not where tiles are pinned,
     autotuning is asked for, or the queries go to the decode kernel (:func:`_decode_rows`)."""
     want = options.get("WARP_SPECIALIZE")
     if want is False:
@@ -545,6 +546,8 @@ def _warp_specialize(query, key, value, block_mask, num_blocks, sparse, options)
         return False
     if ws_host_descriptors(query, key, value, sparse):
         return True
+    if query.shape[-1] not in WS_DEVICE_DESC_HEAD_DIMS:
+        return False
     walk = _mean_walk(block_mask, query.shape[2], key.shape[2])
     return walk is not None and walk[0] >= WS_MIN_WALK_KEYS
 

@@ -247,10 +247,13 @@ WS_TILES = {64: dict(BLOCK_N=128, STAGES=2, CONSUMER_REGS=232), 128: dict(BLOCK_
 # multiples of the tiles); False: always per (z, head) on the device
 WS_HOST_DESCRIPTORS = True
 # where flex_attention takes the warp-specialized forward unless kernel_options WARP_SPECIALIZE says (H200,
-# benchmarks/probe_ws.py, NOTES 38): head dims (D128: 7-15 % faster on every harness mask with host descriptors; D64:
-# at best even), and, where its descriptors are made on the device, the fewest keys a q block must walk on average
-# (faster from 2048, slower on the 1024 sliding window and 8-document masks)
-WS_DEFAULT_HEAD_DIMS = frozenset({128})
+# benchmarks/probe_ws.py, probe_fwd_grid.py, NOTES 38, 54, 57): head dims (D128: 7-15 % faster than the Triton forward
+# on every harness mask with host descriptors; D64: faster on five of the seven harness masks by 1.6-5 %, even on
+# softcap, 1 % slower on the full mask, since its persistent grid and P carried in fp32), and, where its descriptors
+# are made on the device, only at WS_DEVICE_DESC_HEAD_DIMS and where q blocks walk at least WS_MIN_WALK_KEYS keys on
+# average (D128 faster from 2048, slower on the 1024 sliding window and 8-document masks; D64 slower, NOTES 38)
+WS_DEFAULT_HEAD_DIMS = frozenset({64, 128})
+WS_DEVICE_DESC_HEAD_DIMS = frozenset({128})
 # a persistent grid for the warp-specialized forward where its descriptors are made on the host: a program per SM
 # taking q blocks in passes over the grid (alternating in direction), its producer loading the next one's Q and first
 # K / V tiles (its Q released once the last Q K^T is done) under the last P V and OUT's store (H200,
