@@ -21,24 +21,14 @@ from tabulate import tabulate
 
 from flexlite import flex_attention
 from flexlite.bench import probe_args, probe_cases
-from flexlite.codegen.render import TEMPLATE_DIR
 
 sys.path.insert(0, str(Path(__file__).parent))
+import phase_stamps  # noqa: E402
+from phase_stamps import NPROG  # noqa: E402
 from probe_against import templates_from  # noqa: E402
 
-NPROG, NSLOT = 8, 256
+NSLOT = 256
 FIELDS = ("tile", "qk", "scores", "ds", "mm", "dq", "item", "kv", "end")
-STAMP = '''
-
-@gluon.jit
-def dbg_stamp(i, WG: gl.constexpr, FIELD: gl.constexpr):
-    pid = gl.program_id(0)
-    if (pid < {nprog}) & (i >= 0) & (i < {nslot}):
-        addr = ((pid * 2 + WG) * {nslot} + i) * {nf} + FIELD
-        addr = addr.to(gl.int64) * 8 + {base}
-        gl.inline_asm_elementwise("mov.u64 $0, %clock64; st.global.u64 [$1], $0;", "=l,l", [addr], dtype=gl.int64,
-                                  is_pure=False, pack=1)
-'''
 # (source line, indentation, field, slot expression) the stamps go after
 POINTS = (
     ("        mbarrier.wait(q_full.index(s), phase=phase)\n", 8, "tile", "i"),
@@ -48,24 +38,14 @@ POINTS = (
     ("            dv, dk, dq, pa = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq, pa))\n", 12, "mm", "i"),
     ("            tma_reduce_add(desc_dq, [dq_row0 + start_m, WG * DQ_COLS], dq_smem)\n", 12, "dq", "i"),
     ("    bws_store_rows(GRAD_V, kv_row0 + WG * HALF, dv)\n", 4, "end", "i - 1"),
+    ("    mbarrier.wait(kv_bar, phase=j & 1)\n", 4, "kv", "i"),
 )
 BEFORE = (("    mbarrier.wait(kv_bar, phase=j & 1)\n", 4, "item", "i"),)
-AFTER_KV = ("    mbarrier.wait(kv_bar, phase=j & 1)\n", 4, "kv", "i")
 
 
 def stamped_template(base: int) -> str:
-    text = (TEMPLATE_DIR / "bwd_ws.py.jinja").read_text()
-
-    def stamp(indent, field, slot):
-        return " " * indent + f"dbg_stamp({slot}, WG, {FIELDS.index(field)})\n"
-    for line, indent, field, slot in POINTS + (AFTER_KV,):
-        assert text.count(line) == 1, f"insertion point not found once: {line.strip()}"
-        text = text.replace(line, line + stamp(indent, field, slot))
-    for line, indent, field, slot in BEFORE:
-        text = text.replace(line, stamp(indent, field, slot) + line)
-    anchor = "\n\n@gluon.jit\ndef bws_walk("
-    assert anchor in text
-    return text.replace(anchor, STAMP.format(nprog=NPROG, nslot=NSLOT, nf=len(FIELDS), base=base) + anchor, 1)
+    return phase_stamps.stamped_template("bwd_ws.py.jinja", FIELDS, POINTS, BEFORE, "\n\n@gluon.jit\ndef bws_walk(",
+                                         NSLOT, base)
 
 
 def main():
@@ -83,12 +63,9 @@ def main():
                 out.backward(dout, retain_graph=True)
             torch.cuda.synchronize()
         t = buf.cpu().double()
-        f = {name: t[..., n] for n, name in enumerate(FIELDS)}
+        f = phase_stamps.fields_of(t, FIELDS)
         tiles = f["tile"] > 0
-        phase = {}
-        for a, b in zip(FIELDS[:5], FIELDS[1:6]):
-            ok = tiles & (f[b] > 0)
-            phase[f"{a}->{b}"] = float((f[b] - f[a])[ok].median())
+        phase = phase_stamps.phase_medians(f, FIELDS[:6], tiles)
         nxt = torch.roll(f["tile"], -1, dims=2)
         ok = tiles & (nxt > 0) & (f["end"] == 0)
         tile_clocks = float((nxt - f["tile"])[ok].median())

@@ -21,24 +21,14 @@ from tabulate import tabulate
 
 from flexlite import flex_attention
 from flexlite.bench import probe_args, probe_cases
-from flexlite.codegen.render import TEMPLATE_DIR
 
 sys.path.insert(0, str(Path(__file__).parent))
+import phase_stamps  # noqa: E402
+from phase_stamps import NPROG  # noqa: E402
 from probe_against import templates_from  # noqa: E402
 
-NPROG, NSLOT = 8, 1024
+NSLOT = 1024
 FIELDS = ("top", "issue", "s", "sm", "pv", "item", "q", "first", "last", "out")
-STAMP = '''
-
-@gluon.jit
-def dbg_stamp(i, WG: gl.constexpr, FIELD: gl.constexpr):
-    pid = gl.program_id(0)
-    if (pid < {nprog}) & (i >= 0) & (i < {nslot}):
-        addr = ((pid * 2 + WG) * {nslot} + i) * {nf} + FIELD
-        addr = addr.to(gl.int64) * 8 + {base}
-        gl.inline_asm_elementwise("mov.u64 $0, %clock64; st.global.u64 [$1], $0;", "=l,l", [addr], dtype=gl.int64,
-                                  is_pure=False, pack=1)
-'''
 # (source text, indentation, field, slot expression) the stamps go after (after its first line)
 AFTER = (
     ("        next_n = ws_walk_tile(IDX, j + 1 - n_skip, hi - n_skip, SPARSE_KV_BLOCK, BLOCK_N, DENSE)\n", 8, "top",
@@ -48,7 +38,8 @@ AFTER = (
     ("        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # P V(j-1) may still run\n", 8, "s", "i0 + j"),
     ("                                        MASKED, HAS_SCORE_MOD, EVEN_N)\n", 8, "sm", "i0 + j"),
     ("        o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))\n"
-     "        mbarrier.arrive(kv_empty.index(sp), count=1)  # this warpgroup is done with tile j-1\n", 8, "pv", "i0 + j"),
+     "        mbarrier.arrive(kv_empty.index(sp), count=1)  # this warpgroup is done with tile j-1\n", 8, "pv",
+     "i0 + j"),
     ("    mbarrier.wait(q_bar, phase=jj & 1)\n", 4, "q", "i"),
     ("        o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))\n        # OUT in the last slot's K buffer", 8,
      "last", "i_last"),
@@ -59,20 +50,8 @@ BEFORE = (("    mbarrier.wait(q_bar, phase=jj & 1)\n", 4, "item", "i"),
 
 
 def stamped_template(base: int) -> str:
-    text = (TEMPLATE_DIR / "fwd_ws.py.jinja").read_text()
-
-    def stamp(indent, field, slot):
-        return " " * indent + f"dbg_stamp({slot}, WG, {FIELDS.index(field)})\n"
-    for point, indent, field, slot in AFTER:  # (after a point's first line; the rest makes it unique)
-        assert text.count(point) == 1, f"insertion point not found once: {point.strip()}"
-        head, _, rest = point.partition("\n")
-        text = text.replace(point, head + "\n" + stamp(indent, field, slot) + rest)
-    for point, indent, field, slot in BEFORE:
-        assert text.count(point) == 1, f"insertion point not found once: {point.strip()}"
-        text = text.replace(point, stamp(indent, field, slot) + point)
-    anchor = "\n\n@gluon.jit\ndef ws_walk("
-    assert anchor in text
-    return text.replace(anchor, STAMP.format(nprog=NPROG, nslot=NSLOT, nf=len(FIELDS), base=base) + anchor, 1)
+    return phase_stamps.stamped_template("fwd_ws.py.jinja", FIELDS, AFTER, BEFORE, "\n\n@gluon.jit\ndef ws_walk(",
+                                         NSLOT, base)
 
 
 def _median(values) -> float:
@@ -82,12 +61,9 @@ def _median(values) -> float:
 def summarize(t: torch.Tensor) -> list:
     """[tile clocks, the loop's phases, WG offset, per q block: Q wait, first tile, last P V, OUT, span beyond the
     tiles (clocks, tiles), tiles per q block] from the stamps t [NPROG, 2, NSLOT, fields] (medians)."""
-    f = {name: t[..., n] for n, name in enumerate(FIELDS)}
+    f = phase_stamps.fields_of(t, FIELDS)
     loop = f["top"] > 0
-    phases = {}
-    for a, b in zip(FIELDS[:4], FIELDS[1:5]):
-        ok = loop & (f[b] > 0)
-        phases[f"{a}->{b}"] = float((f[b] - f[a])[ok].median())
+    phases = phase_stamps.phase_medians(f, FIELDS[:5], loop)
     nxt = torch.roll(f["top"], -1, dims=2)
     ok = loop & (nxt > 0) & (torch.roll(f["item"], -1, dims=2) == 0)
     tile = float((nxt - f["top"])[ok].median())
