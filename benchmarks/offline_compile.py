@@ -144,7 +144,7 @@ def sass_loops(ck) -> list:
     tile = [span for span, c in ops.items() if c["HGMMA"]]
     inner = sorted(span for span in tile if not any(o != span and span[0] <= o[0] and o[1] <= span[1] for o in tile))
     return [dict(start=hex(a), instructions=sum(ops[(a, b)].values()),
-                 **{op: ops[(a, b)][op] for op in ("HGMMA", "STL", "LDL", "LDG", "MUFU", "ISETP")})
+                 **{op: ops[(a, b)][op] for op in ("HGMMA", "STL", "LDL", "LDG", "MUFU", "ISETP", "PRMT")})
             for a, b in inner]
 
 

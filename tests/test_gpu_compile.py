@@ -123,7 +123,8 @@ def _compile_ws(case: str) -> dict:
     score_mod, mask, D, Lq, Lkv, heads = FORWARD_WS[case]
     offline = _offline()
     launch.FOLD_SCORE_SCALES = "folded" in case  # (a fresh process per compile)
-    return _facts(offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads), offline)
+    kernel = offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads)
+    return {**_facts(kernel, offline), "loop_prmt": [loop["PRMT"] for loop in offline.sass_loops(kernel)]}
 
 
 @pytest.mark.parametrize("case", list(FORWARD_WS))
@@ -140,6 +141,9 @@ def test_warp_specialized_forward_compiles_for_sm90(case):
     assert 0 < facts["report"]["regs"] <= 255 and facts["report"]["HGMMA"] > 0
     # its K / V ring (three stages at D128) and Q / OUT staging fit in what a Hopper block may have (227 KB)
     assert facts["shared"] <= 232448
+    # P crosses the walk's iterations in fp32: carried as 16-bit values through its two loops it was split into
+    # scalars and repacked with 33-64 PRMTs per tile and loop (benchmarks/NOTES.md 57)
+    assert facts["loop_prmt"] and max(facts["loop_prmt"]) < 8, facts["loop_prmt"]
 
 
 # the warp-specialized (Gluon) dK / dV kernel: (score_mod, mask, head dim, (query heads, kv heads), options of
