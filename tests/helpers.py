@@ -38,6 +38,16 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol
             f"expected {e[idx].item()}; max abs diff {diff.max().item():.3g} (atol {atol}, rtol {rtol})")
 
 
+def assert_grad_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype = torch.float32,
+                      name: str = "grad", tolerance_dtype: torch.dtype | None = None):
+    """A gradient against the reference's: GRAD_TOLERANCES of ``tolerance_dtype`` (default ``dtype``), atol
+    scaled by max(1, max |expected|); ``actual`` must have ``dtype``."""
+    atol, rtol = GRAD_TOLERANCES[tolerance_dtype or dtype]
+    assert actual.dtype == dtype, f"{name}: dtype {actual.dtype}, expected {dtype}"
+    scale = max(1.0, expected.abs().max().item()) if expected.numel() else 1.0
+    assert_close(actual, expected, atol * scale, rtol, name=name)
+
+
 def rand_qkv(B, Hq, Hkv, Lq, Lkv, D, Dv=None, dtype=torch.float32, device=DEVICE, seed=0):
     """Random q [B,Hq,Lq,D], k [B,Hkv,Lkv,D], v [B,Hkv,Lkv,Dv] (fresh values, never zeros)."""
     g = torch.Generator().manual_seed(seed)

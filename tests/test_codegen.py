@@ -10,7 +10,7 @@ from flexlite import UntraceableModError, attention_reference, create_block_mask
 from flexlite.codegen import trace as trace_module
 from flexlite.codegen.trace import trace_mod
 from flexlite.runtime import compile as compile_module
-from helpers import DEVICE, TOLERANCES, assert_close, rand_qkv
+from helpers import DEVICE, TOLERANCES, assert_close, assert_grad_close, rand_qkv
 
 B, H, LQ, LKV, D = 1, 2, 37, 45, 16
 _t = torch.linspace(-2.0, 2.0, 8).to(DEVICE)
@@ -355,7 +355,7 @@ def test_loop_invariant_loads_are_hoisted_out_of_the_kernel_loops(name):
         grad = torch.randn_like(out)
         want = torch.autograd.grad(ref, (q, k, v), grad, allow_unused=True)
         for g, w in zip(torch.autograd.grad(out, (q, k, v), grad), want):
-            assert_close(g, torch.zeros_like(g) if w is None else w, *TOLERANCES[torch.float32])
+            assert_grad_close(g, torch.zeros_like(g) if w is None else w)
 
 
 _doc = (torch.arange(80) // 24).to(torch.int32).to(DEVICE)  # documents of 24 tokens
@@ -380,7 +380,7 @@ def test_an_element_read_twice_is_loaded_once():
     assert_close(out, ref, *TOLERANCES[torch.float32])
     grad = torch.randn_like(out)
     for g, w in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
-        assert_close(g, w, *TOLERANCES[torch.float32])
+        assert_grad_close(g, w)
 
 
 _QUERY_VALUE_MASKS = {
@@ -482,4 +482,4 @@ def test_score_mod_constant_factors_are_folded_into_the_forward(monkeypatch, nam
     assert_close(out, ref, *TOLERANCES[torch.float32])
     grad = torch.randn_like(out)
     for g, w in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
-        assert_close(g, w, *TOLERANCES[torch.float32])
+        assert_grad_close(g, w)

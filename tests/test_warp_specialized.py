@@ -18,7 +18,7 @@ import torch
 from catalog import CATALOG
 from flexlite import attention_reference, create_block_mask, flex_attention
 from flexlite.runtime import launch
-from helpers import DEVICE, TOLERANCES, assert_close, rand_qkv
+from helpers import DEVICE, TOLERANCES, assert_close, assert_grad_close, rand_qkv
 
 ON_HOPPER = DEVICE == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
@@ -478,7 +478,6 @@ if ON_HOPPER:
         assert api._mean_walk(bm, 512, 512) is None
 
     def test_forward_and_backward_replay_from_a_cuda_graph():
-        from test_backward import assert_grad_close
 
         # a training step's attention captured once (after a step outside the capture: kernels compiled, the block
         # mask's walk counted) and replayed on new inputs: the replay's output and gradients are the reference's
@@ -519,7 +518,6 @@ if ON_HOPPER:
         # without waiting, so neither pass synchronizes (torch's sync debug mode raises on the implicit syncs it
         # detects, a tensor read on the host, as the count did before, among them)
         import flexlite.api as api
-        from test_backward import assert_grad_close
 
         monkeypatch.setattr(launch, "WS_BWD_PERSISTENT", None)
         case = CATALOG["document"](1, 2, 1024, 1024, DEVICE)
