@@ -6,7 +6,7 @@ import contextlib
 import functools
 import math
 import os
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -32,6 +32,21 @@ DEFAULT_SPARSE_BLOCK = 128
 # the kernels offset within one (batch, head) slice, within block-mask tensors and within captured tensors of
 # at most INDEX_LIMIT elements in 32 bits; across (batch, head) slices in 64 (see README, "Index limits")
 INDEX_LIMIT = 2**31
+
+
+class AuxRequest(NamedTuple):
+    """Which auxiliary outputs flex_attention returns beside ``out`` (``return_aux=``), as torch's
+    ``torch.nn.attention.flex_attention.AuxRequest`` (which flexlite accepts as well)."""
+
+    lse: bool = False
+    max_scores: bool = False
+
+
+class AuxOutput(NamedTuple):
+    """flex_attention's auxiliary outputs for ``return_aux``: a field is None unless it was requested."""
+
+    lse: Optional[torch.Tensor] = None
+    max_scores: Optional[torch.Tensor] = None
 
 
 def _fail(msg: str, exc=ValueError):
@@ -75,7 +90,24 @@ def _check_device_type(query):
               f"(Triton's interpreter) only: move them with .to('cuda') or .to('cpu')", NotImplementedError)
 
 
-def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, return_lse=False):
+def _check_aux(return_aux, return_lse: bool, kernel_options) -> None:
+    """``return_aux``: None or an AuxRequest (flexlite's or torch's: fields ``lse`` and ``max_scores``, bools)."""
+    if return_aux is None:
+        return
+    if not all(isinstance(getattr(return_aux, f, None), bool) for f in AuxRequest._fields):
+        _fail(f"return_aux must be None or an AuxRequest(lse=..., max_scores=...) with bool fields "
+              f"(flexlite.AuxRequest or torch's); got {type(return_aux).__name__} {return_aux!r}", TypeError)
+    if return_lse:
+        _fail("return_lse=True and return_aux cannot be combined; pass return_aux=AuxRequest(lse=True) alone")
+    options = kernel_options or {}
+    if return_aux.max_scores and (options.get("WARP_SPECIALIZE") or options.get("DECODE")):
+        which = "WARP_SPECIALIZE" if options.get("WARP_SPECIALIZE") else "DECODE"
+        _fail(f"return_aux max_scores comes from the Triton forward kernel only; kernel_options {which}=True picks "
+              f"another kernel: drop that option or the max_scores request", NotImplementedError)
+
+
+def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, return_lse=False,
+              return_aux=None):
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}", TypeError)
@@ -131,6 +163,7 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
                 _fail(f"kernel_options WARP_SPECIALIZE=True picks the warp-specialized forward, which has one tile "
                       f"config; it cannot be combined with DECODE=True, AUTOTUNE=True or pinned tiles "
                       f"{list(CONFIG_KEYS)}: drop one or the other")
+    _check_aux(return_aux, return_lse, kernel_options)
     if block_mask is not None:
         _validate_block_mask(block_mask, query, key)
 
@@ -285,13 +318,18 @@ def kernel_path(score_mod: Optional[Callable] = None, block_mask=None, *, device
 _WS_UNCOMPILABLE: set = set()
 
 
-def _forward(query, key, value, score_mod, block_mask, scale, kernel_options):
+def _forward(query, key, value, score_mod, block_mask, scale, kernel_options, max_scores: bool = False):
+    """(out, lse, row maxima or None): ``max_scores`` (return_aux) takes the Triton forward kernel, the one that
+    stores them."""
     B, Hq, Lq, E = query.shape
     Lkv = key.shape[2]
     if B * Hq * Lq == 0 or Lkv == 0:
         out = query.new_zeros((B, Hq, Lq, value.shape[-1]))
-        return out, torch.full((B, Hq, Lq), float("-inf"), dtype=torch.float32, device=query.device)
+        lse = torch.full((B, Hq, Lq), float("-inf"), dtype=torch.float32, device=query.device)
+        return out, lse, lse.clone() if max_scores else None
     options = kernel_options or {}
+    if max_scores:
+        options = {**options, "WARP_SPECIALIZE": False, "DECODE": False}
     num, idx, full_num, full_idx, sparse = _block_tensors(block_mask, Lq, Lkv, query.device)
     ws = _warp_specialize(query, key, value, block_mask, num, sparse, options)
     rows = 0 if ws else _decode_rows(query, key, num, sparse, options)
@@ -309,13 +347,13 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options):
         # positive scale: the sign goes onto the query, a zero scale becomes query * 0 (NaN / inf still spread)
         query, scale = (-query, -scale) if scale < 0 else (query * 0.0, 1.0)
     if rows:
-        return launch_decode(module, kernel.mod_args(), query, key, value, num, idx, full_num, full_idx, sparse,
-                             scale, kernel.has_score_mod, rows, options.get("DECODE_SPLITS"),
-                             use_tma=_use_tma(options))
+        return (*launch_decode(module, kernel.mod_args(), query, key, value, num, idx, full_num, full_idx, sparse,
+                               scale, kernel.has_score_mod, rows, options.get("DECODE_SPLITS"),
+                               use_tma=_use_tma(options)), None)
     if ws:
         try:
-            return launch_forward_ws(module, kernel.mod_args(), query, key, value, num, idx, full_num, full_idx,
-                                     sparse, scale, kernel.has_score_mod, dense=block_mask is None)
+            return (*launch_forward_ws(module, kernel.mod_args(), query, key, value, num, idx, full_num, full_idx,
+                                       sparse, scale, kernel.has_score_mod, dense=block_mask is None), None)
         except Exception as e:  # noqa: BLE001 - only compiler failures are handled, the rest re-raised
             if not is_compile_error(e):
                 raise
@@ -330,7 +368,7 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options):
                           sparse, scale, kernel.has_score_mod, config, pinned=any(k in options for k in CONFIG_KEYS),
                           tune=autotune_enabled(options),
                           use_tma=_use_tma(options), dense=block_mask is None,
-                          split_partial=_split_partial(kernel, query, value))
+                          split_partial=_split_partial(kernel, query, value), max_scores=max_scores)
 
 
 def _all_full_q_blocks(Lq: int, Lkv: int, device: torch.device):
@@ -588,25 +626,28 @@ class FlexAttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, query, key, value, score_mod, block_mask, scale, kernel_options, *captured):
+    def forward(ctx, query, key, value, score_mod, block_mask, scale, kernel_options, max_scores, *captured):
         if block_mask is not None and _launch.WS_BWD_PERSISTENT is None:
             _block_count(block_mask, start_only=True)  # for the backward's grid: counted now, read there unsynced
-        out, lse = _forward(query, key, value, score_mod, block_mask, scale, kernel_options)
+        out, lse, row_max = _forward(query, key, value, score_mod, block_mask, scale, kernel_options, max_scores)
         ctx.save_for_backward(query, key, value, out, lse, *captured)
         ctx.score_mod, ctx.block_mask, ctx.scale, ctx.kernel_options = score_mod, block_mask, scale, kernel_options
         ctx.set_materialize_grads(False)  # an unused out or lse arrives as None: no work for it
-        return out, lse
+        if row_max is None:
+            return out, lse
+        ctx.mark_non_differentiable(row_max)  # as torch's: a max has no gradient worth propagating here
+        return out, lse, row_max
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # the kernels' gradients are not differentiable again
-    def backward(ctx, grad_out, grad_lse):
+    def backward(ctx, grad_out, grad_lse, grad_max=None):
         query, key, value, out, lse, *captured = ctx.saved_tensors
         needs = ctx.needs_input_grad
         dq, dk, dv, dcaptured = _backward(
             query, key, value, out, lse, grad_out, grad_lse, ctx.score_mod, ctx.block_mask, ctx.scale,
-            ctx.kernel_options, captured, need_dq=needs[0], need_captured=tuple(needs[7:]))
+            ctx.kernel_options, captured, need_dq=needs[0], need_captured=tuple(needs[8:]))
         return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
-                None, None, None, None, *dcaptured)
+                None, None, None, None, None, *dcaptured)
 
 
 def flex_attention(
@@ -619,6 +660,8 @@ def flex_attention(
     enable_gqa: bool = False,
     return_lse: bool = False,
     kernel_options: Optional[dict] = None,
+    *,
+    return_aux: Optional[AuxRequest] = None,
 ):
     """Attention with a user score_mod and a block-sparse mask; the same API as torch's flex_attention.
 
@@ -639,9 +682,17 @@ def flex_attention(
             ``DECODE`` / ``DECODE_SPLITS`` (force or forbid the split-KV kernel that queries of length <= 64
             use by default, and pin its split count).
 
+        return_aux: an :class:`AuxRequest` (flexlite's or torch's): ``lse=True`` for the log-sum-exp as
+            ``return_lse``, ``max_scores=True`` for each query row's largest score after score_mod and masking
+            [B, Hq, Lq] (fp32, natural units, not differentiable; -inf where every key is masked). max_scores
+            comes from the Triton forward kernel (on Hopper at D64 / D128 not the faster warp-specialized one,
+            nor the decode kernel) and cannot be combined with ``kernel_options`` ``DECODE=True`` or
+            ``WARP_SPECIALIZE=True``.
+
     Returns:
-        out [B, Hq, Lq, Ev] in the input dtype, and ``lse`` if ``return_lse``. A query row that every
-        position is masked for gives out 0 and LSE -inf.
+        out [B, Hq, Lq, Ev] in the input dtype, and ``lse`` if ``return_lse``; with ``return_aux``,
+        ``(out, AuxOutput(lse, max_scores))``, unrequested fields None. A query row that every position is
+        masked for gives out 0 and LSE -inf.
 
     Gradients: differentiable w.r.t. query, key, value (any subset), through ``out`` and ``lse``, and
     w.r.t. tensors captured by ``score_mod`` that require grad (a learnable bias table, ALiBi slopes,
@@ -655,13 +706,18 @@ def flex_attention(
     B*Hq = 16 heads of 2048 x 512) and torch re-runs score_mod over chunks of about 2**24 scores to
     backpropagate it, in a fixed order.
     """
-    _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, return_lse)
+    _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, return_lse, return_aux)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
+    max_scores = return_aux is not None and return_aux.max_scores
     captured = _captured_requiring_grad(score_mod)
     if torch.is_grad_enabled() and (captured or query.requires_grad or key.requires_grad or value.requires_grad):
-        out, lse = FlexAttentionFunction.apply(query, key, value, score_mod, block_mask, float(scale),
-                                               kernel_options, *captured)
+        out, lse, *row_max = FlexAttentionFunction.apply(query, key, value, score_mod, block_mask, float(scale),
+                                                         kernel_options, max_scores, *captured)
+        row_max = row_max[0] if row_max else None
     else:  # inference (decoding above all): no autograd node to build, ~10 us less host time per call
-        out, lse = _forward(query, key, value, score_mod, block_mask, float(scale), kernel_options)
+        out, lse, row_max = _forward(query, key, value, score_mod, block_mask, float(scale), kernel_options,
+                                     max_scores)
+    if return_aux is not None:
+        return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=row_max)
     return (out, lse) if return_lse else out

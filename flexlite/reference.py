@@ -75,7 +75,8 @@ def attention_reference(
     scale: Optional[float] = None,
     enable_gqa: bool = False,
     dtype: torch.dtype = torch.float64,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_max: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Dense attention in fp64 (``dtype``: compute in another dtype instead, e.g. bfloat16 for the
     error an eager low-precision implementation makes, the baseline of docs/NUMERICS.md).
 
@@ -84,7 +85,9 @@ def attention_reference(
         score_mod, block_mask, scale, enable_gqa: as in :func:`flexlite.flex_attention`.
 
     Returns:
-        ``(out, lse)``: out [B, Hq, Lq, Ev], lse [B, Hq, Lq] (natural log), in ``dtype``.
+        ``(out, lse)``: out [B, Hq, Lq, Ev], lse [B, Hq, Lq] (natural log), in ``dtype``; with ``return_max``
+        also each row's largest score after score_mod and masking [B, Hq, Lq] (-inf where all is masked), as
+        flex_attention's ``return_aux=AuxRequest(max_scores=True)``.
         Differentiable: gradients flow back to the inputs and to tensors captured by score_mod.
     """
     _check_inputs(query, key, value)
@@ -109,4 +112,6 @@ def attention_reference(
     # whose lse is +inf or NaN has an infinite or NaN score, and gives NaN, as in torch's SDPA.)
     safe_lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
     p = torch.exp(scores - safe_lse.unsqueeze(-1))
+    if return_max:
+        return p @ v, lse, scores.amax(dim=-1)
     return p @ v, lse

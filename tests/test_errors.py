@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import flexlite.api as api
-from flexlite import create_block_mask, flex_attention
+from flexlite import AuxRequest, create_block_mask, flex_attention
 from flexlite.runtime import launch
 from helpers import rand_qkv
 
@@ -66,6 +66,18 @@ CASES = {
                                r"unknown kernel_options \['BLOCK_Q'\]"),
     "kernel_options_not_dict": (lambda: (qkv(), {"kernel_options": [("BLOCK_M", 64)]}), TypeError,
                                 "kernel_options must be a dict"),
+    "return_aux_not_a_request": (lambda: (qkv(), {"return_aux": "lse"}), TypeError,
+                                 r"return_aux must be None or an AuxRequest\(lse=..., max_scores=...\)"),
+    "return_aux_field_not_bool": (lambda: (qkv(), {"return_aux": AuxRequest(max_scores=1)}), TypeError,
+                                  "with bool fields"),
+    "return_aux_and_return_lse": (lambda: (qkv(), {"return_aux": AuxRequest(lse=True), "return_lse": True}),
+                                  ValueError, r"pass return_aux=AuxRequest\(lse=True\) alone"),
+    "max_scores_with_decode": (lambda: (qkv(Lq=4), {"return_aux": AuxRequest(max_scores=True),
+                                                    "kernel_options": {"DECODE": True}}),
+                               NotImplementedError, "kernel_options DECODE=True picks another kernel"),
+    "max_scores_with_warp_specialize": (lambda: (qkv(), {"return_aux": AuxRequest(max_scores=True),
+                                                         "kernel_options": {"WARP_SPECIALIZE": True}}),
+                                        NotImplementedError, "WARP_SPECIALIZE=True picks another kernel"),
 }
 
 
@@ -75,6 +87,15 @@ def test_bad_input(name):
     args, kwargs = make()
     with pytest.raises(exc, match=match):
         flex_attention(*args, **kwargs)
+
+
+def test_every_kernel_option_torch_declares_is_accepted():
+    """A drop-in: each key of torch's FlexKernelOptions is one flexlite understands or accepts and ignores."""
+    import typing
+
+    from torch.nn.attention.flex_attention import FlexKernelOptions
+    known = set(launch.CONFIG_KEYS) | launch.TORCH_PERF_HINTS | launch.FLEXLITE_OPTIONS
+    assert set(typing.get_type_hints(FlexKernelOptions)) - known == set()
 
 
 def test_bad_tile_options_are_rejected(monkeypatch):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from catalog import CATALOG, USES_BH
-from flexlite import attention_reference, create_block_mask, flex_attention
+from flexlite import AuxOutput, AuxRequest, attention_reference, create_block_mask, flex_attention
 from helpers import DEVICE, DTYPES, LSE_TOLERANCES, TOLERANCES, assert_close, assert_grad_close, rand_qkv
 
 # (B, Hq, Hkv, Lq, Lkv, D)
@@ -109,6 +109,60 @@ def test_everything_masked_and_empty_sequences():
     assert out.shape == (1, 1, 64, 16) and torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
     out = flex_attention(q[:, :, :0], k, v)
     assert out.shape == (1, 1, 0, 16)
+
+
+AUX_SHAPES = [
+    pytest.param((1, 2, 2, 1, 70, 32), id="B1-H2-L1x70-D32"),  # one query: the decode kernel's by default
+    pytest.param((2, 2, 2, 63, 63, 64), id="B2-H2-L63-D64"),
+    pytest.param((1, 4, 2, 111, 200, 16), id="B1-H4-Hkv2-Lq111-Lkv200-D16-gqa"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", AUX_SHAPES)
+@pytest.mark.parametrize("name", ["full", "fully_masked_rows", "softcap_causal", "alibi_causal", "document"])
+def test_return_aux_max_scores_and_lse(name, shape, dtype):
+    """return_aux=AuxRequest(lse=True, max_scores=True): the row max after score_mod and masking (-inf on fully
+    masked rows) and the LSE, both the reference's; out as without it; torch's AuxRequest accepted as well."""
+    B, Hq, Hkv, Lq, Lkv, D = shape
+    case = CATALOG[name](B, Hq, Lq, Lkv, DEVICE)
+    q, k, v = rand_qkv(B, Hq, Hkv, Lq, Lkv, D, dtype=dtype, seed=hash((name, shape)) % 1000)
+    bm = None if case.mask_mod is None else create_block_mask(case.mask_mod, None, None, Lq, Lkv, device=DEVICE)
+    out, aux = flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm, enable_gqa=Hq != Hkv,
+                              return_aux=AuxRequest(lse=True, max_scores=True))
+    ref, ref_lse, ref_max = attention_reference(q, k, v, score_mod=case.score_mod, block_mask=bm,
+                                                enable_gqa=Hq != Hkv, return_max=True)
+    assert isinstance(aux, AuxOutput) and aux.max_scores.dtype == torch.float32 and aux.max_scores.shape == (B, Hq, Lq)
+    assert_close(out, ref, *TOLERANCES[dtype])
+    assert_close(aux.lse, ref_lse, *LSE_TOLERANCES[dtype], name="lse")
+    assert_close(aux.max_scores, ref_max, *LSE_TOLERANCES[dtype], name="max_scores")
+    if name == "fully_masked_rows" and Lq > 1:
+        assert torch.isneginf(ref_max).any()  # the case has rows that see nothing
+
+
+def test_return_aux_fields_autograd_and_torch_request():
+    """Unrequested fields are None; aux.lse is differentiable as return_lse's; max_scores is not; torch's own
+    AuxRequest works as a drop-in; a negative scale (moved onto the query) keeps the maxima."""
+    from torch.nn.attention.flex_attention import AuxRequest as TorchAuxRequest
+    q, k, v = (t.requires_grad_() for t in rand_qkv(1, 2, 2, 40, 50, 16, seed=5))
+    bm = create_block_mask(CATALOG["causal"](1, 2, 40, 50, DEVICE).mask_mod, None, None, 40, 50, device=DEVICE)
+    out, aux = flex_attention(q, k, v, block_mask=bm, scale=-0.3, return_aux=TorchAuxRequest(max_scores=True))
+    ref, ref_lse, ref_max = attention_reference(q, k, v, block_mask=bm, scale=-0.3, return_max=True)
+    assert aux.lse is None and not aux.max_scores.requires_grad and out.requires_grad
+    assert_close(aux.max_scores, ref_max, *LSE_TOLERANCES[torch.float32], name="max_scores")
+    out_l, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True)
+    out_a, aux = flex_attention(q, k, v, block_mask=bm, return_aux=AuxRequest(lse=True))
+    assert aux.max_scores is None and torch.equal(out_l, out_a) and torch.equal(lse, aux.lse)
+    grad, w = torch.randn_like(out_a), torch.randn_like(lse)
+    got = torch.autograd.grad((out_a * grad).sum() + (aux.lse * w).sum(), (q, k, v))
+    ref, ref_lse = attention_reference(q, k, v, block_mask=bm)
+    want = torch.autograd.grad((ref * grad).sum() + (ref_lse * w).sum(), (q, k, v))
+    for name, g, r in zip(("dq", "dk", "dv"), got, want):
+        assert_grad_close(g, r, name=name)
+    out, aux = flex_attention(q, k, v, return_aux=AuxRequest())
+    assert aux == AuxOutput() and out.shape == q.shape
+    out, aux = flex_attention(q, k[:, :, :0], v[:, :, :0], return_aux=AuxRequest(lse=True, max_scores=True))
+    assert torch.isneginf(aux.lse).all() and torch.isneginf(aux.max_scores).all()
 
 
 def test_returns_only_out_by_default():

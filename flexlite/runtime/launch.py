@@ -24,7 +24,7 @@ from .compile import interpreter_scope
 # kernel_options keys of torch's FlexAttention that only tune performance there; accepted, no effect
 TORCH_PERF_HINTS = frozenset({
     "PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "OUTPUT_LOGSUMEXP", "OUTPUT_MAX", "WRITE_DQ",
-    "BACKEND", "fwd_num_warps", "fwd_num_stages"})
+    "BACKEND", "fwd_num_warps", "fwd_num_stages", "kpack", "matrix_instr_nonkdim", "waves_per_eu"})
 # kernel_options keys with a meaning in flexlite besides the tile config (BLOCK_M1..N2: backward tiles)
 FLEXLITE_OPTIONS = frozenset({"AUTOTUNE", "USE_TMA", "DETERMINISTIC_CAPTURED_GRADS", "DECODE", "DECODE_SPLITS",
                               "FORCE_USE_FLEX_ATTENTION", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2",
@@ -199,8 +199,9 @@ def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
                    full_kv_num_blocks: Optional[torch.Tensor], full_kv_indices: Optional[torch.Tensor],
                    sparse_block: tuple, scale: float, has_score_mod: bool, config: TileConfig,
                    pinned: bool = False, tune: bool = False, use_tma: Optional[bool] = None, dense: bool = False,
-                   split_partial: bool = False):
-    """Run ``module.flex_fwd_kernel``; returns out [B, Hq, Lq, Dv] (q.dtype) and lse [B, Hq, Lq] fp32.
+                   split_partial: bool = False, max_scores: bool = False):
+    """Run ``module.flex_fwd_kernel``; returns out [B, Hq, Lq, Dv] (q.dtype), lse [B, Hq, Lq] fp32 and, if
+    ``max_scores``, each row's largest score after score_mod and mask_mod [B, Hq, Lq] fp32 (else None).
     ``tune``: autotune the tile config (CUDA, not pinned) instead of taking ``config`` as it is.
     ``use_tma``: load K / V through tensor descriptors where :func:`tma_ok` allows; None: :func:`default_use_tma`.
     ``dense``: there is no block mask (the blocks are all full): one loop over every kv tile, no block-index
@@ -210,15 +211,16 @@ def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
     Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[-1]
     out = torch.empty((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
+    row_max = torch.empty_like(lse) if max_scores else None
     blocks, block_strides, has_full = _block_args(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
     allow_tf32 = q.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
-    args = (q, k, v, out, lse, *blocks, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *block_strides,
+    args = (q, k, v, out, lse, lse if row_max is None else row_max, *blocks, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *block_strides,
             Hq, Hq // Hkv, Lq, Lkv, float(scale), *scalars_to(mod_args, q.device))
     constexprs = dict(
         SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1],
         D=D, DV=Dv, D_PAD=head_dim_pad(D), DV_PAD=head_dim_pad(Dv), HAS_FULL_BLOCKS=has_full,
         HAS_SCORE_MOD=has_score_mod, FP32_PRECISION="tf32" if allow_tf32 else "ieee", REVERSE_M=REVERSE_Q_BLOCKS,
-        DENSE=dense, USE_TMA=tma_loads(use_tma, default_use_tma(dense, D, Dv), k, v))
+        DENSE=dense, USE_TMA=tma_loads(use_tma, default_use_tma(dense, D, Dv), k, v), STORE_MAX=max_scores)
 
     def grid(cfg):
         # the kv walk covers whole sparse blocks: unchecked only if they all end inside KV_LEN
@@ -234,7 +236,7 @@ def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
                            forward_candidates(q, v, sparse_block), key, q.device)
     with interpreter_scope(q.device.type != "cuda"):
         run_with_fallback(module.flex_fwd_kernel, grid, args, constexprs, config, pinned)
-    return out, lse
+    return out, lse, row_max
 
 
 # the warp-specialized forward (fwd_ws.py.jinja, Gluon, Hopper): 128 query rows per program (two consumer warpgroups),
