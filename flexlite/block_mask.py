@@ -701,6 +701,8 @@ def create_block_mask(
     BLOCK_SIZE: Union[int, tuple[int, int]] = _DEFAULT_SPARSE_BLOCK_SIZE,
     _compile: bool = False,
     separate_full_blocks: bool = True,
+    compute_dq_write_order: bool = False,
+    dq_kv_order: bool = True,
 ) -> BlockMask:
     """Build the BlockMask of ``mask_mod`` over [B, H, Q_LEN, KV_LEN].
 
@@ -713,6 +715,9 @@ def create_block_mask(
         BLOCK_SIZE: int or (BQ, BKV), positive multiples of 16.
         _compile: accepted for compatibility with torch's signature; ignored.
         separate_full_blocks: if False, full blocks are listed as partial ones (full_* are None).
+        compute_dq_write_order, dq_kv_order: accepted (bools) for torch's signature, no effect: torch's FLASH backend
+            needs that metadata for a deterministic dQ; flexlite's backward is deterministic under
+            ``torch.use_deterministic_algorithms(True)`` (its separate dQ kernel) without it.
 
     Returns:
         BlockMask with kv_num_blocks [B, H, nQ], kv_indices [B, H, nQ, nKV] and the full / q-side
@@ -729,9 +734,10 @@ def create_block_mask(
     Q_LEN = _check_positive_int(caller, "Q_LEN", Q_LEN)
     KV_LEN = _check_positive_int(caller, "KV_LEN", KV_LEN)
     block_size = _normalize_block_size(caller, BLOCK_SIZE)
-    if not isinstance(separate_full_blocks, bool):
-        raise TypeError(f"{caller}: separate_full_blocks must be a bool; got {type(separate_full_blocks).__name__} "
-                        f"{separate_full_blocks!r}")
+    for name, flag in (("separate_full_blocks", separate_full_blocks),
+                       ("compute_dq_write_order", compute_dq_write_order), ("dq_kv_order", dq_kv_order)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{caller}: {name} must be a bool (True or False); got {type(flag).__name__} {flag!r}")
     device = check_device(caller, device)
 
     any_blocks, all_blocks = _block_flags(mask_mod, B, H, Q_LEN, KV_LEN, device, block_size)

@@ -142,12 +142,25 @@ CREATE_BLOCK_MASK = {
     "mask_mod_returns_none": (cbm(none_mask), TypeError, "'none_mask' must return a bool tensor; got NoneType"),
     "separate_full_blocks_not_bool": (cbm(separate_full_blocks="no"), TypeError,
                                       "separate_full_blocks must be a bool"),
+    "compute_dq_write_order_not_bool": (cbm(compute_dq_write_order=1), TypeError,
+                                        "compute_dq_write_order must be a bool"),
+    "dq_kv_order_not_bool": (cbm(dq_kv_order=None), TypeError, "dq_kv_order must be a bool"),
 }
 
 
 @pytest.mark.parametrize("name", sorted(CREATE_BLOCK_MASK))
 def test_create_block_mask(name):
     check(*CREATE_BLOCK_MASK[name])
+
+
+def test_create_block_mask_takes_torchs_dq_write_order_flags_with_no_effect():
+    """torch 2.13's create_block_mask(compute_dq_write_order, dq_kv_order): metadata for its FLASH backend's
+    deterministic dQ; flexlite accepts them (its deterministic backward needs none) and builds the same mask."""
+    plain = create_block_mask(causal, 2, None, 80, 48, device=DEVICE, BLOCK_SIZE=16)
+    flagged = create_block_mask(causal, 2, None, 80, 48, device=DEVICE, BLOCK_SIZE=16, compute_dq_write_order=True,
+                                dq_kv_order=False)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks"):
+        assert torch.equal(getattr(plain, name), getattr(flagged, name)), name
 
 
 def test_create_block_mask_accepts_numpy_ints_and_list_block_size():
