@@ -11,7 +11,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from ._vmap import index_vectors, vmap_bhqkv
-from .block_mask import BlockMask, check_device, check_mod_output
+from .block_mask import BlockMask, check_device, check_mod_output, q_sides
 from .codegen.kernel import GeneratedKernel, generate, generate_backward
 from .codegen.lower import FLOAT32_EXACT_INT
 from .codegen.trace import check_arity, trace_mod
@@ -179,8 +179,11 @@ def _validate_block_mask(block_mask, query, key):
         _fail(f"query has length {Lq} and key {Lkv}: there is nothing to mask (and no BlockMask of length 0); pass "
               f"block_mask=None for empty sequences")
     if (mq, mkv) != (Lq, Lkv):
+        crop = (f", or crop it with block_mask._adjust({Lq}, {Lkv}) (keeps its upper-left corner: right for causal, "
+                f"sliding-window and prefix masks, not for masks measured from the end)" if mq >= Lq and mkv >= Lkv
+                else "")
         _fail(f"block_mask was built for Q_LEN={mq}, KV_LEN={mkv} but query has length {Lq} and key {Lkv}; "
-              f"build it with create_block_mask(mask_mod, B, H, {Lq}, {Lkv}, ...)")
+              f"build it with create_block_mask(mask_mod, B, H, {Lq}, {Lkv}, ...){crop}")
     bq, bkv = block_mask.BLOCK_SIZE
     nq, nkv = block_mask.kv_indices.shape[-2:]
     if nq != cdiv(Lq, bq) or nkv != cdiv(Lkv, bkv):
@@ -380,8 +383,12 @@ def _all_full_q_blocks(Lq: int, Lkv: int, device: torch.device):
 def _q_block_tensors(block_mask, Lq, Lkv, device):
     if block_mask is None:
         return _all_full_q_blocks(Lq, Lkv, device)
-    return (block_mask.q_num_blocks, block_mask.q_indices, block_mask.full_q_num_blocks,
-            block_mask.full_q_indices)
+    q_side = (block_mask.q_num_blocks, block_mask.q_indices, block_mask.full_q_num_blocks, block_mask.full_q_indices)
+    if q_side[1] is None or (block_mask.full_kv_indices is not None and q_side[3] is None):
+        # built without its q side (from_kv_blocks(compute_q_blocks=False), torch's BlockMask): transposed here
+        q_side = q_sides(block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+                         block_mask.full_kv_indices)
+    return q_side
 
 
 def _captured_requiring_grad(score_mod) -> tuple:

@@ -268,6 +268,14 @@ def _transpose_ordered(num_blocks: Tensor, indices: Tensor) -> tuple[Tensor, Ten
     return _dense_to_ordered(dense.transpose(-2, -1))
 
 
+def q_sides(kv_num_blocks: Tensor, kv_indices: Tensor, full_kv_num_blocks: Optional[Tensor],
+            full_kv_indices: Optional[Tensor]) -> tuple:
+    """(q_num_blocks, q_indices, full_q_num_blocks, full_q_indices) of a kv side (full ones None without full
+    blocks); on the kv side's device, no host sync."""
+    full = (None, None) if full_kv_num_blocks is None else _transpose_ordered(full_kv_num_blocks, full_kv_indices)
+    return (*_transpose_ordered(kv_num_blocks, kv_indices), *full)
+
+
 # ----------------------------------------------------------------------------------------------
 # BlockMask
 # ----------------------------------------------------------------------------------------------
@@ -353,6 +361,11 @@ class BlockMask:
             raise ValueError("BlockMask: full_kv_num_blocks and full_kv_indices must be both given or both None")
         if (full_q_num_blocks is None) != (full_q_indices is None):
             raise ValueError("BlockMask: full_q_num_blocks and full_q_indices must be both given or both None")
+        if (q_num_blocks is None) != (q_indices is None):
+            raise ValueError("BlockMask: q_num_blocks and q_indices must be both given or both None")
+        if full_kv_num_blocks is None and full_q_num_blocks is not None:
+            raise ValueError("BlockMask: full_q_num_blocks / full_q_indices are given but full_kv_num_blocks / "
+                             "full_kv_indices are None; the full blocks need their kv side (pass both, or neither)")
         self.seq_lengths = tuple(seq_lengths)
         self.kv_num_blocks = kv_num_blocks
         self.kv_indices = kv_indices
@@ -380,6 +393,7 @@ class BlockMask:
         BLOCK_SIZE: Union[int, tuple[int, int]] = _DEFAULT_SPARSE_BLOCK_SIZE,
         mask_mod: Optional[_MaskMod] = None,
         seq_lengths: Optional[tuple[int, int]] = None,
+        compute_q_blocks: bool = True,
     ) -> "BlockMask":
         """BlockMask from its kv side; the q side (q_*, full_q_*) is computed.
 
@@ -389,8 +403,13 @@ class BlockMask:
             BLOCK_SIZE: int or (BQ, BKV), positive multiples of 16.
             mask_mod: applied in partial blocks; None means :func:`noop_mask`.
             seq_lengths: (Q_LEN, KV_LEN); None means (nQ * BQ, nKV * BKV).
+            compute_q_blocks: False leaves the q side None, as torch (where that means no backward); flexlite's
+                backward then transposes the kv side when it runs.
         """
         caller = "BlockMask.from_kv_blocks"
+        if not isinstance(compute_q_blocks, bool):
+            raise TypeError(f"{caller}: compute_q_blocks must be a bool (True or False); got "
+                            f"{type(compute_q_blocks).__name__} {compute_q_blocks!r}")
         _check_kv_pair("", kv_num_blocks, kv_indices)
         if (full_kv_num_blocks is None) != (full_kv_indices is None):
             raise ValueError(f"{caller}: full_kv_num_blocks and full_kv_indices must be both given or both None")
@@ -413,21 +432,41 @@ class BlockMask:
             seq_lengths = (kv_indices.shape[-2] * block_size[0], kv_indices.shape[-1] * block_size[1])
         seq_lengths = _check_seq_lengths(seq_lengths)
         return cls._from_kv_side(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, block_size,
-                                 mask_mod, seq_lengths)
+                                 mask_mod, seq_lengths, compute_q_blocks)
 
     @classmethod
     def _from_kv_side(cls, kv_num_blocks: Tensor, kv_indices: Tensor, full_kv_num_blocks: Optional[Tensor],
                       full_kv_indices: Optional[Tensor], block_size: tuple[int, int], mask_mod: Optional[_MaskMod],
-                      seq_lengths: tuple[int, int]) -> "BlockMask":
+                      seq_lengths: tuple[int, int], compute_q_blocks: bool = True) -> "BlockMask":
         """:meth:`from_kv_blocks` without its checks, for kv-side tensors already known to be valid (slices of
         a BlockMask): its value checks read the tensors on the host, a sync per call."""
-        q_num_blocks, q_indices = _transpose_ordered(kv_num_blocks, kv_indices)
-        full_q_num_blocks = full_q_indices = None
-        if full_kv_num_blocks is not None:
-            full_q_num_blocks, full_q_indices = _transpose_ordered(full_kv_num_blocks, full_kv_indices)
-        return cls(seq_lengths, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
-                   q_num_blocks, q_indices, full_q_num_blocks, full_q_indices,
+        q_side = q_sides(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices) if compute_q_blocks else (
+            None, None, None, None)
+        return cls(seq_lengths, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, *q_side,
                    BLOCK_SIZE=block_size, mask_mod=mask_mod if mask_mod is not None else noop_mask)
+
+    def _adjust(self, new_q_len: int, new_kv_len: int) -> "BlockMask":
+        """This mask cropped to ``new_q_len`` x ``new_kv_len`` (at most its own lengths), keeping its upper-left
+        corner, as torch's ``BlockMask._adjust``: right where the mask of the shorter sequences is that corner
+        (causal, sliding window, prefix-LM from the start), wrong for masks measured from the end (bottom-right
+        causal) or from the length (rebuild those with create_block_mask). mask_mod is kept."""
+        caller = "BlockMask._adjust"
+        new_q_len = _check_positive_int(caller, "new_q_len", new_q_len)
+        new_kv_len = _check_positive_int(caller, "new_kv_len", new_kv_len)
+        if new_q_len > self.seq_lengths[0] or new_kv_len > self.seq_lengths[1]:
+            raise ValueError(f"{caller}: can only crop; ({new_q_len}, {new_kv_len}) exceeds this mask's seq_lengths "
+                             f"{tuple(self.seq_lengths)}: build the mask for the longer sequences with "
+                             f"create_block_mask")
+        rows, cols = -(-new_q_len // self.BLOCK_SIZE[0]), -(-new_kv_len // self.BLOCK_SIZE[1])
+
+        def crop(num_blocks, indices):
+            if num_blocks is None:
+                return None, None
+            return _dense_to_ordered(_ordered_to_dense(num_blocks, indices, indices.shape[-1])[..., :rows, :cols])
+
+        return BlockMask._from_kv_side(*crop(self.kv_num_blocks, self.kv_indices),
+                                       *crop(self.full_kv_num_blocks, self.full_kv_indices), tuple(self.BLOCK_SIZE),
+                                       self.mask_mod, (new_q_len, new_kv_len), self.q_indices is not None)
 
     @classmethod
     def _from_block_flags(cls, partial: Tensor, full: Optional[Tensor], seq_lengths: tuple[int, int],

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from catalog import CATALOG, USES_BH
-from flexlite import UntraceableModError, attention_reference, create_block_mask, flex_attention
+from flexlite import BlockMask, UntraceableModError, attention_reference, create_block_mask, flex_attention
 from flexlite.codegen import grad
 from flexlite.codegen.trace import trace_mod
 from helpers import DEVICE, DTYPES, assert_grad_close, rand_qkv
@@ -130,6 +130,20 @@ def test_lengths_divisible_by_tile_but_shorter_than_sparse_block(name):
 @pytest.mark.parametrize("name", ["causal", "document", "per_batch_head"])
 def test_block_sizes(name, block_size):
     run_catalog(name, (1, 2, 2, 100, 90, 32), torch.float32, block_size=block_size)
+
+
+@pytest.mark.parametrize("name", ["document", "per_batch_head"])
+def test_block_mask_without_its_q_side(name):
+    """A BlockMask with no q side (from_kv_blocks(compute_q_blocks=False), as torch's): the backward transposes
+    the kv side itself and its gradients are the reference's."""
+    B, H, Lq, Lkv = 1, 2, 100, 90
+    case = CATALOG[name](B, H, Lq, Lkv, DEVICE)
+    bm = create_block_mask(case.mask_mod, B, H, Lq, Lkv, device=DEVICE, BLOCK_SIZE=(16, 32))
+    bare = BlockMask.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
+                                    BLOCK_SIZE=bm.BLOCK_SIZE, mask_mod=bm.mask_mod, seq_lengths=bm.seq_lengths,
+                                    compute_q_blocks=False)
+    assert bare.q_num_blocks is None and bare.full_q_indices is None
+    check_backward(*rand_qkv(B, H, H, Lq, Lkv, 32, seed=4), block_mask=bare, name=name)
 
 
 @pytest.mark.parametrize("d, dv", [(16, 16), (1, 8), (24, 80), (96, 48), (256, 256)], ids=str)

@@ -263,6 +263,35 @@ def test_from_kv_blocks_defaults_and_unordered_tail():
     assert bm.sparsity() == pytest.approx(50.0)
 
 
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "prefix_lm", "per_batch_head"])
+def test_adjust_crops_as_torch(name):
+    """BlockMask._adjust(q, kv): the upper-left corner, block for block as torch's _adjust of the same blocks;
+    attention with it is the reference's with mask_mod at the new lengths (for masks measured from the start)."""
+    from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
+    B, H, L, Lq, Lkv = 2, 2, 256, 111, 200
+    mask_mod = catalog_mask(name, B, H, L, L)
+    bm = create_block_mask(mask_mod, B, H, L, L, device=DEVICE, BLOCK_SIZE=(32, 64))
+    small = bm._adjust(Lq, Lkv)
+    cpu = [t.cpu() for t in (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)]
+    want = TorchBlockMask.from_kv_blocks(*cpu, BLOCK_SIZE=(32, 64), mask_mod=mask_mod, seq_lengths=(L, L))
+    want = want._adjust(Lq, Lkv)
+    assert small.seq_lengths == (Lq, Lkv) and small.mask_mod is bm.mask_mod
+    for full, (num, idx) in ((False, (want.kv_num_blocks, want.kv_indices)),
+                             (True, (want.full_kv_num_blocks, want.full_kv_indices))):
+        dense = bm_mod._ordered_to_dense(num, idx, idx.shape[-1])
+        assert torch.equal(small.dense_blocks(full=full).cpu(), dense), f"full={full}"
+    check_ordered(small.q_num_blocks, small.q_indices, small.dense_blocks(full=False).transpose(-2, -1))
+    from flexlite import attention_reference, flex_attention
+    from helpers import TOLERANCES, assert_close, rand_qkv
+    q, k, v = rand_qkv(B, H, H, Lq, Lkv, 16, seed=3)
+    ref = attention_reference(q, k, v, block_mask=create_block_mask(mask_mod, B, H, Lq, Lkv, device=DEVICE))[0]
+    assert_close(flex_attention(q, k, v, block_mask=small), ref, *TOLERANCES[torch.float32])
+    with pytest.raises(ValueError, match=r"can only crop; \(257, 200\) exceeds"):
+        bm._adjust(257, 200)
+    with pytest.raises(TypeError, match="new_kv_len must be a positive int"):
+        bm._adjust(100, 2.0)
+
+
 GETITEM_INDICES = [1, -1, (slice(None), 2), (1, 2), (slice(0, 2), slice(1, 3)), (0, slice(None), 2),
                    (slice(None), slice(None), torch.tensor([0, 3])), torch.tensor([1, 0])]
 
@@ -479,6 +508,7 @@ def _kv(nb_dtype=torch.int32, idx_dtype=torch.int32, nb_shape=(1, 1, 2), idx_sha
     (_kv(), {"mask_mod": score_mod}, TypeError, "looks like a score_mod"),
     (_kv(), {"seq_lengths": (0, 10)}, ValueError, "seq_lengths[0] must be positive"),
     (_kv(), {"seq_lengths": 10}, TypeError, "seq_lengths must be a (Q_LEN, KV_LEN) tuple"),
+    (_kv(), {"compute_q_blocks": 0}, TypeError, "compute_q_blocks must be a bool"),
 ])
 def test_from_kv_blocks_errors(args, kwargs, exc, match):
     escaped = "".join("\\" + c if c in "()[]" else c for c in match)
@@ -492,6 +522,10 @@ def test_from_kv_blocks_errors(args, kwargs, exc, match):
     (lambda: create_mask(three_args, 1, 1, 4, 4, DEVICE), TypeError, "got a function of 3 arguments"),
     (lambda: create_mask(None, 1, 1, 4, 4, DEVICE), TypeError, "mod_fn must be callable"),
     (lambda: create_mask(causal, 1, 1, -4, 4, DEVICE), ValueError, "Q_LEN must be positive"),
+    (lambda: BlockMask((32, 32), *_kv(), None, None, _kv()[0], None, None, None), ValueError,
+     "q_num_blocks and q_indices must be both given or both None"),
+    (lambda: BlockMask((32, 32), *_kv(), None, None, None, None, *_kv()), ValueError,
+     "full_q_num_blocks / full_q_indices are given but full_kv_num_blocks / full_kv_indices are None"),
 ])
 def test_other_errors(call, exc, match):
     escaped = "".join("\\" + c if c in "()[]" else c for c in match)
