@@ -122,8 +122,9 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
     if query.dtype not in SUPPORTED_DTYPES:
         _fail(f"dtype {query.dtype} is not supported; use float16, bfloat16 or float32", TypeError)
     (B, Hq, _, E), (Bk, Hkv, Lkv, Ek), (Bv, Hv, Lv, Ev) = query.shape, key.shape, value.shape
-    if not (B == Bk == Bv):
-        _fail(f"batch sizes differ: query {B}, key {Bk}, value {Bv}")
+    if not (B == Bk == Bv or Bk == Bv == 1):
+        _fail(f"batch sizes differ: query {B}, key {Bk}, value {Bv}; key and value need the query's batch size, or "
+              f"both batch 1 (one key / value sequence shared by the whole batch)")
     if Hkv != Hv:
         _fail(f"key has {Hkv} heads but value has {Hv}; they must match")
     if Lkv != Lv:
@@ -673,7 +674,8 @@ def flex_attention(
     """Attention with a user score_mod and a block-sparse mask; the same API as torch's flex_attention.
 
     Args:
-        query: [B, Hq, Lq, E]; key: [B, Hkv, Lkv, E]; value: [B, Hkv, Lkv, Ev]. float16, bfloat16 or
+        query: [B, Hq, Lq, E]; key: [B, Hkv, Lkv, E]; value: [B, Hkv, Lkv, Ev] (key and value may both have
+            batch 1: one sequence shared by the batch, as torch's broadcast). float16, bfloat16 or
             float32, all on one device: CUDA runs compiled Triton kernels, CPU the same kernels through
             Triton's interpreter (exact but slow: for debugging and tests).
         score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, applied to the scaled score.
@@ -716,6 +718,8 @@ def flex_attention(
     _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, return_lse, return_aux)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
+    if key.shape[0] != query.shape[0]:  # batch-1 key / value shared by the batch: a stride-0 view, no copy; their
+        key, value = (t.expand(query.shape[0], *t.shape[1:]) for t in (key, value))  # gradients summed by autograd
     max_scores = return_aux is not None and return_aux.max_scores
     captured = _captured_requiring_grad(score_mod)
     if torch.is_grad_enabled() and (captured or query.requires_grad or key.requires_grad or value.requires_grad):

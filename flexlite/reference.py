@@ -58,10 +58,10 @@ def _check_inputs(query, key, value) -> None:
             raise ValueError(f"attention_reference: {name} must be 4-D (batch, heads, seq_len, head_dim); got shape "
                              f"{tuple(t.shape)}")
     (B, Hq, _, E), (Bk, Hkv, Lkv, Ek), (Bv, Hv, Lv, _) = query.shape, key.shape, value.shape
-    if not B == Bk == Bv or Hkv != Hv or Lkv != Lv or E != Ek:
+    if not (B == Bk == Bv or Bk == Bv == 1) or Hkv != Hv or Lkv != Lv or E != Ek:
         raise ValueError(f"attention_reference: shapes do not fit: query {tuple(query.shape)}, key {tuple(key.shape)}, "
-                         f"value {tuple(value.shape)} (batch must match, key and value must agree on heads and "
-                         f"length, query and key on head_dim)")
+                         f"value {tuple(value.shape)} (batch must match, or be 1 for key and value; key and value "
+                         f"must agree on heads and length, query and key on head_dim)")
     if Hq != Hkv and (Hkv == 0 or Hq % Hkv):
         raise ValueError(f"attention_reference: query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
 
@@ -81,7 +81,7 @@ def attention_reference(
     error an eager low-precision implementation makes, the baseline of docs/NUMERICS.md).
 
     Args:
-        query: [B, Hq, Lq, E]; key: [B, Hkv, Lkv, E]; value: [B, Hkv, Lkv, Ev].
+        query: [B, Hq, Lq, E]; key: [B, Hkv, Lkv, E]; value: [B, Hkv, Lkv, Ev] (key and value may have batch 1).
         score_mod, block_mask, scale, enable_gqa: as in :func:`flexlite.flex_attention`.
 
     Returns:
@@ -94,6 +94,7 @@ def attention_reference(
     B, Hq, Lq, E = query.shape
     Hkv, Lkv = key.shape[1], key.shape[2]
     q, k, v = query.to(dtype), key.to(dtype), value.to(dtype)
+    k, v = k.expand(B, *k.shape[1:]), v.expand(B, *v.shape[1:])  # key / value of batch 1: shared by every batch
     if Hq != Hkv:
         if not enable_gqa:
             raise ValueError(f"attention_reference: Hq={Hq} != Hkv={Hkv}; pass enable_gqa=True")

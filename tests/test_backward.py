@@ -12,7 +12,7 @@ from catalog import CATALOG, USES_BH
 from flexlite import BlockMask, UntraceableModError, attention_reference, create_block_mask, flex_attention
 from flexlite.codegen import grad
 from flexlite.codegen.trace import trace_mod
-from helpers import DEVICE, DTYPES, assert_grad_close, rand_qkv
+from helpers import DEVICE, DTYPES, TOLERANCES, assert_close, assert_grad_close, rand_qkv
 
 # (B, Hq, Hkv, Lq, Lkv, D)
 SHAPES = [
@@ -130,6 +130,24 @@ def test_lengths_divisible_by_tile_but_shorter_than_sparse_block(name):
 @pytest.mark.parametrize("name", ["causal", "document", "per_batch_head"])
 def test_block_sizes(name, block_size):
     run_catalog(name, (1, 2, 2, 100, 90, 32), torch.float32, block_size=block_size)
+
+
+@pytest.mark.parametrize("name", ["causal", "per_batch_head"])
+def test_key_value_of_batch_one_shared_by_the_batch(name):
+    """key / value of batch 1 with a query batch of 3 (torch's broadcast; GQA too): out and the gradients (dK / dV
+    summed over the batch) are the reference's; the decode kernel (two queries) reads them the same way."""
+    B, Hq, Hkv, Lq, Lkv = 3, 4, 2, 70, 90
+    case = CATALOG[name](B, Hq, Lq, Lkv, DEVICE)
+    mb, mh = (B, Hq) if name in USES_BH else (None, None)
+    bm = create_block_mask(case.mask_mod, mb, mh, Lq, Lkv, device=DEVICE)
+    q = rand_qkv(B, Hq, Hkv, Lq, Lkv, 32, seed=6)[0]
+    k, v = rand_qkv(1, Hq, Hkv, Lq, Lkv, 32, seed=7)[1:]
+    dq, dk, dv = check_backward(q, k, v, block_mask=bm, enable_gqa=True, name=name)
+    assert dk.shape == k.shape and dv.shape == v.shape
+    bm2 = create_block_mask(case.mask_mod, mb, mh, 2, Lkv, device=DEVICE)
+    out = flex_attention(q[:, :, :2], k, v, block_mask=bm2, enable_gqa=True, kernel_options={"DECODE": True})
+    ref = attention_reference(q[:, :, :2], k, v, block_mask=bm2, enable_gqa=True)[0]
+    assert_close(out, ref, *TOLERANCES[torch.float32])
 
 
 @pytest.mark.parametrize("name", ["document", "per_batch_head"])

@@ -38,6 +38,8 @@ CASES = {
     "query_not_4d": (lambda: ((qkv()[0][0],) + tuple(qkv()[1:]), {}), ValueError, "query must be 4-D"),
     "key_not_tensor": (lambda: ((qkv()[0], [1, 2], qkv()[2]), {}), TypeError, "key must be a torch.Tensor"),
     "batch_mismatch": (lambda: ((qkv()[0], *qkv(B=3)[1:]), {}), ValueError, "batch sizes differ"),
+    "key_batch_one_value_not": (lambda: ((qkv()[0], qkv(B=1)[1], qkv()[2]), {}), ValueError,
+                                "batch sizes differ: query 2, key 1, value 2; .* or both batch 1"),
     "head_dim_mismatch": (lambda: ((qkv()[0], qkv(D=32)[1], qkv()[2]), {}), ValueError,
                           "query and key head_dim differ"),
     "kv_len_mismatch": (lambda: ((*qkv()[:2], qkv(Lkv=40)[2]), {}), ValueError, "key has sequence length 48 but value has 40"),
