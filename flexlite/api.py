@@ -658,6 +658,9 @@ class FlexAttentionFunction(torch.autograd.Function):
                 None, None, None, None, None, *dcaptured)
 
 
+# opaque to torch.compile: a compiled model runs flexlite's kernels as they are (one graph break per call) instead
+# of Dynamo tracing into Triton's launcher (or its interpreter on CPU), which it cannot
+@torch.compiler.disable
 def flex_attention(
     query: torch.Tensor,
     key: torch.Tensor,

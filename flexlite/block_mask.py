@@ -730,6 +730,7 @@ def _chunks(B: int, H: int, n_q: int, n_kv: int, bq: int, bkv: int, KV_LEN: int)
                 yield b, h, r, c
 
 
+@torch.compiler.disable  # as flex_attention: Dynamo would trace into the mask kernel's launch
 def create_block_mask(
     mask_mod: _MaskMod,
     B: Optional[int],

@@ -165,6 +165,29 @@ def test_return_aux_fields_autograd_and_torch_request():
     assert torch.isneginf(aux.lse).all() and torch.isneginf(aux.max_scores).all()
 
 
+def test_inside_a_torch_compiled_model():
+    """A model using flexlite under torch.compile (AOT autograd; no C++ compiler needed): create_block_mask and
+    flex_attention run as they are, and out and the parameter gradients are the eager model's."""
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(16, 48)
+
+        def forward(self, x):
+            q, k, v = self.proj(x).chunk(3, dim=-1)
+            bm = create_block_mask(CATALOG["causal"](1, 2, 64, 64, DEVICE).mask_mod, None, None, 64, 64,
+                                   device=x.device)
+            return flex_attention(q, k, v, block_mask=bm, score_mod=lambda s, b, h, q_idx, kv_idx: s + 0.1 * h)
+
+    model = Block().to(DEVICE)
+    x = rand_qkv(1, 2, 2, 64, 64, 16, seed=9)[0]
+    want = model(x)
+    want_grad = torch.autograd.grad(want.square().sum(), model.proj.weight)[0]
+    got = torch.compile(model, backend="aot_eager")(x)
+    got_grad = torch.autograd.grad(got.square().sum(), model.proj.weight)[0]
+    assert torch.equal(got, want) and torch.equal(got_grad, want_grad)
+
+
 def test_returns_only_out_by_default():
     q, k, v = rand_qkv(1, 1, 1, 16, 16, 16)
     out = flex_attention(q, k, v)
