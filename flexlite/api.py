@@ -11,7 +11,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from ._vmap import index_vectors, vmap_bhqkv
-from .block_mask import BlockMask, check_device, check_mod_output, q_sides
+from .block_mask import BlockMask, check_device, check_mod_output, opaque_to_compile, q_sides
 from .codegen.kernel import GeneratedKernel, generate, generate_backward
 from .codegen.lower import FLOAT32_EXACT_INT
 from .codegen.trace import check_arity, trace_mod
@@ -658,9 +658,7 @@ class FlexAttentionFunction(torch.autograd.Function):
                 None, None, None, None, None, *dcaptured)
 
 
-# opaque to torch.compile: a compiled model runs flexlite's kernels as they are (one graph break per call) instead
-# of Dynamo tracing into Triton's launcher (or its interpreter on CPU), which it cannot
-@torch.compiler.disable
+@opaque_to_compile  # in a compiled model (or compiled itself): one graph break, the kernels run as they are
 def flex_attention(
     query: torch.Tensor,
     key: torch.Tensor,

@@ -730,7 +730,19 @@ def _chunks(B: int, H: int, n_q: int, n_kv: int, bq: int, bkv: int, KV_LEN: int)
                 yield b, h, r, c
 
 
-@torch.compiler.disable  # as flex_attention: Dynamo would trace into the mask kernel's launch
+def opaque_to_compile(fn: Callable) -> Callable:
+    """``fn`` run as it is inside torch.compile: a graph break, then eager (Dynamo would trace into Triton's launcher,
+    or its interpreter on CPU, and fail). Also for ``torch.compile(fn)`` itself, the attention-gym habit:
+    torch.compile unwraps a torch.compiler.disable wrapper it is handed, not one it meets inside a function."""
+    inner = torch.compiler.disable(fn)
+
+    @functools.wraps(fn)
+    def opaque(*args, **kwargs):
+        return inner(*args, **kwargs)
+    return opaque
+
+
+@opaque_to_compile  # Dynamo would trace into the mask kernel's launch
 def create_block_mask(
     mask_mod: _MaskMod,
     B: Optional[int],

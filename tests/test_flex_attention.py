@@ -166,8 +166,9 @@ def test_return_aux_fields_autograd_and_torch_request():
 
 
 def test_inside_a_torch_compiled_model():
-    """A model using flexlite under torch.compile (AOT autograd; no C++ compiler needed): create_block_mask and
-    flex_attention run as they are, and out and the parameter gradients are the eager model's."""
+    """A model using flexlite under torch.compile (AOT autograd; no C++ compiler needed), and the two functions
+    compiled themselves: create_block_mask and flex_attention run as they are; out and the parameter gradients are
+    the eager model's."""
     class Block(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -186,6 +187,12 @@ def test_inside_a_torch_compiled_model():
     got = torch.compile(model, backend="aot_eager")(x)
     got_grad = torch.autograd.grad(got.square().sum(), model.proj.weight)[0]
     assert torch.equal(got, want) and torch.equal(got_grad, want_grad)
+    # attention-gym's habit: the functions themselves compiled
+    q, k, v = rand_qkv(1, 2, 2, 64, 64, 16, seed=10)
+    bm = torch.compile(create_block_mask)(CATALOG["causal"](1, 2, 64, 64, DEVICE).mask_mod, None, None, 64, 64,
+                                           device=DEVICE)
+    assert torch.equal(torch.compile(flex_attention, backend="aot_eager")(q, k, v, block_mask=bm),
+                       flex_attention(q, k, v, block_mask=bm))
 
 
 def test_returns_only_out_by_default():
