@@ -165,6 +165,7 @@ def test_return_aux_fields_autograd_and_torch_request():
     assert torch.isneginf(aux.lse).all() and torch.isneginf(aux.max_scores).all()
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # Dynamo's import
 def test_inside_a_torch_compiled_model():
     """A model using flexlite under torch.compile (AOT autograd; no C++ compiler needed), and the two functions
     compiled themselves: create_block_mask and flex_attention run as they are; out and the parameter gradients are
