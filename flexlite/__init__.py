@@ -12,8 +12,8 @@ from .codegen.trace import UntraceableModError
 from .reference import attention_reference
 
 __all__ = [
-    "flex_attention", "AuxRequest", "AuxOutput", "create_block_mask", "create_mask", "BlockMask", "and_masks", "or_masks", "noop_mask",
-    "attention_reference", "kernel_source", "kernel_path", "UntraceableModError",
+    "flex_attention", "AuxRequest", "AuxOutput", "create_block_mask", "create_mask", "BlockMask", "and_masks",
+    "or_masks", "noop_mask", "attention_reference", "kernel_source", "kernel_path", "UntraceableModError",
 ]
 __version__ = "0.1.0"
 
