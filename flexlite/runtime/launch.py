@@ -214,8 +214,8 @@ def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
     row_max = torch.empty_like(lse) if max_scores else None
     blocks, block_strides, has_full = _block_args(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
     allow_tf32 = q.device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
-    args = (q, k, v, out, lse, lse if row_max is None else row_max, *blocks, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *block_strides,
-            Hq, Hq // Hkv, Lq, Lkv, float(scale), *scalars_to(mod_args, q.device))
+    args = (q, k, v, out, lse, lse if row_max is None else row_max, *blocks, *q.stride(), *k.stride(), *v.stride(),
+            *out.stride(), *block_strides, Hq, Hq // Hkv, Lq, Lkv, float(scale), *scalars_to(mod_args, q.device))
     constexprs = dict(
         SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1],
         D=D, DV=Dv, D_PAD=head_dim_pad(D), DV_PAD=head_dim_pad(Dv), HAS_FULL_BLOCKS=has_full,
