@@ -651,11 +651,30 @@ class FlexAttentionFunction(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse, grad_max=None):
         query, key, value, out, lse, *captured = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        dq, dk, dv, dcaptured = _backward(
-            query, key, value, out, lse, grad_out, grad_lse, ctx.score_mod, ctx.block_mask, ctx.scale,
-            ctx.kernel_options, captured, need_dq=needs[0], need_captured=tuple(needs[8:]))
+        with _no_autocast(query.device.type):  # a backward called under torch.autocast: its torch ops as written
+            dq, dk, dv, dcaptured = _backward(
+                query, key, value, out, lse, grad_out, grad_lse, ctx.score_mod, ctx.block_mask, ctx.scale,
+                ctx.kernel_options, captured, need_dq=needs[0], need_captured=tuple(needs[8:]))
         return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
                 None, None, None, None, None, *dcaptured)
+
+
+def _no_autocast(device_type: str):
+    """A context with torch.autocast off for ``device_type`` where it is on (no cost where it is off)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _autocast_inputs(query, key, value) -> tuple:
+    """Under torch.autocast for the inputs' device type, query / key / value in its dtype, as torch's flex_attention
+    (autocast's rule: floating tensors on that device but float64; the casts are differentiable); else as they are."""
+    device_type = query.device.type if isinstance(query, torch.Tensor) else None
+    if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
+        return query, key, value
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+                 and t.device.type == device_type else t for t in (query, key, value))
 
 
 @opaque_to_compile  # in a compiled model (or compiled itself): one graph break, the kernels run as they are
@@ -716,20 +735,27 @@ def flex_attention(
     B*Hq = 16 heads of 2048 x 512) and torch re-runs score_mod over chunks of about 2**24 scores to
     backpropagate it, in a fixed order.
     """
+    query, key, value = _autocast_inputs(query, key, value)
     _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, return_lse, return_aux)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     if key.shape[0] != query.shape[0]:  # batch-1 key / value shared by the batch: a stride-0 view, no copy; their
         key, value = (t.expand(query.shape[0], *t.shape[1:]) for t in (key, value))  # gradients summed by autograd
     max_scores = return_aux is not None and return_aux.max_scores
-    captured = _captured_requiring_grad(score_mod)
-    if torch.is_grad_enabled() and (captured or query.requires_grad or key.requires_grad or value.requires_grad):
-        out, lse, *row_max = FlexAttentionFunction.apply(query, key, value, score_mod, block_mask, float(scale),
-                                                         kernel_options, max_scores, *captured)
-        row_max = row_max[0] if row_max else None
-    else:  # inference (decoding above all): no autograd node to build, ~10 us less host time per call
-        out, lse, row_max = _forward(query, key, value, score_mod, block_mask, float(scale), kernel_options,
-                                     max_scores)
+    with _no_autocast(query.device.type):  # the inputs are cast (above); the torch ops inside stay as written
+        out, lse, row_max = _attention(query, key, value, score_mod, block_mask, float(scale), kernel_options,
+                                       max_scores)
     if return_aux is not None:
         return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=row_max)
     return (out, lse) if return_lse else out
+
+
+def _attention(query, key, value, score_mod, block_mask, scale: float, kernel_options, max_scores: bool):
+    """(out, lse, row maxima or None), through the autograd Function where a gradient may be asked for."""
+    captured = _captured_requiring_grad(score_mod)
+    if torch.is_grad_enabled() and (captured or query.requires_grad or key.requires_grad or value.requires_grad):
+        out, lse, *row_max = FlexAttentionFunction.apply(query, key, value, score_mod, block_mask, scale,
+                                                         kernel_options, max_scores, *captured)
+        return out, lse, row_max[0] if row_max else None
+    # inference (decoding above all): no autograd node to build, ~10 us less host time per call
+    return _forward(query, key, value, score_mod, block_mask, scale, kernel_options, max_scores)

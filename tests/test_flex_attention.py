@@ -165,6 +165,24 @@ def test_return_aux_fields_autograd_and_torch_request():
     assert torch.isneginf(aux.lse).all() and torch.isneginf(aux.max_scores).all()
 
 
+def test_under_torch_autocast():
+    """Under torch.autocast the inputs take its dtype, as torch's flex_attention: fp32 (or mixed) inputs give its
+    dtype's output, equal to flex_attention on inputs cast by hand; gradients reach the fp32 inputs in fp32."""
+    device_type = torch.device(DEVICE).type
+    q, k, v = (t.requires_grad_() for t in rand_qkv(1, 2, 2, 70, 90, 32, seed=12))
+    bm = create_block_mask(CATALOG["causal"](1, 2, 70, 90, DEVICE).mask_mod, None, None, 70, 90, device=DEVICE)
+    with torch.autocast(device_type, dtype=torch.bfloat16):
+        out = flex_attention(q, k.bfloat16(), v, block_mask=bm, score_mod=lambda s, b, h, q_idx, kv_idx: s * 0.5)
+    cast = [t.detach().bfloat16().requires_grad_() for t in (q, k, v)]
+    want = flex_attention(*cast, block_mask=bm, score_mod=lambda s, b, h, q_idx, kv_idx: s * 0.5)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, v), grad)
+    assert all(g.dtype == torch.float32 for g in got)
+    for g, w in zip(got, torch.autograd.grad(want, (cast[0], cast[2]), grad)):
+        assert torch.equal(g, w.float())
+
+
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # Dynamo's import
 def test_inside_a_torch_compiled_model():
     """A model using flexlite under torch.compile (AOT autograd; no C++ compiler needed), and the two functions
