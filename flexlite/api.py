@@ -11,7 +11,8 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from ._vmap import index_vectors, vmap_bhqkv
-from .block_mask import BlockMask, check_device, check_mod_output, opaque_to_compile, q_sides
+from .block_mask import (BlockMask, check_device, check_mod_output, from_torch_block_mask, is_torch_block_mask,
+                         opaque_to_compile, q_sides)
 from .codegen.kernel import GeneratedKernel, generate, generate_backward
 from .codegen.lower import FLOAT32_EXACT_INT
 from .codegen.trace import check_arity, trace_mod
@@ -171,7 +172,7 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
 
 def _validate_block_mask(block_mask, query, key):
     if not isinstance(block_mask, BlockMask):
-        _fail(f"block_mask must be a flexlite BlockMask (from create_block_mask), got "
+        _fail(f"block_mask must be a BlockMask (from flexlite's create_block_mask, or torch's), got "
               f"{type(block_mask).__name__}", TypeError)
     B, Hq, Lq = query.shape[:3]
     Lkv = key.shape[2]
@@ -290,10 +291,12 @@ def kernel_source(score_mod: Optional[Callable] = None, block_mask=None, *, devi
     if score_mod is not None:
         check_arity(score_mod, "score_mod", caller="kernel_source")
         check_mod_output(score_mod, "score_mod", "kernel_source")
+    if is_torch_block_mask(block_mask):
+        block_mask = from_torch_block_mask(block_mask)
     if block_mask is not None:
         if not isinstance(block_mask, BlockMask):
-            raise TypeError(f"kernel_source: block_mask must be a flexlite BlockMask (from create_block_mask) or "
-                            f"None; got {type(block_mask).__name__}")
+            raise TypeError(f"kernel_source: block_mask must be a BlockMask (flexlite's or torch's) or None; got "
+                            f"{type(block_mask).__name__}")
         if block_mask.mask_mod is not None:
             check_mod_output(block_mask.mask_mod, "mask_mod", "kernel_source")
     if device is None and block_mask is not None:
@@ -699,7 +702,8 @@ def flex_attention(
             float32, all on one device: CUDA runs compiled Triton kernels, CPU the same kernels through
             Triton's interpreter (exact but slow: for debugging and tests).
         score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, applied to the scaled score.
-        block_mask: a :class:`flexlite.BlockMask` from :func:`flexlite.create_block_mask`; None = no mask.
+        block_mask: a :class:`flexlite.BlockMask` from :func:`flexlite.create_block_mask` (or torch's BlockMask,
+            used as it is); None = no mask.
         scale: multiplies ``q @ k^T``; default ``1 / sqrt(E)``.
         enable_gqa: allow Hq to be a multiple of Hkv (query head h uses kv head ``h // (Hq // Hkv)``).
         return_lse: also return the log-sum-exp [B, Hq, Lq] (fp32, natural log).
@@ -736,6 +740,8 @@ def flex_attention(
     backpropagate it, in a fixed order.
     """
     query, key, value = _autocast_inputs(query, key, value)
+    if is_torch_block_mask(block_mask):  # built with torch's create_block_mask: the same tensors, as they are
+        block_mask = from_torch_block_mask(block_mask)
     _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, return_lse, return_aux)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])

@@ -730,6 +730,39 @@ def _chunks(B: int, H: int, n_q: int, n_kv: int, bq: int, bkv: int, KV_LEN: int)
                 yield b, h, r, c
 
 
+def is_torch_block_mask(block_mask) -> bool:
+    """Whether ``block_mask`` is torch's ``torch.nn.attention.flex_attention.BlockMask`` (by name: no import)."""
+    cls = type(block_mask)
+    return cls.__name__ == "BlockMask" and cls.__module__ == "torch.nn.attention.flex_attention"
+
+
+def from_torch_block_mask(block_mask) -> BlockMask:
+    """flexlite's BlockMask for torch's: the same tensors (no copy, no host sync), lengths, block size and mask_mod, so
+    that a mask built with torch's create_block_mask (or by attention-gym code) runs in flexlite as it is. Kept on
+    torch's object and made again only when one of those attributes is replaced (a slice's mask_mod assigned, new
+    seq_lengths: gpt-fast's decoding), so per-mask state (the walk count) is not lost between calls."""
+    caller = "flex_attention: block_mask (torch's BlockMask)"
+    names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
+             "full_q_num_blocks", "full_q_indices")
+    tensors = tuple(getattr(block_mask, n, None) for n in names)
+    key = (tuple(map(id, tensors)), tuple(block_mask.seq_lengths), tuple(block_mask.BLOCK_SIZE), id(block_mask.mask_mod))
+    cached = getattr(block_mask, "_flexlite_block_mask", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    _check_kv_pair("", tensors[0], tensors[1])
+    if tensors[2] is not None:
+        _check_kv_pair("full_", tensors[2], tensors[3])
+    try:
+        block_size = _normalize_block_size(caller, tuple(block_mask.BLOCK_SIZE))
+    except ValueError as e:
+        raise ValueError(f"{e}: rebuild the mask with flexlite.create_block_mask (same arguments, BLOCK_SIZE a "
+                         f"multiple of 16)") from None
+    converted = BlockMask(_check_seq_lengths(tuple(block_mask.seq_lengths)), *tensors, BLOCK_SIZE=block_size,
+                          mask_mod=block_mask.mask_mod if block_mask.mask_mod is not None else noop_mask)
+    block_mask._flexlite_block_mask = (key, converted)
+    return converted
+
+
 def opaque_to_compile(fn: Callable) -> Callable:
     """``fn`` run as it is inside torch.compile: a graph break, then eager (Dynamo would trace into Triton's launcher,
     or its interpreter on CPU, and fail). Also for ``torch.compile(fn)`` itself, the attention-gym habit:

@@ -465,7 +465,7 @@ REFERENCE_AND_SOURCE = {
     "reference_gqa_indivisible": (lambda: attention_reference(*rand_qkv(1, 3, 2, 4, 4, 16), enable_gqa=True),
                                   ValueError, r"query heads \(3\) must be a multiple"),
     "source_block_mask_str": (lambda: kernel_source(block_mask="causal"), TypeError,
-                              "kernel_source: block_mask must be a flexlite BlockMask"),
+                              "kernel_source: block_mask must be a BlockMask"),
     "source_device_unknown": (lambda: kernel_source(device="gpu"), ValueError, "kernel_source: device='gpu'"),
     "source_device_int": (lambda: kernel_source(device=0), TypeError, "kernel_source: device must be a str"),
     "source_mask_mod_as_score_mod": (lambda: kernel_source(causal), TypeError,

@@ -29,6 +29,11 @@ def no_launch(monkeypatch):
             monkeypatch.setattr(module, name, fail)
 
 
+def _torch_block_mask(**kw):
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+    return torch_create_block_mask(causal, None, None, 32, 48, device="cpu", **kw)
+
+
 def _3d():
     q, k, v = qkv()
     return (q[0], k, v), {}
@@ -62,7 +67,10 @@ CASES = {
     "block_mask_wrong_heads": (lambda: (qkv(), {"block_mask": create_block_mask(causal, None, 3, 32, 48, "cpu")}),
                                ValueError, "block_mask has 3 heads"),
     "block_mask_not_blockmask": (lambda: (qkv(), {"block_mask": torch.ones(32, 48, dtype=torch.bool)}), TypeError,
-                                 "block_mask must be a flexlite BlockMask"),
+                                 r"block_mask must be a BlockMask \(from flexlite.s create_block_mask, or torch.s\)"),
+    "torch_block_mask_block_size": (lambda: (qkv(), {"block_mask": _torch_block_mask(BLOCK_SIZE=8)}), ValueError,
+                                    r"positive multiples of 16; got \(8, 8\): rebuild the mask with "
+                                    r"flexlite.create_block_mask"),
     "scale_not_number": (lambda: (qkv(), {"scale": torch.tensor(0.5)}), TypeError, "scale must be a Python float"),
     "kernel_options_unknown": (lambda: (qkv(), {"kernel_options": {"BLOCK_Q": 64}}), ValueError,
                                r"unknown kernel_options \['BLOCK_Q'\]"),

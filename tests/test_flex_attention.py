@@ -165,6 +165,35 @@ def test_return_aux_fields_autograd_and_torch_request():
     assert torch.isneginf(aux.lse).all() and torch.isneginf(aux.max_scores).all()
 
 
+@pytest.mark.parametrize("name", ["document", "per_batch_head"])
+def test_torch_block_mask_runs_as_it_is(name):
+    """A BlockMask from torch's create_block_mask (and a slice of one with its mask_mod assigned, as gpt-fast
+    decodes): flex_attention's out and gradients are the reference's with the same mask; the conversion is kept on
+    torch's object until one of its attributes is replaced."""
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+    B, H, Lq, Lkv = 2, 2, 100, 130
+    case = CATALOG[name](B, H, Lq, Lkv, DEVICE)
+    mb, mh = (B, H) if name in USES_BH else (None, None)
+    tbm = torch_create_block_mask(case.mask_mod, mb, mh, Lq, Lkv, device=DEVICE, BLOCK_SIZE=(32, 64))
+    ours = create_block_mask(case.mask_mod, mb, mh, Lq, Lkv, device=DEVICE, BLOCK_SIZE=(32, 64))
+    q, k, v = (t.requires_grad_() for t in rand_qkv(B, H, H, Lq, Lkv, 16, seed=13))
+    out = flex_attention(q, k, v, block_mask=tbm)
+    ref = attention_reference(q, k, v, block_mask=ours)[0]
+    assert_close(out, ref, *TOLERANCES[torch.float32])
+    grad = torch.randn_like(out)
+    for n, g, w in zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), grad),
+                       torch.autograd.grad(ref, (q, k, v), grad)):
+        assert_grad_close(g, w, name=n)
+    first = tbm._flexlite_block_mask[1]
+    flex_attention(q.detach(), k.detach(), v.detach(), block_mask=tbm)
+    assert tbm._flexlite_block_mask[1] is first
+    row = tbm[:, :, 1:2]  # q block 1 alone: a decode-style slice, mask_mod reassigned with the offset
+    row.mask_mod = lambda b, h, q_idx, kv_idx: case.mask_mod(b, h, q_idx + 32, kv_idx)
+    row.seq_lengths = (32, Lkv)
+    got = flex_attention(q[:, :, 32:64].detach(), k.detach(), v.detach(), block_mask=row)
+    assert_close(got, ref[:, :, 32:64], *TOLERANCES[torch.float32])
+
+
 def test_under_torch_autocast():
     """Under torch.autocast the inputs take its dtype, as torch's flex_attention: fp32 (or mixed) inputs give its
     dtype's output, equal to flex_attention on inputs cast by hand; gradients reach the fp32 inputs in fp32."""
