@@ -12,7 +12,7 @@ import torch
 
 from ._vmap import index_vectors, vmap_bhqkv
 from .block_mask import (BlockMask, check_device, check_mod_output, from_torch_block_mask, is_torch_block_mask,
-                         opaque_to_compile, q_sides)
+                         on_device, opaque_to_compile, q_sides)
 from .codegen.kernel import GeneratedKernel, generate, generate_backward
 from .codegen.lower import FLOAT32_EXACT_INT
 from .codegen.trace import check_arity, trace_mod
@@ -654,7 +654,8 @@ class FlexAttentionFunction(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse, grad_max=None):
         query, key, value, out, lse, *captured = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        with _no_autocast(query.device.type):  # a backward called under torch.autocast: its torch ops as written
+        # a backward called under torch.autocast: its torch ops as written; kernels go to q's GPU
+        with _no_autocast(query.device.type), on_device(query.device):
             dq, dk, dv, dcaptured = _backward(
                 query, key, value, out, lse, grad_out, grad_lse, ctx.score_mod, ctx.block_mask, ctx.scale,
                 ctx.kernel_options, captured, need_dq=needs[0], need_captured=tuple(needs[8:]))
@@ -748,7 +749,8 @@ def flex_attention(
     if key.shape[0] != query.shape[0]:  # batch-1 key / value shared by the batch: a stride-0 view, no copy; their
         key, value = (t.expand(query.shape[0], *t.shape[1:]) for t in (key, value))  # gradients summed by autograd
     max_scores = return_aux is not None and return_aux.max_scores
-    with _no_autocast(query.device.type):  # the inputs are cast (above); the torch ops inside stay as written
+    # under autocast the inputs are cast (above) and the torch ops inside stay as written; kernels go to q's GPU
+    with _no_autocast(query.device.type), on_device(query.device):
         out, lse, row_max = _attention(query, key, value, score_mod, block_mask, float(scale), kernel_options,
                                        max_scores)
     if return_aux is not None:

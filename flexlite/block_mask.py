@@ -29,6 +29,7 @@ pass, is its transpose (``q_num_blocks [B, H, nKV]``, ``q_indices [B, H, nKV, nQ
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import numbers
@@ -687,7 +688,8 @@ def _block_flags_kernel(mask_mod: _MaskMod, B: int, H: int, Q_LEN: int, KV_LEN: 
         raise TypeError(f"create_block_mask: mask_mod must return a bool tensor; got {kernel.mask_mod.result_dtype}")
     check_captured(kernel.captured, device, "create_block_mask", "mask_mod")
     module = load_module(kernel.source, interpret=interpret)
-    return launch_block_mask(module, kernel.mod_args(), B, H, Q_LEN, KV_LEN, block_size, device)
+    with on_device(device):
+        return launch_block_mask(module, kernel.mod_args(), B, H, Q_LEN, KV_LEN, block_size, device)
 
 
 def _block_flags_vmap(mask_mod: _MaskMod, B: int, H: int, Q_LEN: int, KV_LEN: int, device: torch.device,
@@ -730,6 +732,15 @@ def _chunks(B: int, H: int, n_q: int, n_kv: int, bq: int, bkv: int, KV_LEN: int)
                 yield b, h, r, c
 
 
+def on_device(device: torch.device):
+    """A context making ``device`` the current CUDA device where it is not (Triton launches on the current device and
+    its stream, whatever device the arguments are on: cuda:1 tensors with cuda:0 current would run on the wrong GPU);
+    nothing to do for CPU tensors or the current GPU."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
 def is_torch_block_mask(block_mask) -> bool:
     """Whether ``block_mask`` is torch's ``torch.nn.attention.flex_attention.BlockMask`` (by name: no import)."""
     cls = type(block_mask)
@@ -742,10 +753,9 @@ def from_torch_block_mask(block_mask) -> BlockMask:
     torch's object and made again only when one of those attributes is replaced (a slice's mask_mod assigned, new
     seq_lengths: gpt-fast's decoding), so per-mask state (the walk count) is not lost between calls."""
     caller = "flex_attention: block_mask (torch's BlockMask)"
-    names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
-             "full_q_num_blocks", "full_q_indices")
-    tensors = tuple(getattr(block_mask, n, None) for n in names)
-    key = (tuple(map(id, tensors)), tuple(block_mask.seq_lengths), tuple(block_mask.BLOCK_SIZE), id(block_mask.mask_mod))
+    tensors = tuple(getattr(block_mask, n, None) for n in BlockMask._TENSOR_ATTRS)
+    key = (tuple(map(id, tensors)), tuple(block_mask.seq_lengths), tuple(block_mask.BLOCK_SIZE),
+           id(block_mask.mask_mod))
     cached = getattr(block_mask, "_flexlite_block_mask", None)
     if cached is not None and cached[0] == key:
         return cached[1]

@@ -238,3 +238,38 @@ def test_flex_attention_tells_the_backward_heuristic_whether_a_mod_gathers(monke
                             (None, None), (None, "causal"), (None, "document")]:
         flex_attention(q, k, v, score_mod=score_mod, block_mask=masks.get(mask)).sum().backward()
     assert seen == [True, False, False, False, True]
+
+
+def test_kernels_launch_on_the_inputs_gpu(monkeypatch):
+    """Triton launches on the current CUDA device: on_device makes the inputs' GPU current where it is not (cuda:1
+    tensors while cuda:0 is current) and does nothing for the current GPU or CPU tensors; flex_attention's forward
+    and backward, create_block_mask and triton_matmul all launch inside it, for their inputs' device."""
+    import contextlib
+
+    import flexlite.api as api
+    import flexlite.block_mask as block_mask
+    import flexlite.kernels.matmul as matmul
+    from flexlite import create_block_mask, flex_attention
+    from flexlite.block_mask import on_device
+    from flexlite.kernels import triton_matmul
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    switch = on_device(torch.device("cuda", 1))
+    assert isinstance(switch, torch.cuda.device) and switch.idx == 1
+    assert isinstance(on_device(torch.device("cuda", 0)), contextlib.nullcontext)
+    assert isinstance(on_device(torch.device("cpu")), contextlib.nullcontext)
+
+    seen = []
+
+    def spy(device):
+        seen.append(torch.device(device).type)
+        return contextlib.nullcontext()
+    for module in (api, block_mask, matmul):
+        monkeypatch.setattr(module, "on_device", spy)
+    bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 32, 32, device=DEVICE)
+    q, k, v = (t.requires_grad_() for t in rand_qkv(1, 1, 1, 32, 32, 16))
+    flex_attention(q, k, v, block_mask=bm).sum().backward()
+    triton_matmul(q[0, 0].detach(), k[0, 0].detach().t())
+    want = torch.device(DEVICE).type
+    # the mask kernel where create_block_mask runs one (CUDA; CPU vmaps mask_mod), the forward, the backward, the matmul
+    assert seen == [want] * (4 if want == "cuda" else 3)

@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from ..block_mask import on_device
 from ..runtime.compile import import_kernel_file, interpreter_scope
 from ..runtime.launch import cdiv
 from ..utils.gpu import GPUCapabilities, detect_gpu
@@ -162,7 +163,7 @@ def _validate(a, b, blocks):
 def _launch(a, b, c, config: dict, interpret: bool):
     (M, K), N = a.shape, b.shape[1]
     grid = (cdiv(M, config["BLOCK_M"]) * cdiv(N, config["BLOCK_N"]),)
-    with interpreter_scope(interpret):
+    with interpreter_scope(interpret), on_device(a.device):
         gemm_kernel(interpret)[grid](
             a, b, c, M, N, K, *a.stride(), *b.stride(), *c.stride(),
             BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
