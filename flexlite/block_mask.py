@@ -34,6 +34,7 @@ import functools
 import itertools
 import numbers
 import operator
+import sys
 from typing import Callable, Optional, Union
 
 import torch
@@ -776,12 +777,18 @@ def from_torch_block_mask(block_mask) -> BlockMask:
 def opaque_to_compile(fn: Callable) -> Callable:
     """``fn`` run as it is inside torch.compile: a graph break, then eager (Dynamo would trace into Triton's launcher,
     or its interpreter on CPU, and fail). Also for ``torch.compile(fn)`` itself, the attention-gym habit:
-    torch.compile unwraps a torch.compiler.disable wrapper it is handed, not one it meets inside a function."""
-    inner = torch.compiler.disable(fn)
+    torch.compile unwraps a torch.compiler.disable wrapper it is handed, not one it meets inside a function. The
+    disabled function is made once Dynamo is loaded (nothing compiles before): made up front, torch.compiler.disable
+    imports Dynamo and ``import flexlite`` took 1 s longer."""
+    disabled = []
 
     @functools.wraps(fn)
     def opaque(*args, **kwargs):
-        return inner(*args, **kwargs)
+        if "torch._dynamo" not in sys.modules:
+            return fn(*args, **kwargs)
+        if not disabled:
+            disabled.append(torch.compiler.disable(fn))
+        return disabled[0](*args, **kwargs)
     return opaque
 
 

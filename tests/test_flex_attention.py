@@ -1,5 +1,7 @@
 """flex_attention forward vs the fp64 reference: catalog mods x shapes x dtypes, and API behaviour."""
 
+import os
+
 import pytest
 import torch
 
@@ -241,6 +243,19 @@ def test_inside_a_torch_compiled_model():
                                            device=DEVICE)
     assert torch.equal(torch.compile(flex_attention, backend="aot_eager")(q, k, v, block_mask=bm),
                        flex_attention(q, k, v, block_mask=bm))
+
+
+def test_import_does_not_load_dynamo():
+    """Being opaque to torch.compile costs no import time: Dynamo (about 1 s to import) is not loaded by
+    ``import flexlite``, nor by a first call."""
+    import subprocess
+    import sys
+    code = ("import sys, torch, flexlite; assert 'torch._dynamo' not in sys.modules; "
+            "q = torch.randn(1, 1, 16, 16); flexlite.flex_attention(q, q, q); "
+            "assert 'torch._dynamo' not in sys.modules")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}  # CPU tensors in the child
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_returns_only_out_by_default():
