@@ -93,16 +93,51 @@ def unpack(packed: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int) -> torc
 
 
 def varlen_block_mask(cu_seqlens: torch.Tensor, causal: bool = True, H=None, BLOCK_SIZE=128,
-                      device=None) -> BlockMask:
-    """The BlockMask of a packed batch: attention within each sample (causal or not), nothing across."""
-    cu_seqlens = _cu_seqlens("varlen_block_mask", cu_seqlens)
+                      device=None, cu_seqlens_k=None) -> BlockMask:
+    """The BlockMask of a packed batch: attention within each sample (causal or not), nothing across.
+
+    ``cu_seqlens_k``: the keys packed by their own lengths (flash-attn's ``cu_seqlens_k``: a query chunk over a longer
+    KV cache, chunked prefill, packed cross-attention), one sample per entry as ``cu_seqlens``; the mask is then
+    [sum(Lq), sum(Lk)] and causal is aligned to the bottom right within each sample, as flash-attn's: query i of a
+    sample with Lq queries and Lk keys sees its keys 0 .. i + Lk - Lq (a sample with no keys leaves its queries' rows
+    empty: out 0). None: the queries' packing."""
+    caller = "varlen_block_mask"
+    cu_seqlens = _cu_seqlens(caller, cu_seqlens)
     if not isinstance(causal, bool):
-        raise TypeError(f"varlen_block_mask: causal must be a bool; got {type(causal).__name__} {causal!r}")
+        raise TypeError(f"{caller}: causal must be a bool; got {type(causal).__name__} {causal!r}")
     total = int(cu_seqlens[-1])
     if total == 0:
-        raise ValueError(f"varlen_block_mask: cu_seqlens {cu_seqlens.tolist()} has no tokens (total length 0); "
+        raise ValueError(f"{caller}: cu_seqlens {cu_seqlens.tolist()} has no tokens (total length 0); "
                          f"there is nothing to attend to")
     device = cu_seqlens.device if device is None else device
-    inner = causal_mask if causal else noop_mask
-    mask_mod = generate_doc_mask_mod(inner, offsets=cu_seqlens.to(device))
-    return create_block_mask(mask_mod, None, H, total, total, device=device, BLOCK_SIZE=BLOCK_SIZE)
+    if cu_seqlens_k is None:
+        inner = causal_mask if causal else noop_mask
+        mask_mod = generate_doc_mask_mod(inner, offsets=cu_seqlens.to(device))
+        return create_block_mask(mask_mod, None, H, total, total, device=device, BLOCK_SIZE=BLOCK_SIZE)
+    cu_seqlens_k = _cu_seqlens(caller, cu_seqlens_k)
+    if cu_seqlens_k.numel() != cu_seqlens.numel():
+        raise ValueError(f"{caller}: cu_seqlens_k must have one entry per sample as cu_seqlens ({cu_seqlens.numel()} "
+                         f"entries); got {cu_seqlens_k.numel()}")
+    total_k = int(cu_seqlens_k[-1])
+    if total_k == 0:
+        raise ValueError(f"{caller}: cu_seqlens_k {cu_seqlens_k.tolist()} has no keys (total length 0); there is "
+                         f"nothing to attend to")
+    q_doc, q_start = _positions(cu_seqlens, total)
+    kv_doc, _ = _positions(cu_seqlens_k, total_k)
+    # the last key (packed) that each query sees: its sample's first key + its own offset + Lk - Lq
+    starts_q, starts_k = cu_seqlens.cpu().long(), cu_seqlens_k.cpu().long()
+    last_kv = starts_k[q_doc] + (torch.arange(total) - q_start) + (starts_k.diff() - starts_q.diff())[q_doc]
+    q_doc, kv_doc, last_kv = (t.to(device=device, dtype=torch.int32) for t in (q_doc, kv_doc, last_kv))
+
+    def packed_mask(b, h, q_idx, kv_idx):
+        same = q_doc[q_idx] == kv_doc[kv_idx]
+        return same & (kv_idx <= last_kv[q_idx]) if causal else same
+
+    return create_block_mask(packed_mask, None, H, total, total_k, device=device, BLOCK_SIZE=BLOCK_SIZE)
+
+
+def _positions(cu_seqlens: torch.Tensor, total: int) -> tuple:
+    """Per packed position: its sample (int64 [total]) and its sample's first packed position (in that packing)."""
+    starts = cu_seqlens.cpu().long()
+    doc = torch.bucketize(torch.arange(total), starts[1:], right=True)
+    return doc, starts[doc]

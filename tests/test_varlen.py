@@ -42,6 +42,37 @@ def test_cross_sample_blocks_are_skipped():
     assert int(bm.to_dense().sum()) == blocks  # exactly the per-sample blocks, nothing across
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_queries_and_keys_packed_apart(causal):
+    """cu_seqlens_k (flash-attn's): query chunks over longer (or shorter, or no) keys per sample; each sample's
+    rows are attention over its own keys with causal aligned to the bottom right (key j seen by query i if
+    j <= i + Lk - Lq), rows with no key give 0; gradients are the reference's."""
+    from test_backward import check_backward
+    lengths_q, lengths_k = [5, 40, 3, 30], [70, 40, 0, 20]
+    cu_q = torch.tensor([0, 5, 45, 48, 78], dtype=torch.int32)
+    cu_k = torch.tensor([0, 70, 110, 110, 130], dtype=torch.int32)
+    q = rand_qkv(1, 2, 2, 78, 130, 16, seed=1)[0]
+    k, v = rand_qkv(1, 2, 2, 78, 130, 16, seed=2)[1:]
+    bm = varlen_block_mask(cu_q, causal=causal, BLOCK_SIZE=16, device=DEVICE, cu_seqlens_k=cu_k)
+    assert bm.shape == (1, 1, 78, 130)
+    out = flex_attention(q, k, v, block_mask=bm)
+    for b, (lq, lk) in enumerate(zip(lengths_q, lengths_k)):
+        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        keys = slice(int(cu_k[b]), int(cu_k[b + 1]))
+        if causal and lq > lk:  # its first lq - lk queries see no key: out 0 there
+            assert torch.equal(out[:, :, rows][:, :, :lq - lk], torch.zeros_like(out[:, :, rows][:, :, :lq - lk]))
+        if lk == 0:
+            assert torch.equal(out[:, :, rows], torch.zeros_like(out[:, :, rows]))
+            continue
+        mask = create_block_mask(lambda b_, h, i, j, shift=lk - lq: j <= i + shift, None, None, lq, lk,
+                                 device=DEVICE) if causal else None
+        ref, _ = attention_reference(q[:, :, rows], k[:, :, keys], v[:, :, keys], block_mask=mask)
+        assert_close(out[:, :, rows], ref, *TOLERANCES[torch.float32], name=f"sample {b}")
+    check_backward(q, k, v, block_mask=bm, name="packed apart")
+    with pytest.raises(ValueError, match="cu_seqlens_k must have one entry per sample"):
+        varlen_block_mask(cu_q, cu_seqlens_k=cu_k[:3], device=DEVICE)
+
+
 def test_bad_inputs():
     with pytest.raises(ValueError, match="lengths must be 2 ints"):
         pack(torch.zeros(2, 1, 8, 4), [3, 9])
