@@ -59,8 +59,8 @@ def setup(doc: Optional[str] = None, add_arguments: Optional[Callable] = None) -
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
     if device.type != "cuda":
-        print("CPU mode: tiny sizes through the Triton interpreter (exact, slow); timings and torch.compile "
-              "skipped.\n")
+        print("CPU mode: tiny sizes through the Triton interpreter (exact, slow); timings and torch's compiled "
+              "flex_attention skipped.\n")
     elif small:
         print("--small: tiny sizes on the GPU.\n")
     png_dir = Path(args.png) if args.png else None

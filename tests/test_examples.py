@@ -14,13 +14,15 @@ SCRIPTS = sorted(p.name for p in EXAMPLES.glob("*.py") if not p.name.startswith(
 EXPECTED = {"tour.py": ["### causal_mask", "### flamingo", "timing: skipped", "TFLOP/s"],
             "flamingo.py": ["intervals: [[0, 7], [1, 7], [7, 12]]"], "document.py": ["same kernel file: True"],
             "score_mods.py": ["alibi_2 + causal", "tanh_softcap_2_approx + causal", "relative_bias_128_per_head",
-                              "output unchanged"]}
+                              "output unchanged"],
+            "drop_in.py": ["torch.nn.attention.flex_attention.BlockMask(shape=", "torch.compile(flex_attention): fwd",
+                           "AuxRequest max_scores: fwd", "compiled model under autocast: out torch.bfloat16"]}
 
 
 def test_every_family_has_an_example():
     assert {"tour.py", "causal.py", "sliding_window.py", "dilated_sliding_window.py", "global_sliding_window.py",
             "prefix_lm.py", "shared_prefix.py", "document.py", "natten.py", "sasa.py", "flamingo.py",
-            "block_causal.py", "score_mods.py"} <= set(SCRIPTS)
+            "block_causal.py", "score_mods.py", "drop_in.py"} <= set(SCRIPTS)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
