@@ -5,9 +5,10 @@ stays flat; a failure prints the drawn case, to be pinned as a regression test."
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
 
-from flexlite import and_masks, attention_reference, create_block_mask, flex_attention, or_masks
-from helpers import DEVICE, LSE_TOLERANCES, TOLERANCES, assert_close, rand_qkv
+from flexlite import AuxRequest, and_masks, attention_reference, create_block_mask, flex_attention, or_masks
+from helpers import DEVICE, LSE_TOLERANCES, TOLERANCES, assert_close, assert_grad_close, rand_qkv
 from test_backward import check_backward
 
 
@@ -100,3 +101,44 @@ def test_random_mods_forward_and_backward(case):
     assert_close(lse, ref_lse, *LSE_TOLERANCES[case["dtype"]], name="lse")
     check_backward(q, k, v, case["score_mod"], bm, enable_gqa=gqa, captured=case["captured"], seed=case["seed"],
                    name="fuzz")
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(cases(), st.booleans(), st.booleans(), st.booleans())
+def test_random_drop_in_forms(case, torch_mask, shared_kv, max_scores):
+    """The same random cases through the drop-in forms: torch's own BlockMask, key / value of batch 1 shared by a
+    batch of 2, return_aux=AuxRequest(lse=True, max_scores=...); out, lse, max_scores and the gradients (through
+    out and lse) against the fp64 reference."""
+    B = 2
+    q = rand_qkv(B, case["Hq"], case["Hkv"], case["Lq"], case["Lkv"], case["D"], dtype=case["dtype"],
+                 seed=case["seed"])[0]
+    k, v = rand_qkv(1 if shared_kv else B, case["Hq"], case["Hkv"], case["Lq"], case["Lkv"], case["D"],
+                    dtype=case["dtype"], seed=case["seed"] + 1)[1:]
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    bm = tbm = None
+    if case["mask"] is not None:
+        bm = create_block_mask(case["mask"], None, None, case["Lq"], case["Lkv"], device=DEVICE,
+                               BLOCK_SIZE=case["block"])
+        tbm = torch_create_block_mask(case["mask"], None, None, case["Lq"], case["Lkv"], device=DEVICE,
+                                      BLOCK_SIZE=case["block"]) if torch_mask else bm
+    gqa = case["Hq"] != case["Hkv"]
+    out, aux = flex_attention(q, k, v, score_mod=case["score_mod"], block_mask=tbm, enable_gqa=gqa,
+                              return_aux=AuxRequest(lse=True, max_scores=max_scores))
+    ref, ref_lse, ref_max = attention_reference(q, k, v, score_mod=case["score_mod"], block_mask=bm, enable_gqa=gqa,
+                                                return_max=True)
+    assert_close(out, ref, *TOLERANCES[case["dtype"]], name="out")
+    assert_close(aux.lse, ref_lse, *LSE_TOLERANCES[case["dtype"]], name="lse")
+    if max_scores:
+        assert_close(aux.max_scores, ref_max, *LSE_TOLERANCES[case["dtype"]], name="max_scores")
+    else:
+        assert aux.max_scores is None
+    g = torch.Generator().manual_seed(case["seed"])
+    grad_out = torch.randn(out.shape, generator=g).to(out)
+    lse_weight = torch.randn(aux.lse.shape, generator=g).to(aux.lse)
+
+    def loss(o, lse):  # fully masked rows have lse -inf: left out
+        return (o * grad_out.to(o.dtype)).sum() + torch.where(torch.isinf(lse), 0.0, lse * lse_weight).sum()
+    got = torch.autograd.grad(loss(out, aux.lse), (q, k, v))
+    want = torch.autograd.grad(loss(ref, ref_lse), (q, k, v))
+    for name, a, r in zip(("dq", "dk", "dv"), got, want):
+        assert_grad_close(a, r, case["dtype"], name)
