@@ -100,11 +100,10 @@ def _check_aux(return_aux, return_lse: bool, kernel_options) -> None:
               f"(flexlite.AuxRequest or torch's); got {type(return_aux).__name__} {return_aux!r}", TypeError)
     if return_lse:
         _fail("return_lse=True and return_aux cannot be combined; pass return_aux=AuxRequest(lse=True) alone")
-    options = kernel_options or {}
-    if return_aux.max_scores and (options.get("WARP_SPECIALIZE") or options.get("DECODE")):
-        which = "WARP_SPECIALIZE" if options.get("WARP_SPECIALIZE") else "DECODE"
-        _fail(f"return_aux max_scores comes from the Triton forward kernel only; kernel_options {which}=True picks "
-              f"another kernel: drop that option or the max_scores request", NotImplementedError)
+    if return_aux.max_scores and (kernel_options or {}).get("WARP_SPECIALIZE"):
+        _fail("return_aux max_scores comes from the Triton forward and decode kernels; kernel_options "
+              "WARP_SPECIALIZE=True picks the warp-specialized one: drop that option or the max_scores request",
+              NotImplementedError)
 
 
 def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, return_lse=False,
@@ -326,8 +325,8 @@ _WS_UNCOMPILABLE: set = set()
 
 
 def _forward(query, key, value, score_mod, block_mask, scale, kernel_options, max_scores: bool = False):
-    """(out, lse, row maxima or None): ``max_scores`` (return_aux) takes the Triton forward kernel, the one that
-    stores them."""
+    """(out, lse, row maxima or None): ``max_scores`` (return_aux) takes the Triton forward or the decode kernel,
+    which store them (not the warp-specialized one)."""
     B, Hq, Lq, E = query.shape
     Lkv = key.shape[2]
     if B * Hq * Lq == 0 or Lkv == 0:
@@ -336,7 +335,7 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options, ma
         return out, lse, lse.clone() if max_scores else None
     options = kernel_options or {}
     if max_scores:
-        options = {**options, "WARP_SPECIALIZE": False, "DECODE": False}
+        options = {**options, "WARP_SPECIALIZE": False}
     num, idx, full_num, full_idx, sparse = _block_tensors(block_mask, Lq, Lkv, query.device)
     ws = _warp_specialize(query, key, value, block_mask, num, sparse, options)
     rows = 0 if ws else _decode_rows(query, key, num, sparse, options)
@@ -354,9 +353,9 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options, ma
         # positive scale: the sign goes onto the query, a zero scale becomes query * 0 (NaN / inf still spread)
         query, scale = (-query, -scale) if scale < 0 else (query * 0.0, 1.0)
     if rows:
-        return (*launch_decode(module, kernel.mod_args(), query, key, value, num, idx, full_num, full_idx, sparse,
-                               scale, kernel.has_score_mod, rows, options.get("DECODE_SPLITS"),
-                               use_tma=_use_tma(options)), None)
+        return launch_decode(module, kernel.mod_args(), query, key, value, num, idx, full_num, full_idx, sparse,
+                             scale, kernel.has_score_mod, rows, options.get("DECODE_SPLITS"),
+                             use_tma=_use_tma(options), max_scores=max_scores)
     if ws:
         try:
             return (*launch_forward_ws(module, kernel.mod_args(), query, key, value, num, idx, full_num, full_idx,
@@ -719,9 +718,8 @@ def flex_attention(
         return_aux: an :class:`AuxRequest` (flexlite's or torch's): ``lse=True`` for the log-sum-exp as
             ``return_lse``, ``max_scores=True`` for each query row's largest score after score_mod and masking
             [B, Hq, Lq] (fp32, natural units, not differentiable; -inf where every key is masked). max_scores
-            comes from the Triton forward kernel (on Hopper at D64 / D128 not the faster warp-specialized one,
-            nor the decode kernel) and cannot be combined with ``kernel_options`` ``DECODE=True`` or
-            ``WARP_SPECIALIZE=True``.
+            comes from the Triton forward and decode kernels (on Hopper at D64 / D128 not the faster
+            warp-specialized forward) and cannot be combined with ``kernel_options`` ``WARP_SPECIALIZE=True``.
 
     Returns:
         out [B, Hq, Lq, Ev] in the input dtype, and ``lse`` if ``return_lse``; with ``return_aux``,

@@ -142,6 +142,29 @@ def test_return_aux_max_scores_and_lse(name, shape, dtype):
         assert torch.isneginf(ref_max).any()  # the case has rows that see nothing
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_return_aux_max_scores_from_the_decode_kernel(splits):
+    """max_scores by the split-KV decode kernel (queries <= 64): each split's row max merged by the combine step, -inf
+    for rows no key is left to and for splits that see nothing; out, lse as without it; the reference's."""
+    def window(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx + 150) & (kv_idx > q_idx + 120) & (q_idx != 1)  # row 1: nothing; splits past 154 idle
+    q, k, v = rand_qkv(2, 4, 2, 3, 200, 32, seed=21)
+    bm = create_block_mask(window, None, None, 3, 200, device=DEVICE, BLOCK_SIZE=(16, 32))
+    options = {"DECODE": True, "DECODE_SPLITS": splits}
+    out, aux = flex_attention(q, k, v, block_mask=bm, enable_gqa=True, kernel_options=options,
+                              score_mod=lambda s, b, h, q_idx, kv_idx: s * (h + 1),
+                              return_aux=AuxRequest(lse=True, max_scores=True))
+    ref, ref_lse, ref_max = attention_reference(q, k, v, block_mask=bm, enable_gqa=True, return_max=True,
+                                                score_mod=lambda s, b, h, q_idx, kv_idx: s * (h + 1))
+    assert torch.isneginf(ref_max[:, :, 1]).all() and torch.isfinite(ref_max[:, :, [0, 2]]).all()
+    assert_close(out, ref, *TOLERANCES[torch.float32])
+    assert_close(aux.lse, ref_lse, *LSE_TOLERANCES[torch.float32], name="lse")
+    assert_close(aux.max_scores, ref_max, *LSE_TOLERANCES[torch.float32], name="max_scores")
+    plain = flex_attention(q, k, v, block_mask=bm, enable_gqa=True, kernel_options=options,
+                           score_mod=lambda s, b, h, q_idx, kv_idx: s * (h + 1))
+    assert torch.equal(plain, out)
+
+
 def test_return_aux_fields_autograd_and_torch_request():
     """Unrequested fields are None; aux.lse is differentiable as return_lse's; max_scores is not; torch's own
     AuxRequest works as a drop-in; a negative scale (moved onto the query) keeps the maxima."""

@@ -589,7 +589,7 @@ class _DecodePlan:
 @functools.lru_cache(maxsize=256)
 def _decode_plan(device: torch.device, B: int, Hq: int, Lq: int, D: int, Hkv: int, Lkv: int, Dv: int,
                  sparse_block: tuple, rows: int, has_full: bool, has_score_mod: bool, num_splits: Optional[int],
-                 use_tma: bool, allow_tf32: bool, tiles_items: tuple) -> _DecodePlan:
+                 use_tma: bool, allow_tf32: bool, tiles_items: tuple, max_scores: bool = False) -> _DecodePlan:
     """Split count, constexprs and tiles of a decode call: cached per shape (decoding repeats one shape per step,
     and working these out costs host time that a step of ~0.1 ms cannot hide)."""
     cuda = device.type == "cuda"
@@ -603,19 +603,19 @@ def _decode_plan(device: torch.device, B: int, Hq: int, Lq: int, D: int, Hkv: in
     constexprs = dict(
         ROWS=rows, SPARSE_KV_BLOCK=sparse_block[1], D=D, DV=Dv, D_PAD=head_dim_pad(D), DV_PAD=head_dim_pad(Dv),
         EVEN_N=Lkv % sparse_block[1] == 0, HAS_FULL_BLOCKS=has_full, HAS_SCORE_MOD=has_score_mod,
-        FP32_PRECISION="tf32" if allow_tf32 else "ieee", USE_TMA=use_tma, USE_PDL=use_pdl)
+        FP32_PRECISION="tf32" if allow_tf32 else "ieee", USE_TMA=use_tma, USE_PDL=use_pdl, STORE_MAX=max_scores)
     config = TileConfig(max(16, next_pow2(rows * Lq)), block_n, tiles["num_warps"], tiles["num_stages"])
     combine = dict(DV=Dv, DV_PAD=head_dim_pad(Dv), SPLITS_PAD=max(2, next_pow2(num_splits)), USE_PDL=use_pdl,
-                   **(dict(launch_pdl=True) if use_pdl else {}))
+                   STORE_MAX=max_scores, **(dict(launch_pdl=True) if use_pdl else {}))
     return _DecodePlan(num_splits, programs, constexprs, config, combine)
 
 
 def launch_decode(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
                   full_kv_num_blocks: Optional[torch.Tensor], full_kv_indices: Optional[torch.Tensor],
                   sparse_block: tuple, scale: float, has_score_mod: bool, rows: int, num_splits: Optional[int] = None,
-                  use_tma: Optional[bool] = None):
-    """Split-KV decoding (``module.flex_decode_kernel``) and the combine step; returns (out, lse) as
-    :func:`launch_forward` does. ``use_tma`` (kernel_options USE_TMA): tensor-descriptor loads where
+                  use_tma: Optional[bool] = None, max_scores: bool = False):
+    """Split-KV decoding (``module.flex_decode_kernel``) and the combine step; returns (out, lse, row maxima or None)
+    as :func:`launch_forward` does. ``use_tma`` (kernel_options USE_TMA): tensor-descriptor loads where
     :func:`tma_ok` allows; None: ``DECODE_TILES["use_tma"]``."""
     B, Hq, Lq, D = q.shape
     Hkv, Lkv, Dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -624,14 +624,16 @@ def launch_decode(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
     use_tma = tma_loads(use_tma, tiles.get("use_tma"), k, v)
     has_full = full_kv_num_blocks is not None
     plan = _decode_plan(q.device, B, Hq, Lq, D, Hkv, Lkv, Dv, tuple(sparse_block), rows, has_full, has_score_mod,
-                        num_splits, use_tma, cuda and torch.backends.cuda.matmul.allow_tf32, tuple(tiles.items()))
+                        num_splits, use_tma, cuda and torch.backends.cuda.matmul.allow_tf32, tuple(tiles.items()),
+                        max_scores)
     out_s = torch.empty((B, Hq, plan.num_splits, Lq, Dv), dtype=torch.float32, device=q.device)
     lse_s = torch.empty((B, Hq, plan.num_splits, Lq), dtype=torch.float32, device=q.device)
+    max_s = torch.empty_like(lse_s) if max_scores else lse_s  # (unused stand-in without max_scores)
     if not has_full:
         full_kv_num_blocks, full_kv_indices = kv_num_blocks, kv_indices
     nb, idx = kv_num_blocks.contiguous(), kv_indices.contiguous()
     full_nb, full_idx = full_kv_num_blocks.contiguous(), full_kv_indices.contiguous()
-    args = (q, k, v, out_s, lse_s, nb, idx, full_nb, full_idx,
+    args = (q, k, v, out_s, lse_s, max_s, nb, idx, full_nb, full_idx,
             *q.stride(), *k.stride(), *v.stride(), *_mask_strides(nb)[:2], *_mask_strides(idx)[:2],
             Hq, Hq // Hkv, Lq, Lkv, float(scale), plan.num_splits, *scalars_to(mod_args, q.device))
     grid = (plan.num_splits, plan.programs)
@@ -649,11 +651,13 @@ def launch_decode(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
             launch(grid, args)
         out = torch.empty((B, Hq, Lq, Dv), dtype=q.dtype, device=q.device)
         lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
+        row_max = torch.empty_like(lse) if max_scores else None
         launch = plan.combine_launch.get(combine)
         if launch is None:
             launch = plan.combine_launch[combine] = CompiledLaunch(combine, plan.combine)
-        launch((B * Hq * Lq,), (out_s, lse_s, out, lse, *out.stride(), Hq, Lq, plan.num_splits))
-    return out, lse
+        launch((B * Hq * Lq,), (out_s, lse_s, max_s, out, lse, lse if row_max is None else row_max, *out.stride(),
+                                Hq, Lq, plan.num_splits))
+    return out, lse, row_max
 
 
 def default_use_tma(dense: bool, D: int, Dv: int) -> bool:
