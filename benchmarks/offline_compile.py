@@ -165,10 +165,10 @@ def compile_forward(score_mod, block_mask, D: int, tile: tuple, use_tma: bool, L
 
 
 def compile_forward_ws(score_mod, block_mask, D: int, L: int = 1024, Lkv: Optional[int] = None, dtype=torch.bfloat16,
-                       heads: tuple = (2, 2), persistent: Optional[bool] = None):
+                       heads: tuple = (2, 2), persistent: Optional[bool] = None, max_scores: bool = False):
     """The compiled warp-specialized (Gluon) forward kernel for these mods at head dim ``D``, ``L`` queries and
     ``Lkv`` keys (default ``L``), ``heads`` = (query heads, kv heads); ``persistent``: with its persistent grid or
-    without (launch.WS_FWD_PERSISTENT; None: its default)."""
+    without (launch.WS_FWD_PERSISTENT; None: its default); ``max_scores``: storing the row maxima (STORE_MAX)."""
     Lkv = L if Lkv is None else Lkv
     q = torch.randn(1, heads[0], L, D, dtype=dtype)
     k, v = [torch.randn(1, heads[1], Lkv, D, dtype=dtype) for _ in range(2)]
@@ -181,7 +181,7 @@ def compile_forward_ws(score_mod, block_mask, D: int, L: int = 1024, Lkv: Option
     try:
         with offline_cuda() as compiled:
             launch.launch_forward_ws(module, kernel.mod_args(), q, k, v, num, idx, full_num, full_idx, sparse,
-                                     D ** -0.5, kernel.has_score_mod, dense=block_mask is None)
+                                     D ** -0.5, kernel.has_score_mod, dense=block_mask is None, max_scores=max_scores)
     finally:
         launch.WS_FWD_PERSISTENT = saved
     return compiled[-1]

@@ -100,7 +100,7 @@ def _check_aux(return_aux, return_lse: bool, kernel_options) -> None:
               f"(flexlite.AuxRequest or torch's); got {type(return_aux).__name__} {return_aux!r}", TypeError)
     if return_lse:
         _fail("return_lse=True and return_aux cannot be combined; pass return_aux=AuxRequest(lse=True) alone")
-    if return_aux.max_scores and (kernel_options or {}).get("WARP_SPECIALIZE"):
+    if return_aux.max_scores and (kernel_options or {}).get("WARP_SPECIALIZE") and not _launch.WS_FWD_MAX_SCORES:
         _fail("return_aux max_scores comes from the Triton forward and decode kernels; kernel_options "
               "WARP_SPECIALIZE=True picks the warp-specialized one: drop that option or the max_scores request",
               NotImplementedError)
@@ -326,7 +326,7 @@ _WS_UNCOMPILABLE: set = set()
 
 def _forward(query, key, value, score_mod, block_mask, scale, kernel_options, max_scores: bool = False):
     """(out, lse, row maxima or None): ``max_scores`` (return_aux) takes the Triton forward or the decode kernel,
-    which store them (not the warp-specialized one)."""
+    which store them, and the warp-specialized one only where :data:`launch.WS_FWD_MAX_SCORES` allows."""
     B, Hq, Lq, E = query.shape
     Lkv = key.shape[2]
     if B * Hq * Lq == 0 or Lkv == 0:
@@ -334,7 +334,7 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options, ma
         lse = torch.full((B, Hq, Lq), float("-inf"), dtype=torch.float32, device=query.device)
         return out, lse, lse.clone() if max_scores else None
     options = kernel_options or {}
-    if max_scores:
+    if max_scores and not _launch.WS_FWD_MAX_SCORES:
         options = {**options, "WARP_SPECIALIZE": False}
     num, idx, full_num, full_idx, sparse = _block_tensors(block_mask, Lq, Lkv, query.device)
     ws = _warp_specialize(query, key, value, block_mask, num, sparse, options)
@@ -342,7 +342,8 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options, ma
     template = "fwd_ws.py.jinja" if ws else "decode.py.jinja" if rows else "fwd.py.jinja"
     kernel = _generate(score_mod, block_mask, query.device, template, _float_index(template, Lq, Lkv))
     if ws and kernel.source in _WS_UNCOMPILABLE and not options.get("WARP_SPECIALIZE"):
-        return _forward(query, key, value, score_mod, block_mask, scale, {**options, "WARP_SPECIALIZE": False})
+        return _forward(query, key, value, score_mod, block_mask, scale, {**options, "WARP_SPECIALIZE": False},
+                        max_scores)
     check_captured(kernel.captured, query.device, "flex_attention")
     # also when decoding if tiles are pinned, so that bad pins are reported even where decoding ignores them
     if not (rows or ws) or any(k in options for k in CONFIG_KEYS):
@@ -358,8 +359,9 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options, ma
                              use_tma=_use_tma(options), max_scores=max_scores)
     if ws:
         try:
-            return (*launch_forward_ws(module, kernel.mod_args(), query, key, value, num, idx, full_num, full_idx,
-                                       sparse, scale, kernel.has_score_mod, dense=block_mask is None), None)
+            return launch_forward_ws(module, kernel.mod_args(), query, key, value, num, idx, full_num, full_idx,
+                                     sparse, scale, kernel.has_score_mod, dense=block_mask is None,
+                                     max_scores=max_scores)
         except Exception as e:  # noqa: BLE001 - only compiler failures are handled, the rest re-raised
             if not is_compile_error(e):
                 raise
@@ -369,7 +371,8 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options, ma
                                           f"({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}); leave "
                                           f"WARP_SPECIALIZE unset to run the Triton forward") from e
             _WS_UNCOMPILABLE.add(kernel.source)  # Triton's forward from now on (see the check above)
-            return _forward(query, key, value, score_mod, block_mask, scale, {**options, "WARP_SPECIALIZE": False})
+            return _forward(query, key, value, score_mod, block_mask, scale, {**options, "WARP_SPECIALIZE": False},
+                            max_scores)
     return launch_forward(module, kernel.mod_args(), query, key, value, num, idx, full_num, full_idx,
                           sparse, scale, kernel.has_score_mod, config, pinned=any(k in options for k in CONFIG_KEYS),
                           tune=autotune_enabled(options),

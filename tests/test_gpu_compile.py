@@ -114,6 +114,7 @@ FORWARD_WS = {
     "ALiBi (hoisted gather), ragged, D64": (generate_alibi_bias(2), "none", 64, 200, 333, (2, 2)),
     "causal, softcap with its factors folded, D128": (generate_tanh_softcap(30.0, approx=True), "causal", 128, L, L,
                                                       (2, 2)),
+    "causal, max_scores stored, D128": (None, "causal", 128, L, L, (2, 2)),
 }
 
 
@@ -123,8 +124,14 @@ def _compile_ws(case: str) -> dict:
     score_mod, mask, D, Lq, Lkv, heads = FORWARD_WS[case]
     offline = _offline()
     launch.FOLD_SCORE_SCALES = "folded" in case  # (a fresh process per compile)
-    kernel = offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads)
-    return {**_facts(kernel, offline), "loop_prmt": [loop["PRMT"] for loop in offline.sass_loops(kernel)]}
+    kernel = offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads,
+                                        max_scores="max_scores" in case)
+    facts = {**_facts(kernel, offline), "loops": offline.sass_loops(kernel),
+             "stores": kernel.asm["ptx"].count("st.global")}
+    if "max_scores" in case:  # and the same kernel without: what storing the maxima costs
+        plain = offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads)
+        facts.update(plain_loops=offline.sass_loops(plain), plain_stores=plain.asm["ptx"].count("st.global"))
+    return facts
 
 
 @pytest.mark.parametrize("case", list(FORWARD_WS))
@@ -143,7 +150,14 @@ def test_warp_specialized_forward_compiles_for_sm90(case):
     assert facts["shared"] <= 232448
     # P crosses the walk's iterations in fp32: carried as 16-bit values through its two loops it was split into
     # scalars and repacked with 33-64 PRMTs per tile and loop (benchmarks/NOTES.md 57)
-    assert facts["loop_prmt"] and max(facts["loop_prmt"]) < 8, facts["loop_prmt"]
+    prmt = [loop["PRMT"] for loop in facts["loops"]]
+    assert prmt and max(prmt) < 8, prmt
+    if "max_scores" in case:
+        # return_aux max_scores (launch.WS_FWD_MAX_SCORES): more stores; the consumers' tile loops unchanged, the
+        # loops around whole items (the persistent grid's) a store and its address longer (22 instructions offline)
+        assert facts["stores"] > facts["plain_stores"]
+        growth = [a["instructions"] - b["instructions"] for a, b in zip(facts["loops"], facts["plain_loops"])]
+        assert len(facts["loops"]) == len(facts["plain_loops"]) and growth.count(0) >= 4 and max(growth) <= 32, growth
 
 
 # the warp-specialized (Gluon) dK / dV kernel: (score_mod, mask, head dim, (query heads, kv heads), options of

@@ -392,8 +392,8 @@ def test_the_gluon_forward_grid_is_a_program_per_q_block_or_one_per_sm(monkeypat
     n_qblocks = -(-shape[3] // 128)
     assert grid == (programs,) and kwargs["PERSISTENT"] == (programs == 5)
     assert kwargs["HOST_DESC"] == (shape[3] % 128 == 0)
-    # N_WORK and NQB: after q, k, v, out, 4 descriptors, lse, 4 block lists and 18 strides
-    assert args[9 + 4 + 18:9 + 4 + 18 + 2] == (2 * 4 * n_qblocks, n_qblocks)
+    # N_WORK and NQB: after q, k, v, out, 4 descriptors, lse, max_scores, 4 block lists and 18 strides
+    assert args[10 + 4 + 18:10 + 4 + 18 + 2] == (2 * 4 * n_qblocks, n_qblocks) and not kwargs["STORE_MAX"]
 
 
 def test_the_fused_dq_needs_the_tma_reduce_op(monkeypatch):
@@ -403,6 +403,36 @@ def test_the_fused_dq_needs_the_tma_reduce_op(monkeypatch):
     assert launch._gluon_tma_reduce_available.__wrapped__()  # Triton 3.6, as pinned
     monkeypatch.delattr(gluon_ir.GluonOpBuilder, "create_async_tma_reduce")
     assert not launch._gluon_tma_reduce_available.__wrapped__()
+
+
+@pytest.mark.parametrize("allowed", [False, True], ids=["not allowed", "allowed"])
+def test_max_scores_take_the_gluon_forward_only_where_allowed(monkeypatch, allowed):
+    """return_aux max_scores: the warp-specialized forward stores them (STORE_MAX) only with
+    launch.WS_FWD_MAX_SCORES; without it the call runs the Triton forward (here the Gluon kernel's launch is a
+    stand-in: it runs on a Hopper GPU only, see test_max_scores_from_the_gluon_forward)."""
+    import flexlite.api as api
+    from flexlite import AuxRequest
+
+    calls = []
+
+    def gluon_launch(*args, **kwargs):
+        calls.append(kwargs)
+        q = args[2]
+        rows = torch.full(q.shape[:3], 7.0, device=q.device)
+        return q.new_zeros(q.shape), rows, rows.clone() if kwargs["max_scores"] else None
+    monkeypatch.setattr(launch, "WS_FWD_MAX_SCORES", allowed)
+    monkeypatch.setattr(api, "_warp_specialize", lambda *args: args[-1].get("WARP_SPECIALIZE") is not False)
+    monkeypatch.setattr(api, "launch_forward_ws", gluon_launch)
+    q, k, v = rand_qkv(1, 2, 2, 64, 64, 16)
+    out, aux = flex_attention(q, k, v, return_aux=AuxRequest(max_scores=True))
+    if allowed:
+        assert [c["max_scores"] for c in calls] == [True]
+        assert torch.equal(aux.max_scores, torch.full_like(aux.max_scores, 7.0))
+    else:
+        assert calls == []
+        assert_close(aux.max_scores, attention_reference(q, k, v, return_max=True)[2], 2e-5, 2e-5)
+    flex_attention(q, k, v)
+    assert [c["max_scores"] for c in calls] == [True] * allowed + [False]
 
 
 if ON_HOPPER:
@@ -436,6 +466,39 @@ if ON_HOPPER:
             facts = launch._device_facts(torch.device(DEVICE))
             monkeypatch.setattr(launch, "_device_facts", lambda device: (3, facts[1]))
         run_case(name, shape, dtype, kernel_options={"WARP_SPECIALIZE": True})
+
+    @pytest.mark.parametrize("shape, grid", WS_FORWARD_RUNS)
+    @pytest.mark.parametrize("name", ["fully_masked_rows", "softcap_causal", "alibi_causal", "document"])
+    def test_max_scores_from_the_gluon_forward(monkeypatch, name, shape, grid):
+        # launch.WS_FWD_MAX_SCORES (off until this has passed on a GPU): return_aux max_scores stored by the
+        # warp-specialized forward are the reference's, and out / lse are what the kernel gives without them
+        import flexlite.api as api
+        from flexlite import AuxRequest
+        from helpers import LSE_TOLERANCES
+
+        monkeypatch.setattr(launch, "WS_FWD_MAX_SCORES", True)
+        monkeypatch.setattr(launch, "WS_FWD_PERSISTENT", grid == "persistent")
+        if grid == "persistent":
+            facts = launch._device_facts(torch.device(DEVICE))
+            monkeypatch.setattr(launch, "_device_facts", lambda device: (3, facts[1]))
+        ran = []
+        real_launch = api.launch_forward_ws
+        monkeypatch.setattr(api, "launch_forward_ws",
+                            lambda *a, **kw: ran.append(kw["max_scores"]) or real_launch(*a, **kw))
+        B, Hq, Hkv, Lq, Lkv, D = shape
+        case = CATALOG[name](B, Hq, Lq, Lkv, DEVICE)
+        q, k, v = rand_qkv(B, Hq, Hkv, Lq, Lkv, D, dtype=torch.bfloat16, seed=17)
+        bm = None if case.mask_mod is None else create_block_mask(case.mask_mod, None, None, Lq, Lkv, device=DEVICE)
+        options = {"WARP_SPECIALIZE": True}
+        out, aux = flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm, enable_gqa=Hq != Hkv,
+                                  kernel_options=options, return_aux=AuxRequest(lse=True, max_scores=True))
+        plain, lse = flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm, enable_gqa=Hq != Hkv,
+                                    kernel_options=options, return_lse=True)
+        ref_max = attention_reference(q, k, v, score_mod=case.score_mod, block_mask=bm, enable_gqa=Hq != Hkv,
+                                      return_max=True)[2]
+        assert ran == [True, False]
+        assert torch.equal(out, plain) and torch.equal(aux.lse, lse)
+        assert_close(aux.max_scores, ref_max, *LSE_TOLERANCES[torch.bfloat16], name="max_scores")
 
     @pytest.mark.parametrize("fold", [True, False], ids=["folded", "in the mod"])
     @pytest.mark.parametrize("D", [128, 64])

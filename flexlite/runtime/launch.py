@@ -263,6 +263,9 @@ WS_DEVICE_DESC_HEAD_DIMS = frozenset({128})
 # -1.8 to -3.4 %; q blocks claimed from a counter in their order measured no better); False: a program per q block
 WS_FWD_PERSISTENT = True
 WS_MIN_WALK_KEYS = 2048
+# return_aux max_scores from the warp-specialized forward too (its STORE_MAX); False: such calls run the Triton
+# forward. Off until its GPU tests have run (written without a GPU: compiled offline for sm_90a only)
+WS_FWD_MAX_SCORES = False
 
 
 # what fwd_ws.py.jinja and launch_forward_ws use of Gluon (Triton 3.6's names): where one is missing (an older or
@@ -362,14 +365,16 @@ def _ws_smem_layout(rows: int, D: int, dtype: torch.dtype):
 
 def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
                       full_kv_num_blocks: Optional[torch.Tensor], full_kv_indices: Optional[torch.Tensor],
-                      sparse_block: tuple, scale: float, has_score_mod: bool, dense: bool = False):
+                      sparse_block: tuple, scale: float, has_score_mod: bool, dense: bool = False,
+                      max_scores: bool = False):
     """Run ``module.flex_fwd_ws_kernel`` (the warp-specialized forward; the inputs must pass
-    :func:`ws_forward_unmet`); returns out [B, Hq, Lq, D] (q.dtype) and lse [B, Hq, Lq] fp32, as
-    :func:`launch_forward`."""
+    :func:`ws_forward_unmet`); returns out [B, Hq, Lq, D] (q.dtype), lse [B, Hq, Lq] fp32 and the row maxima (or
+    None), as :func:`launch_forward`."""
     B, Hq, Lq, D = q.shape
     Hkv, Lkv = k.shape[1], k.shape[2]
     out = torch.empty((B, Hq, Lq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
+    row_max = torch.empty_like(lse) if max_scores else None
     blocks, block_strides, has_full = _block_args(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
     tiles = WS_TILES[D]
     host_desc = ws_host_descriptors(q, k, v, sparse_block)
@@ -386,13 +391,14 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
     persistent = WS_FWD_PERSISTENT and host_desc
     programs = min(work, _device_facts(q.device)[0]) if persistent else work
     module.flex_fwd_ws_kernel[(programs,)](
-        q, k, v, out, *descs, lse, *blocks, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        q, k, v, out, *descs, lse, lse if row_max is None else row_max, *blocks, *q.stride()[:3], *k.stride()[:3],
+        *v.stride()[:3], *out.stride()[:3],
         *block_strides, work, n_qblocks, Hq, Hq // Hkv, Lq, Lkv, float(scale), *scalars_to(mod_args, q.device),
         BLOCK_M=WS_BLOCK_M, D=D, SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1],
         EVEN_M=Lq % WS_BLOCK_M == 0, EVEN_N=Lkv % sparse_block[1] == 0, HAS_FULL_BLOCKS=has_full,
         HAS_SCORE_MOD=has_score_mod, REVERSE_M=REVERSE_Q_BLOCKS, DENSE=dense, HOST_DESC=host_desc,
-        PERSISTENT=persistent, **tiles, num_warps=4)
-    return out, lse
+        PERSISTENT=persistent, STORE_MAX=max_scores, **tiles, num_warps=4)
+    return out, lse, row_max
 
 
 # the warp-specialized dK / dV kernel (bwd_ws.py.jinja, Gluon, Hopper): keys per program (two consumer warpgroups of
