@@ -722,7 +722,8 @@ def flex_attention(
             ``return_lse``, ``max_scores=True`` for each query row's largest score after score_mod and masking
             [B, Hq, Lq] (fp32, natural units, not differentiable; -inf where every key is masked). max_scores
             comes from the Triton forward and decode kernels (on Hopper at D64 / D128 not the faster
-            warp-specialized forward) and cannot be combined with ``kernel_options`` ``WARP_SPECIALIZE=True``.
+            warp-specialized forward, unless ``launch.WS_FWD_MAX_SCORES``) and cannot be combined with
+            ``kernel_options`` ``WARP_SPECIALIZE=True`` (the same exception).
 
     Returns:
         out [B, Hq, Lq, Ev] in the input dtype, and ``lse`` if ``return_lse``; with ``return_aux``,
