@@ -392,8 +392,8 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
     programs = min(work, _device_facts(q.device)[0]) if persistent else work
     module.flex_fwd_ws_kernel[(programs,)](
         q, k, v, out, *descs, lse, lse if row_max is None else row_max, *blocks, *q.stride()[:3], *k.stride()[:3],
-        *v.stride()[:3], *out.stride()[:3],
-        *block_strides, work, n_qblocks, Hq, Hq // Hkv, Lq, Lkv, float(scale), *scalars_to(mod_args, q.device),
+        *v.stride()[:3], *out.stride()[:3], *block_strides, work, n_qblocks, Hq, Hq // Hkv, Lq, Lkv, float(scale),
+        *scalars_to(mod_args, q.device),
         BLOCK_M=WS_BLOCK_M, D=D, SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1],
         EVEN_M=Lq % WS_BLOCK_M == 0, EVEN_N=Lkv % sparse_block[1] == 0, HAS_FULL_BLOCKS=has_full,
         HAS_SCORE_MOD=has_score_mod, REVERSE_M=REVERSE_Q_BLOCKS, DENSE=dense, HOST_DESC=host_desc,
