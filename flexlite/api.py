@@ -106,6 +106,22 @@ def _check_aux(return_aux, return_lse: bool, kernel_options) -> None:
               NotImplementedError)
 
 
+def _resolve_backend(kernel_options):
+    """torch's kernel_options ``BACKEND`` as flexlite's ``DECODE`` (:data:`launch.BACKENDS`); a bad value, or one
+    combined with DECODE or FORCE_USE_FLEX_ATTENTION (which torch refuses too), is a ValueError."""
+    if not isinstance(kernel_options, dict) or "BACKEND" not in kernel_options:
+        return kernel_options
+    backend = kernel_options["BACKEND"]
+    if backend not in _launch.BACKENDS:
+        _fail(f"kernel_options BACKEND must be one of {list(_launch.BACKENDS)}; got {backend!r}")
+    both = [k for k in ("DECODE", "FORCE_USE_FLEX_ATTENTION") if k in kernel_options]
+    if both:
+        _fail(f"kernel_options BACKEND cannot be combined with {both[0]} (torch refuses the legacy knobs beside "
+              f"it too): keep one")
+    decode = _launch.BACKENDS[backend]
+    return kernel_options if decode is None else {**kernel_options, "DECODE": decode}
+
+
 def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, return_lse=False,
               return_aux=None):
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -620,14 +636,14 @@ def _warp_specialize_backward(query, key, value, sparse, options) -> bool:
 def _decode_rows(query, key, num_blocks, sparse, options) -> int:
     """Query heads per decode program, or 0 for the regular forward kernel. Short queries (<= 64, all in
     the block mask's first q block) over any KV use split-KV decoding unless ``kernel_options`` says
-    ``DECODE=False`` (or torch's ``FORCE_USE_FLEX_ATTENTION=True``, or pinned tiles); ``DECODE=True``
-    insists."""
+    ``DECODE=False`` (or torch's ``FORCE_USE_FLEX_ATTENTION=True`` or ``BACKEND="TRITON"``, or pinned tiles);
+    ``DECODE=True`` (torch's ``BACKEND="TRITON_DECODE"``) insists."""
     rows = decode_rows(query, key, sparse, num_blocks.shape[1])
     pinned_tiles = any(k in options for k in CONFIG_KEYS)  # a pinned tile config means the regular kernel
     wanted = options.get("DECODE", not (options.get("FORCE_USE_FLEX_ATTENTION", False) or pinned_tiles))
     if options.get("DECODE") and not rows:
-        _fail(f"kernel_options DECODE=True needs at most 64 queries, all in the block mask's first q block "
-              f"(query length {query.shape[2]}, BLOCK_SIZE {sparse})")
+        _fail(f"kernel_options DECODE=True (or torch's BACKEND='TRITON_DECODE') needs at most 64 queries, all in the "
+              f"block mask's first q block (query length {query.shape[2]}, BLOCK_SIZE {sparse})")
     return rows if wanted else 0
 
 
@@ -716,7 +732,8 @@ def flex_attention(
             once per kernel / dtype / head dim / length bucket, cached on disk); ``USE_TMA`` (the walked tiles
             through Hopper tensor descriptors, forward and backward; default: only without a block mask);
             ``DECODE`` / ``DECODE_SPLITS`` (force or forbid the split-KV kernel that queries of length <= 64
-            use by default, and pin its split count).
+            use by default, and pin its split count); torch's ``BACKEND``: ``"TRITON_DECODE"`` as ``DECODE=True``,
+            ``"TRITON"`` as ``DECODE=False``, ``"AUTO"`` and ``"FLASH"`` flexlite's choice.
 
         return_aux: an :class:`AuxRequest` (flexlite's or torch's): ``lse=True`` for the log-sum-exp as
             ``return_lse``, ``max_scores=True`` for each query row's largest score after score_mod and masking
@@ -743,6 +760,7 @@ def flex_attention(
     backpropagate it, in a fixed order.
     """
     query, key, value = _autocast_inputs(query, key, value)
+    kernel_options = _resolve_backend(kernel_options)
     if is_torch_block_mask(block_mask):  # built with torch's create_block_mask: the same tensors, as they are
         block_mask = from_torch_block_mask(block_mask)
     _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, return_lse, return_aux)

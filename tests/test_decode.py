@@ -59,10 +59,32 @@ def test_short_queries_pick_decode_and_match_the_regular_kernel():
     assert torch.equal(regular, torch_flag)
 
 
+@pytest.mark.parametrize("backend, decodes", [("TRITON_DECODE", True), ("TRITON", False), ("AUTO", True),
+                                               ("FLASH", True)])
+def test_torch_backend_option_picks_the_kernel(monkeypatch, backend, decodes):
+    """torch's kernel_options BACKEND: "TRITON_DECODE" is DECODE=True, "TRITON" DECODE=False, "AUTO" and "FLASH"
+    flexlite's choice (decoding, for these 3 queries); the output is that of the DECODE setting; bad values and
+    combinations with DECODE / FORCE_USE_FLEX_ATTENTION are refused, as torch does."""
+    import flexlite.api as api
+    ran = []
+    real = api.launch_decode
+    monkeypatch.setattr(api, "launch_decode", lambda *a, **kw: ran.append(True) or real(*a, **kw))
+    q, k, v = rand_qkv(1, 4, 2, 3, 300, 32)
+    out = flex_attention(q, k, v, enable_gqa=True, kernel_options={"BACKEND": backend})
+    assert ran == [True] * decodes
+    assert torch.equal(out, flex_attention(q, k, v, enable_gqa=True, kernel_options={"DECODE": decodes}))
+    with pytest.raises(ValueError, match=r"BACKEND must be one of \['AUTO', 'TRITON', 'TRITON_DECODE', 'FLASH'\]"):
+        flex_attention(q, k, v, enable_gqa=True, kernel_options={"BACKEND": backend.lower()})
+    for other in ("DECODE", "FORCE_USE_FLEX_ATTENTION"):
+        with pytest.raises(ValueError, match=f"BACKEND cannot be combined with {other}"):
+            flex_attention(q, k, v, enable_gqa=True, kernel_options={"BACKEND": backend, other: True})
+
+
 def test_decode_refuses_long_queries():
     q, k, v = rand_qkv(1, 1, 1, 100, 100, 16)
-    with pytest.raises(ValueError, match="DECODE=True needs at most 64 queries"):
-        flex_attention(q, k, v, kernel_options={"DECODE": True})
+    for options in ({"DECODE": True}, {"BACKEND": "TRITON_DECODE"}):
+        with pytest.raises(ValueError, match=r"DECODE=True \(or torch's BACKEND='TRITON_DECODE'\) needs at most 64"):
+            flex_attention(q, k, v, kernel_options=options)
 
 
 def test_rows_no_split_sees_are_zero_with_lse_minus_inf():

@@ -24,11 +24,14 @@ from .compile import interpreter_scope
 # kernel_options keys of torch's FlexAttention that only tune performance there; accepted, no effect
 TORCH_PERF_HINTS = frozenset({
     "PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "OUTPUT_LOGSUMEXP", "OUTPUT_MAX", "WRITE_DQ",
-    "BACKEND", "fwd_num_warps", "fwd_num_stages", "kpack", "matrix_instr_nonkdim", "waves_per_eu"})
+    "fwd_num_warps", "fwd_num_stages", "kpack", "matrix_instr_nonkdim", "waves_per_eu"})
 # kernel_options keys with a meaning in flexlite besides the tile config (BLOCK_M1..N2: backward tiles)
 FLEXLITE_OPTIONS = frozenset({"AUTOTUNE", "USE_TMA", "DETERMINISTIC_CAPTURED_GRADS", "DECODE", "DECODE_SPLITS",
                               "FORCE_USE_FLEX_ATTENTION", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2",
-                              "WARP_SPECIALIZE"})
+                              "WARP_SPECIALIZE", "BACKEND"})
+# torch's kernel_options BACKEND values, as flexlite's DECODE: "TRITON" its attention kernel, "TRITON_DECODE" its
+# decoding one; "AUTO" and "FLASH" (torch's CuTe kernel) flexlite's choice
+BACKENDS = {"AUTO": None, "TRITON": False, "TRITON_DECODE": True, "FLASH": None}
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
 # the forward and dQ kernels take their q blocks last to first (the heaviest first under causal-like masks;
 # benchmarks/NOTES.md 23); False: first to last
