@@ -124,8 +124,8 @@ AUX_SHAPES = [
 @pytest.mark.parametrize("shape", AUX_SHAPES)
 @pytest.mark.parametrize("name", ["full", "fully_masked_rows", "softcap_causal", "alibi_causal", "document"])
 def test_return_aux_max_scores_and_lse(name, shape, dtype):
-    """return_aux=AuxRequest(lse=True, max_scores=True): the row max after score_mod and masking (-inf on fully
-    masked rows) and the LSE, both the reference's; out as without it; torch's AuxRequest accepted as well."""
+    """return_aux=AuxRequest(lse=True, max_scores=True): out, the LSE and the row max after score_mod and masking
+    (-inf on fully masked rows) are the reference's, through the Triton forward and (one query) the decode kernel."""
     B, Hq, Hkv, Lq, Lkv, D = shape
     case = CATALOG[name](B, Hq, Lq, Lkv, DEVICE)
     q, k, v = rand_qkv(B, Hq, Hkv, Lq, Lkv, D, dtype=dtype, seed=hash((name, shape)) % 1000)
