@@ -11,13 +11,13 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from ._vmap import index_vectors, vmap_bhqkv
-from .block_mask import (BlockMask, check_device, check_mod_output, from_torch_block_mask, is_torch_block_mask,
-                         on_device, opaque_to_compile, q_sides)
+from .block_mask import BlockMask, check_device, check_mod_output, from_torch_block_mask, is_torch_block_mask, q_sides
 from .codegen.kernel import GeneratedKernel, generate, generate_backward
 from .codegen.lower import FLOAT32_EXACT_INT
 from .codegen.trace import check_arity, trace_mod
 from .runtime.compile import load_module, write_source
 from .runtime import launch as _launch
+from .runtime.guards import on_device, opaque_to_compile
 from .runtime.autotune import autotune_enabled
 from .runtime.launch import (BACKWARD_CONFIG_KEYS, CONFIG_KEYS, FLEXLITE_OPTIONS, TORCH_PERF_HINTS,
                              backward_config, cdiv, decode_rows, forward_config, head_dim_pad, is_host_scalar,

@@ -29,12 +29,10 @@ pass, is its transpose (``q_num_blocks [B, H, nKV]``, ``q_indices [B, H, nKV, nQ
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import numbers
 import operator
-import sys
 from typing import Callable, Optional, Union
 
 import torch
@@ -44,6 +42,7 @@ from torch import Tensor
 
 from ._vmap import index_vectors, vmap_bhqkv
 from .codegen.trace import UntraceableModError, check_arity, positional_arity, trace_mod
+from .runtime.guards import on_device, opaque_to_compile
 from .runtime.launch import cdiv
 
 __all__ = ["BlockMask", "create_block_mask", "create_mask", "and_masks", "or_masks", "noop_mask"]
@@ -733,15 +732,6 @@ def _chunks(B: int, H: int, n_q: int, n_kv: int, bq: int, bkv: int, KV_LEN: int)
                 yield b, h, r, c
 
 
-def on_device(device: torch.device):
-    """A context making ``device`` the current CUDA device where it is not (Triton launches on the current device and
-    its stream, whatever device the arguments are on: cuda:1 tensors with cuda:0 current would run on the wrong GPU);
-    nothing to do for CPU tensors or the current GPU."""
-    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
-        return torch.cuda.device(device)
-    return contextlib.nullcontext()
-
-
 def is_torch_block_mask(block_mask) -> bool:
     """Whether ``block_mask`` is torch's ``torch.nn.attention.flex_attention.BlockMask`` (by name: no import)."""
     cls = type(block_mask)
@@ -772,24 +762,6 @@ def from_torch_block_mask(block_mask) -> BlockMask:
                           mask_mod=block_mask.mask_mod if block_mask.mask_mod is not None else noop_mask)
     block_mask._flexlite_block_mask = (key, converted)
     return converted
-
-
-def opaque_to_compile(fn: Callable) -> Callable:
-    """``fn`` run as it is inside torch.compile: a graph break, then eager (Dynamo would trace into Triton's launcher,
-    or its interpreter on CPU, and fail). Also for ``torch.compile(fn)`` itself, the attention-gym habit:
-    torch.compile unwraps a torch.compiler.disable wrapper it is handed, not one it meets inside a function. The
-    disabled function is made once Dynamo is loaded (nothing compiles before): made up front, torch.compiler.disable
-    imports Dynamo and ``import flexlite`` took 1 s longer."""
-    disabled = []
-
-    @functools.wraps(fn)
-    def opaque(*args, **kwargs):
-        if "torch._dynamo" not in sys.modules:
-            return fn(*args, **kwargs)
-        if not disabled:
-            disabled.append(torch.compiler.disable(fn))
-        return disabled[0](*args, **kwargs)
-    return opaque
 
 
 @opaque_to_compile  # Dynamo would trace into the mask kernel's launch

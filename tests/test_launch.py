@@ -250,7 +250,7 @@ def test_kernels_launch_on_the_inputs_gpu(monkeypatch):
     import flexlite.block_mask as block_mask
     import flexlite.kernels.matmul as matmul
     from flexlite import create_block_mask, flex_attention
-    from flexlite.block_mask import on_device
+    from flexlite.runtime.guards import on_device
     from flexlite.kernels import triton_matmul
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)

@@ -16,8 +16,8 @@ from typing import Optional
 
 import torch
 
-from ..block_mask import on_device
 from ..runtime.compile import import_kernel_file, interpreter_scope
+from ..runtime.guards import on_device
 from ..runtime.launch import cdiv
 from ..utils.gpu import GPUCapabilities, detect_gpu
 

@@ -1,0 +1,38 @@
+"""What every public entry point that launches kernels wraps its work in: the inputs' GPU made current
+(:func:`on_device`) and opacity to torch.compile (:func:`opaque_to_compile`)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from typing import Callable
+
+import torch
+
+
+def on_device(device: torch.device):
+    """A context making ``device`` the current CUDA device where it is not (Triton launches on the current device and
+    its stream, whatever device the arguments are on: cuda:1 tensors with cuda:0 current would run on the wrong GPU);
+    nothing to do for CPU tensors or the current GPU."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+def opaque_to_compile(fn: Callable) -> Callable:
+    """``fn`` run as it is inside torch.compile: a graph break, then eager (Dynamo would trace into Triton's launcher,
+    or its interpreter on CPU, and fail). Also for ``torch.compile(fn)`` itself, the attention-gym habit:
+    torch.compile unwraps a torch.compiler.disable wrapper it is handed, not one it meets inside a function. The
+    disabled function is made once Dynamo is loaded (nothing compiles before): made up front, torch.compiler.disable
+    imports Dynamo and ``import flexlite`` took 1 s longer."""
+    disabled = []
+
+    @functools.wraps(fn)
+    def opaque(*args, **kwargs):
+        if "torch._dynamo" not in sys.modules:
+            return fn(*args, **kwargs)
+        if not disabled:
+            disabled.append(torch.compiler.disable(fn))
+        return disabled[0](*args, **kwargs)
+    return opaque
