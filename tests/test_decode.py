@@ -196,3 +196,41 @@ def test_repeated_decode_steps_match_the_reference():
         out = flex_attention(q, k, v, score_mod=alibi, enable_gqa=True)
         ref, _ = attention_reference(q, k, v, score_mod=alibi, enable_gqa=True)
         assert_close(out, ref, *TOLERANCES[torch.float32])
+
+
+def test_torch_paged_attention_runs_as_it_is():
+    """torch's experimental PagedAttention (attention-gym's): sequences of several lengths in one paged KV cache of
+    batch 1, a decode step's queries through its physical BlockMask and its page-translating mask_mod / score_mod
+    (torch's BlockMask, batch-1 key / value): each sequence's output is the reference over its own keys."""
+    from torch.nn.attention.experimental._paged_attention import PagedAttention
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+    B, H, D, page, n_pages = 3, 2, 16, 32, 24
+    lengths = [100, 37, 200]
+    paged = PagedAttention(n_pages, page, B, device=DEVICE)
+    k_cache = torch.zeros(1, H, n_pages * page, D, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    keys = []
+    for b, n in enumerate(lengths):
+        k, v = rand_qkv(1, H, H, n, n, D, seed=b)[1:]
+        paged.reserve(torch.tensor(b, device=DEVICE), torch.tensor(n, device=DEVICE))
+        paged.assign(torch.tensor([b], device=DEVICE), torch.arange(n, device=DEVICE)[None], k, v, k_cache, v_cache)
+        keys.append((k, v))
+    q = rand_qkv(B, H, H, 1, 1, D, seed=7)[0]
+    last = torch.tensor(lengths, device=DEVICE) - 1
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= last[b] + q_idx
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score - 0.01 * (last[b] + q_idx - kv_idx) * (h + 1)
+
+    logical = torch_create_block_mask(causal, B, 1, 1, 256, device=DEVICE, BLOCK_SIZE=(32, page))
+    physical = paged.convert_logical_block_mask(logical)
+    physical.mask_mod = paged.get_mask_mod(causal)
+    out = flex_attention(q, k_cache, v_cache, block_mask=physical, score_mod=paged.get_score_mod(bias))
+    for b, (k, v) in enumerate(keys):
+        def own_bias(score, b_, h, q_idx, kv_idx, b=b):  # sequence b alone: its batch index is 0 here
+            return bias(score, b, h, q_idx, kv_idx)
+        ref = attention_reference(q[b:b + 1], k, v, score_mod=own_bias)[0]
+        assert_close(out[b:b + 1], ref, *TOLERANCES[torch.float32], name=f"sequence {b}")
