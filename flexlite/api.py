@@ -17,7 +17,7 @@ from .codegen.lower import FLOAT32_EXACT_INT
 from .codegen.trace import check_arity, trace_mod
 from .runtime.compile import load_module, write_source
 from .runtime import launch as _launch
-from .runtime.guards import on_device, opaque_to_compile
+from .runtime.guards import autocast_on, opaque_to_compile, work_scope
 from .runtime.autotune import autotune_enabled
 from .runtime.launch import (BACKWARD_CONFIG_KEYS, CONFIG_KEYS, FLEXLITE_OPTIONS, TORCH_PERF_HINTS,
                              backward_config, cdiv, decode_rows, forward_config, head_dim_pad, is_host_scalar,
@@ -672,8 +672,7 @@ class FlexAttentionFunction(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse, grad_max=None):
         query, key, value, out, lse, *captured = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        # a backward called under torch.autocast: its torch ops as written; kernels go to q's GPU
-        with _no_autocast(query.device.type), on_device(query.device):
+        with work_scope(query, autocast_on(query)):  # q's GPU current; a backward under autocast: ops as written
             dq, dk, dv, dcaptured = _backward(
                 query, key, value, out, lse, grad_out, grad_lse, ctx.score_mod, ctx.block_mask, ctx.scale,
                 ctx.kernel_options, captured, need_dq=needs[0], need_captured=tuple(needs[8:]))
@@ -681,19 +680,10 @@ class FlexAttentionFunction(torch.autograd.Function):
                 None, None, None, None, None, *dcaptured)
 
 
-def _no_autocast(device_type: str):
-    """A context with torch.autocast off for ``device_type`` where it is on (no cost where it is off)."""
-    if torch.is_autocast_enabled(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
-
-
 def _autocast_inputs(query, key, value) -> tuple:
-    """Under torch.autocast for the inputs' device type, query / key / value in its dtype, as torch's flex_attention
-    (autocast's rule: floating tensors on that device but float64; the casts are differentiable); else as they are."""
-    device_type = query.device.type if isinstance(query, torch.Tensor) else None
-    if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
-        return query, key, value
+    """Under torch.autocast for query's device type, query / key / value in its dtype, as torch's flex_attention
+    (autocast's rule: floating tensors on that device but float64; the casts are differentiable)."""
+    device_type = query.device.type
     dtype = torch.get_autocast_dtype(device_type)
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
                  and t.device.type == device_type else t for t in (query, key, value))
@@ -759,7 +749,9 @@ def flex_attention(
     B*Hq = 16 heads of 2048 x 512) and torch re-runs score_mod over chunks of about 2**24 scores to
     backpropagate it, in a fixed order.
     """
-    query, key, value = _autocast_inputs(query, key, value)
+    autocast = isinstance(query, torch.Tensor) and autocast_on(query)
+    if autocast:
+        query, key, value = _autocast_inputs(query, key, value)
     kernel_options = _resolve_backend(kernel_options)
     if is_torch_block_mask(block_mask):  # built with torch's create_block_mask: the same tensors, as they are
         block_mask = from_torch_block_mask(block_mask)
@@ -769,8 +761,7 @@ def flex_attention(
     if key.shape[0] != query.shape[0]:  # batch-1 key / value shared by the batch: a stride-0 view, no copy; their
         key, value = (t.expand(query.shape[0], *t.shape[1:]) for t in (key, value))  # gradients summed by autograd
     max_scores = return_aux is not None and return_aux.max_scores
-    # under autocast the inputs are cast (above) and the torch ops inside stay as written; kernels go to q's GPU
-    with _no_autocast(query.device.type), on_device(query.device):
+    with work_scope(query, autocast):  # q's GPU current; under autocast (the inputs cast above) the ops as written
         out, lse, row_max = _attention(query, key, value, score_mod, block_mask, float(scale), kernel_options,
                                        max_scores)
     if return_aux is not None:

@@ -241,16 +241,16 @@ def test_flex_attention_tells_the_backward_heuristic_whether_a_mod_gathers(monke
 
 
 def test_kernels_launch_on_the_inputs_gpu(monkeypatch):
-    """Triton launches on the current CUDA device: on_device makes the inputs' GPU current where it is not (cuda:1
-    tensors while cuda:0 is current) and does nothing for the current GPU or CPU tensors; flex_attention's forward
-    and backward, create_block_mask and triton_matmul all launch inside it, for their inputs' device."""
+    """Triton launches on the current CUDA device: on_device / work_scope make the inputs' GPU current where it is not
+    (cuda:1 tensors while cuda:0 is current) and do nothing for the current GPU or CPU tensors; flex_attention's
+    forward and backward, create_block_mask and triton_matmul all launch inside them, for their inputs' device."""
     import contextlib
 
     import flexlite.api as api
     import flexlite.block_mask as block_mask
     import flexlite.kernels.matmul as matmul
     from flexlite import create_block_mask, flex_attention
-    from flexlite.runtime.guards import on_device
+    from flexlite.runtime.guards import on_device, work_scope
     from flexlite.kernels import triton_matmul
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -258,14 +258,22 @@ def test_kernels_launch_on_the_inputs_gpu(monkeypatch):
     assert isinstance(switch, torch.cuda.device) and switch.idx == 1
     assert isinstance(on_device(torch.device("cuda", 0)), contextlib.nullcontext)
     assert isinstance(on_device(torch.device("cpu")), contextlib.nullcontext)
+    cpu = torch.zeros(1)
+    assert isinstance(work_scope(cpu, False), contextlib.nullcontext)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with work_scope(cpu, True):  # under autocast (the inputs cast already): autocast off inside
+            assert not torch.is_autocast_enabled("cpu")
+        assert torch.is_autocast_enabled("cpu")
 
     seen = []
 
     def spy(device):
         seen.append(torch.device(device).type)
         return contextlib.nullcontext()
-    for module in (api, block_mask, matmul):
+    for module in (block_mask, matmul):
         monkeypatch.setattr(module, "on_device", spy)
+    # flex_attention's forward and backward: work_scope (on_device's switch, and autocast off under autocast)
+    monkeypatch.setattr(api, "work_scope", lambda tensor, autocast: spy(tensor.device))
     bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 32, 32, device=DEVICE)
     q, k, v = (t.requires_grad_() for t in rand_qkv(1, 1, 1, 32, 32, 16))
     flex_attention(q, k, v, block_mask=bm).sum().backward()
