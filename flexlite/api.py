@@ -208,12 +208,17 @@ def _validate_block_mask(block_mask, query, key):
               f"(kv_num_blocks / kv_indices) but its seq_lengths ({mq}, {mkv}) need {cdiv(Lq, bq)} x "
               f"{cdiv(Lkv, bkv)}: a BlockMask sliced over q blocks keeps the original seq_lengths; set "
               f"block_mask.seq_lengths to the lengths its blocks cover, or rebuild it with create_block_mask")
-    for name in BlockMask._TENSOR_ATTRS:
-        t = getattr(block_mask, name)
-        if t is not None and _max_offset(t.shape, t.stride()) >= INDEX_LIMIT:
-            _fail(f"block_mask.{name} (shape {tuple(t.shape)}) is too large: the kernels index block-mask tensors "
-                  f"in 32 bits (< 2**31 elements); build it with B=None / H=None where the mask is the same "
-                  f"across batch / heads, or with a larger BLOCK_SIZE")
+    # checked once per set of tensors (kept on the mask, as its block count is): 8 offset sums were half of a decode
+    # call's validation (NOTES 59)
+    tensors = [getattr(block_mask, name) for name in BlockMask._TENSOR_ATTRS]
+    checked = tuple(map(id, tensors))
+    if getattr(block_mask, "_index_checked", None) != checked:
+        for name, t in zip(BlockMask._TENSOR_ATTRS, tensors):
+            if t is not None and _max_offset(t.shape, t.stride()) >= INDEX_LIMIT:
+                _fail(f"block_mask.{name} (shape {tuple(t.shape)}) is too large: the kernels index block-mask "
+                      f"tensors in 32 bits (< 2**31 elements); build it with B=None / H=None where the mask is the "
+                      f"same across batch / heads, or with a larger BLOCK_SIZE")
+        block_mask._index_checked = checked
     mb, mh = block_mask.kv_num_blocks.shape[:2]
     if mb not in (1, B):
         _fail(f"block_mask has batch size {mb} but query has {B}; build it with B={B} or B=None (broadcast)")

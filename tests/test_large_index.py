@@ -191,5 +191,27 @@ def test_block_mask_tensors_past_32_bit_offsets_are_refused(monkeypatch):
     api._validate_block_mask(shared, q, k)  # broadcast over heads: small, accepted
 
 
+def test_block_mask_offsets_are_checked_once_per_set_of_tensors(monkeypatch):
+    """The block-mask tensors' 32-bit offset check runs once per BlockMask and set of tensors (8 sums were half of a
+    decode call's validation), again when a tensor is replaced, and still refuses a replacement past the limit."""
+    q, k, v = rand_qkv(1, 2, 2, 4, 4, 4)
+    bm = create_block_mask(causal, None, 2, 4, 4, device=DEVICE, BLOCK_SIZE=16)
+    sums = []
+    real = api._max_offset
+    monkeypatch.setattr(api, "_max_offset", lambda shape, strides: sums.append(shape) or real(shape, strides))
+    api._validate_block_mask(bm, q, k)
+    first = len(sums)
+    api._validate_block_mask(bm, q, k)
+    assert first >= 4 and len(sums) == first
+    bm.kv_indices = bm.kv_indices.clone()
+    api._validate_block_mask(bm, q, k)
+    assert len(sums) == 2 * first
+    monkeypatch.setattr(api, "INDEX_LIMIT", 1)  # kv_num_blocks [1, 2, 1] reaches offset 1
+    api._validate_block_mask(bm, q, k)  # the same tensors: not checked again
+    bm.kv_num_blocks = bm.kv_num_blocks.clone()
+    with pytest.raises(ValueError, match=r"block_mask\.kv_num_blocks .* is too large"):
+        api._validate_block_mask(bm, q, k)
+
+
 def causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
