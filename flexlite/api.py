@@ -11,7 +11,8 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from ._vmap import index_vectors, vmap_bhqkv
-from .block_mask import BlockMask, check_device, check_mod_output, from_torch_block_mask, is_torch_block_mask, q_sides
+from .block_mask import (BlockMask, check_device, check_mod_output, from_torch_block_mask, is_torch_block_mask,
+                         kept_on, q_sides)
 from .codegen.kernel import GeneratedKernel, generate, generate_backward
 from .codegen.lower import FLOAT32_EXACT_INT
 from .codegen.trace import check_arity, trace_mod
@@ -208,17 +209,18 @@ def _validate_block_mask(block_mask, query, key):
               f"(kv_num_blocks / kv_indices) but its seq_lengths ({mq}, {mkv}) need {cdiv(Lq, bq)} x "
               f"{cdiv(Lkv, bkv)}: a BlockMask sliced over q blocks keeps the original seq_lengths; set "
               f"block_mask.seq_lengths to the lengths its blocks cover, or rebuild it with create_block_mask")
-    # checked once per set of tensors (kept on the mask, as its block count is): 8 offset sums were half of a decode
-    # call's validation (NOTES 59)
+    # checked once per set of tensors (kept on the mask): 8 offset sums were half of a decode call's validation
+    # (NOTES 59)
     tensors = [getattr(block_mask, name) for name in BlockMask._TENSOR_ATTRS]
-    checked = tuple(map(id, tensors))
-    if getattr(block_mask, "_index_checked", None) != checked:
+
+    def check_offsets():
         for name, t in zip(BlockMask._TENSOR_ATTRS, tensors):
             if t is not None and _max_offset(t.shape, t.stride()) >= INDEX_LIMIT:
                 _fail(f"block_mask.{name} (shape {tuple(t.shape)}) is too large: the kernels index block-mask "
                       f"tensors in 32 bits (< 2**31 elements); build it with B=None / H=None where the mask is the "
                       f"same across batch / heads, or with a larger BLOCK_SIZE")
-        block_mask._index_checked = checked
+        return True
+    kept_on(block_mask, "_index_checked", tuple(map(id, tensors)), check_offsets)
     mb, mh = block_mask.kv_num_blocks.shape[:2]
     if mb not in (1, B):
         _fail(f"block_mask has batch size {mb} but query has {B}; build it with B={B} or B=None (broadcast)")
@@ -412,9 +414,11 @@ def _q_block_tensors(block_mask, Lq, Lkv, device):
         return _all_full_q_blocks(Lq, Lkv, device)
     q_side = (block_mask.q_num_blocks, block_mask.q_indices, block_mask.full_q_num_blocks, block_mask.full_q_indices)
     if q_side[1] is None or (block_mask.full_kv_indices is not None and q_side[3] is None):
-        # built without its q side (from_kv_blocks(compute_q_blocks=False), torch's BlockMask): transposed here
-        q_side = q_sides(block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
-                         block_mask.full_kv_indices)
+        # built without its q side (from_kv_blocks(compute_q_blocks=False), torch's BlockMask): transposed here, once
+        # per kv side (kept on the mask, not redone every backward)
+        kv_side = (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+                   block_mask.full_kv_indices)
+        q_side = kept_on(block_mask, "_transposed_q_side", tuple(map(id, kv_side)), lambda: q_sides(*kv_side))
     return q_side
 
 

@@ -269,6 +269,17 @@ def _transpose_ordered(num_blocks: Tensor, indices: Tensor) -> tuple[Tensor, Ten
     return _dense_to_ordered(dense.transpose(-2, -1))
 
 
+def kept_on(owner, name: str, key: tuple, make: Callable):
+    """``make()``, kept on ``owner`` (a BlockMask) as attribute ``name`` for as long as ``key`` (its tensors' ids and
+    what else the value depends on) stays the same: per-mask work done once, not on every call."""
+    kept = getattr(owner, name, None)
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    value = make()
+    setattr(owner, name, (key, value))
+    return value
+
+
 def q_sides(kv_num_blocks: Tensor, kv_indices: Tensor, full_kv_num_blocks: Optional[Tensor],
             full_kv_indices: Optional[Tensor]) -> tuple:
     """(q_num_blocks, q_indices, full_q_num_blocks, full_q_indices) of a kv side (full ones None without full
@@ -745,23 +756,21 @@ def from_torch_block_mask(block_mask) -> BlockMask:
     seq_lengths: gpt-fast's decoding), so per-mask state (the walk count) is not lost between calls."""
     caller = "flex_attention: block_mask (torch's BlockMask)"
     tensors = tuple(getattr(block_mask, n, None) for n in BlockMask._TENSOR_ATTRS)
+
+    def convert():
+        _check_kv_pair("", tensors[0], tensors[1])
+        if tensors[2] is not None:
+            _check_kv_pair("full_", tensors[2], tensors[3])
+        try:
+            block_size = _normalize_block_size(caller, tuple(block_mask.BLOCK_SIZE))
+        except ValueError as e:
+            raise ValueError(f"{e}: rebuild the mask with flexlite.create_block_mask (same arguments, BLOCK_SIZE a "
+                             f"multiple of 16)") from None
+        return BlockMask(_check_seq_lengths(tuple(block_mask.seq_lengths)), *tensors, BLOCK_SIZE=block_size,
+                         mask_mod=block_mask.mask_mod if block_mask.mask_mod is not None else noop_mask)
     key = (tuple(map(id, tensors)), tuple(block_mask.seq_lengths), tuple(block_mask.BLOCK_SIZE),
            id(block_mask.mask_mod))
-    cached = getattr(block_mask, "_flexlite_block_mask", None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    _check_kv_pair("", tensors[0], tensors[1])
-    if tensors[2] is not None:
-        _check_kv_pair("full_", tensors[2], tensors[3])
-    try:
-        block_size = _normalize_block_size(caller, tuple(block_mask.BLOCK_SIZE))
-    except ValueError as e:
-        raise ValueError(f"{e}: rebuild the mask with flexlite.create_block_mask (same arguments, BLOCK_SIZE a "
-                         f"multiple of 16)") from None
-    converted = BlockMask(_check_seq_lengths(tuple(block_mask.seq_lengths)), *tensors, BLOCK_SIZE=block_size,
-                          mask_mod=block_mask.mask_mod if block_mask.mask_mod is not None else noop_mask)
-    block_mask._flexlite_block_mask = (key, converted)
-    return converted
+    return kept_on(block_mask, "_flexlite_block_mask", key, convert)
 
 
 @opaque_to_compile  # Dynamo would trace into the mask kernel's launch

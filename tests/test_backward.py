@@ -151,9 +151,13 @@ def test_key_value_of_batch_one_shared_by_the_batch(name):
 
 
 @pytest.mark.parametrize("name", ["document", "per_batch_head"])
-def test_block_mask_without_its_q_side(name):
+def test_block_mask_without_its_q_side(name, monkeypatch):
     """A BlockMask with no q side (from_kv_blocks(compute_q_blocks=False), as torch's): the backward transposes
-    the kv side itself and its gradients are the reference's."""
+    the kv side itself, once per kv side (not every backward), and its gradients are the reference's."""
+    import flexlite.api as api
+    transposed = []
+    real = api.q_sides
+    monkeypatch.setattr(api, "q_sides", lambda *side: transposed.append(1) or real(*side))
     B, H, Lq, Lkv = 1, 2, 100, 90
     case = CATALOG[name](B, H, Lq, Lkv, DEVICE)
     bm = create_block_mask(case.mask_mod, B, H, Lq, Lkv, device=DEVICE, BLOCK_SIZE=(16, 32))
@@ -162,6 +166,8 @@ def test_block_mask_without_its_q_side(name):
                                     compute_q_blocks=False)
     assert bare.q_num_blocks is None and bare.full_q_indices is None
     check_backward(*rand_qkv(B, H, H, Lq, Lkv, 32, seed=4), block_mask=bare, name=name)
+    check_backward(*rand_qkv(B, H, H, Lq, Lkv, 32, seed=5), block_mask=bare, name=name)
+    assert transposed == [1]
 
 
 @pytest.mark.parametrize("d, dv", [(16, 16), (1, 8), (24, 80), (96, 48), (256, 256)], ids=str)
