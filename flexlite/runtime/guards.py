@@ -36,7 +36,7 @@ def autocast_on(tensor: torch.Tensor) -> bool:
 def work_scope(tensor: torch.Tensor, autocast: bool):
     """The context flex_attention's forward and backward run in: ``tensor``'s GPU current (:func:`on_device`) and, with
     ``autocast`` (on for its device: the inputs are cast already), torch.autocast off, so that the torch ops inside
-    stay as written. A shared no-op where neither applies: per call ~0.2 us, what a decoding step's host time allows."""
+    stay as written. A shared no-op where neither applies (a decoding step's host time: benchmarks/host_path.py)."""
     switch = tensor.is_cuda and tensor.get_device() != torch.cuda.current_device()
     if not (autocast or switch):
         return _NOTHING
