@@ -737,9 +737,9 @@ def flex_attention(
         return_aux: an :class:`AuxRequest` (flexlite's or torch's): ``lse=True`` for the log-sum-exp as
             ``return_lse``, ``max_scores=True`` for each query row's largest score after score_mod and masking
             [B, Hq, Lq] (fp32, natural units, not differentiable; -inf where every key is masked). max_scores
-            comes from the Triton forward and decode kernels (on Hopper at D64 / D128 not the faster
-            warp-specialized forward, unless ``launch.WS_FWD_MAX_SCORES``) and cannot be combined with
-            ``kernel_options`` ``WARP_SPECIALIZE=True`` (the same exception).
+            is stored by every forward (Triton, decode, and on Hopper the warp-specialized one; with
+            ``launch.WS_FWD_MAX_SCORES = False`` such calls take the Triton forward and refuse
+            ``kernel_options`` ``WARP_SPECIALIZE=True``).
 
     Returns:
         out [B, Hq, Lq, Ev] in the input dtype, and ``lse`` if ``return_lse``; with ``return_aux``,

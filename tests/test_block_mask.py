@@ -78,7 +78,7 @@ def expand_blocks(flags, bq, bkv, Lq, Lkv):
 
 def check_ordered(num_blocks, indices, flags):
     """(num_blocks, indices) compress bool flags [..., R, C]: ascending valid prefix, permutation rows."""
-    num_blocks, indices = num_blocks.cpu(), indices.cpu()
+    num_blocks, indices, flags = num_blocks.cpu(), indices.cpu(), flags.cpu()
     assert num_blocks.dtype == torch.int32 and indices.dtype == torch.int32
     assert indices.shape == flags.shape
     assert torch.equal(num_blocks, flags.sum(-1).to(torch.int32))

@@ -82,9 +82,6 @@ CASES = {
                                   "with bool fields"),
     "return_aux_and_return_lse": (lambda: (qkv(), {"return_aux": AuxRequest(lse=True), "return_lse": True}),
                                   ValueError, r"pass return_aux=AuxRequest\(lse=True\) alone"),
-    "max_scores_with_warp_specialize": (lambda: (qkv(), {"return_aux": AuxRequest(max_scores=True),
-                                                         "kernel_options": {"WARP_SPECIALIZE": True}}),
-                                        NotImplementedError, "WARP_SPECIALIZE=True picks the warp-specialized one"),
 }
 
 

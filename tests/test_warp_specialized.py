@@ -431,6 +431,8 @@ def test_max_scores_take_the_gluon_forward_only_where_allowed(monkeypatch, allow
     else:
         assert calls == []
         assert_close(aux.max_scores, attention_reference(q, k, v, return_max=True)[2], 2e-5, 2e-5)
+        with pytest.raises(NotImplementedError, match="WARP_SPECIALIZE=True picks the warp-specialized one"):
+            flex_attention(q, k, v, return_aux=AuxRequest(max_scores=True), kernel_options={"WARP_SPECIALIZE": True})
     flex_attention(q, k, v)
     assert [c["max_scores"] for c in calls] == [True] * allowed + [False]
 
@@ -470,7 +472,7 @@ if ON_HOPPER:
     @pytest.mark.parametrize("shape, grid", WS_FORWARD_RUNS)
     @pytest.mark.parametrize("name", ["fully_masked_rows", "softcap_causal", "alibi_causal", "document"])
     def test_max_scores_from_the_gluon_forward(monkeypatch, name, shape, grid):
-        # launch.WS_FWD_MAX_SCORES (off until this has passed on a GPU): return_aux max_scores stored by the
+        # launch.WS_FWD_MAX_SCORES (on since this passed on an H200): return_aux max_scores stored by the
         # warp-specialized forward are the reference's, and out / lse are what the kernel gives without them
         import flexlite.api as api
         from flexlite import AuxRequest

@@ -266,9 +266,9 @@ WS_DEVICE_DESC_HEAD_DIMS = frozenset({128})
 # -1.8 to -3.4 %; q blocks claimed from a counter in their order measured no better); False: a program per q block
 WS_FWD_PERSISTENT = True
 WS_MIN_WALK_KEYS = 2048
-# return_aux max_scores from the warp-specialized forward too (its STORE_MAX); False: such calls run the Triton
-# forward. Off until its GPU tests have run (written without a GPU: compiled offline for sm_90a only)
-WS_FWD_MAX_SCORES = False
+# return_aux max_scores from the warp-specialized forward too (its STORE_MAX: the consumers' tile loops unchanged,
+# test_gpu_compile; matches the reference on an H200, test_warp_specialized); False: such calls run the Triton forward
+WS_FWD_MAX_SCORES = True
 
 
 # what fwd_ws.py.jinja and launch_forward_ws use of Gluon (Triton 3.6's names): where one is missing (an older or
