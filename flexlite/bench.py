@@ -130,6 +130,28 @@ def _median_ms(fn: Callable, grad_to_none=None) -> float:
     return time_ms(fn, warmup=25, rep=100, grad_to_none=grad_to_none)
 
 
+def time_rounds(fns: dict, rounds: int = 1, grad_to_none=None) -> tuple:
+    """Each of ``fns`` (name -> callable) timed ``rounds`` times (:func:`_median_ms`), in order first to last, then
+    last to first, and so on: a transient slowdown of the GPU or the host (seen as one row 1.8x slower in one
+    harness run, NOTES 60) then falls on one round of one implementation, not on a whole comparison. Returns
+    (name -> list of ms, one per round; name -> first line of the RuntimeError that a callable raised, after which
+    it is not timed again: e.g. an SDPA backend not available for the shape)."""
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
+        raise ValueError(f"rounds must be a positive int; got {rounds!r}")
+    times = {name: [] for name in fns}
+    errors = {}
+    names = list(fns)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            if name in errors:
+                continue
+            try:
+                times[name].append(_median_ms(fns[name], grad_to_none=grad_to_none))
+            except RuntimeError as e:
+                errors[name] = str(e).splitlines()[0][:120]
+    return times, errors
+
+
 def _timed(forward: Callable, pass_: str) -> Callable:
     """What to time for a pass: the forward call, or the backward of one forward's output (graph kept)."""
     if pass_ == "fwd":
@@ -170,9 +192,12 @@ def check_against_reference(case: MaskCase, D: int, device, dtype=torch.bfloat16
 
 
 def run(masks: list, shapes: list, passes: tuple = ("fwd",), dtype=torch.bfloat16,
-        out_dir: Optional[Path] = RESULTS_DIR, torch_flex: bool = True, autotune: bool = False) -> dict:
+        out_dir: Optional[Path] = RESULTS_DIR, torch_flex: bool = True, autotune: bool = False,
+        rounds: int = 2) -> dict:
     """Check and time every (mask, shape, pass); write JSON + markdown under ``out_dir`` (None: print only).
-    ``autotune`` adds a ``flexlite_tuned`` column (kernel_options AUTOTUNE)."""
+    ``autotune`` adds a ``flexlite_tuned`` column (kernel_options AUTOTUNE). Each implementation's time is the
+    best of ``rounds`` do_bench medians taken in alternating order (:func:`time_rounds`); each row keeps them all
+    (``<impl>_ms_rounds``)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     device = torch.device("cuda")
@@ -219,14 +244,21 @@ def run(masks: list, shapes: list, passes: tuple = ("fwd",), dtype=torch.bfloat1
             for pass_ in passes:
                 row = dict(row_base, **{"pass": pass_})
                 f = flops(B, H, S, D, density, pass_)
+                fns = {}
                 for impl, forward in impls.items():
                     try:
-                        ms = _median_ms(_timed(forward, pass_), grad_to_none=[q, k, v] if backward else None)
+                        fns[impl] = _timed(forward, pass_)
                     except RuntimeError as e:  # e.g. an SDPA backend not available for this shape
                         row[f"{impl}_error"] = str(e).splitlines()[0][:120]
+                times, errors = time_rounds(fns, rounds, grad_to_none=[q, k, v] if backward else None)
+                row.update({f"{impl}_error": error for impl, error in errors.items()})
+                for impl, ms_rounds in times.items():
+                    if impl in errors:
                         continue
+                    ms = min(ms_rounds)  # the best round's median
                     row[f"{impl}_ms"] = round(ms, 4)
                     row[f"{impl}_tflops"] = round(f / ms / 1e9, 1)
+                    row[f"{impl}_ms_rounds"] = [round(t, 4) for t in ms_rounds]
                 if "torch_flex_ms" in row:
                     row["speedup_vs_torch_flex"] = round(row["torch_flex_ms"] / row["flexlite_ms"], 3)
                     if "flexlite_tuned_ms" in row:
@@ -261,9 +293,10 @@ def copy_bandwidth_gbps(nbytes: int = 2**30) -> float:
 
 
 def run_decode(shapes: list = ((8, 32, 8, 32768, 128), (1, 32, 8, 131072, 128)), dtype=torch.bfloat16,
-               out_dir: Optional[Path] = RESULTS_DIR) -> dict:
+               out_dir: Optional[Path] = RESULTS_DIR, rounds: int = 2) -> dict:
     """One-token decoding (Lq = 1, no mask) over a long KV: flexlite's split-KV kernel vs SDPA and torch's
-    flex; GB/s counts q, K, V and out once, against the measured copy bandwidth."""
+    flex; GB/s counts q, K, V and out once, against the measured copy bandwidth. Eager times: the best of
+    ``rounds`` medians in alternating order (:func:`time_rounds`)."""
     from torch.nn.attention.flex_attention import flex_attention as torch_flex_attention
     compiled_flex = torch.compile(torch_flex_attention, dynamic=False)
     copy_bw = copy_bandwidth_gbps()
@@ -281,10 +314,14 @@ def run_decode(shapes: list = ((8, 32, 8, 32768, 128), (1, 32, 8, 131072, 128)),
             "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True),
             "torch_flex": lambda: compiled_flex(q, k, v, enable_gqa=True),
         }
-        for impl, fn in impls.items():
-            ms = _median_ms(fn)
+        times, errors = time_rounds(impls, rounds)
+        if errors:
+            raise RuntimeError(f"decode benchmark: {errors}")
+        for impl, ms_rounds in times.items():
+            ms = min(ms_rounds)
             row[f"{impl}_ms"] = round(ms, 4)
             row[f"{impl}_gbps"] = round(nbytes / ms / 1e6, 1)
+            row[f"{impl}_ms_rounds"] = [round(t, 4) for t in ms_rounds]
         row["flexlite_pct_of_copy_bw"] = round(100 * row["flexlite_gbps"] / copy_bw, 1)
         row["speedup_vs_sdpa"] = round(row["sdpa_ms"] / row["flexlite_ms"], 3)
         # at ~0.1 ms per call the host can be the limit of eager timings: the GPU's own time, replayed from a
@@ -358,7 +395,11 @@ def main(argv=None):
     p.add_argument("--no-torch-flex", action="store_true")
     p.add_argument("--autotune", action="store_true", help="also time flexlite with kernel_options AUTOTUNE")
     p.add_argument("--suites", default="attention", help="comma-separated: attention, decode, block_mask")
+    p.add_argument("--rounds", type=int, default=2, help="timing rounds per implementation, in alternating order; "
+                   "the best round's median is kept (default 2)")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1; got {args.rounds}")
     if not torch.cuda.is_available():
         raise SystemExit("python -m flexlite bench needs a CUDA GPU (timings on the interpreter mean nothing)")
     suites = args.suites.split(",")
@@ -369,9 +410,9 @@ def main(argv=None):
         masks = list(mask_cases(8192, 16, "cpu")) if args.masks == "all" else args.masks.split(",")
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
         run(masks, shapes, tuple(args.passes.split(",")), out_dir=Path(args.out), torch_flex=not args.no_torch_flex,
-            autotune=args.autotune)
+            autotune=args.autotune, rounds=args.rounds)
     if "decode" in suites:
-        run_decode(out_dir=Path(args.out))
+        run_decode(out_dir=Path(args.out), rounds=args.rounds)
     if "block_mask" in suites:
         run_block_mask(out_dir=Path(args.out))
 

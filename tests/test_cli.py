@@ -113,3 +113,32 @@ def test_bench_markdown_table_leaves_out_columns_no_row_has():
     assert "tuned_speedup_vs_torch_flex" not in header and "sdpa_flash_tflops" not in header
     assert "sdpa_cudnn_tflops" in header and "torch_flex_ms" in header
     assert len(table.splitlines()) == 6  # header line, blank, column names, rule, two rows
+
+
+def test_bench_times_in_rounds_of_alternating_order(monkeypatch):
+    """The harness's timings (bench.time_rounds): each implementation once per round, the order reversed every other
+    round; one that raises is recorded by its error's first line and not timed again."""
+    import flexlite.bench as bench
+    order = []
+    monkeypatch.setattr(bench, "_median_ms", lambda fn, grad_to_none=None: fn())
+
+    def timed(name, ms):
+        return lambda: order.append(name) or ms
+
+    def unavailable():
+        order.append("sdpa")
+        raise RuntimeError("No available kernel for this shape\n(the rest of torch's message)")
+    times, errors = bench.time_rounds({"flexlite": timed("flexlite", 2.0), "torch_flex": timed("torch_flex", 3.0),
+                                       "sdpa": unavailable}, rounds=3)
+    assert order == ["flexlite", "torch_flex", "sdpa", "torch_flex", "flexlite", "flexlite", "torch_flex"]
+    assert times == {"flexlite": [2.0] * 3, "torch_flex": [3.0] * 3, "sdpa": []}
+    assert errors == {"sdpa": "No available kernel for this shape"}
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="rounds must be a positive int"):
+            bench.time_rounds({}, bad)
+
+
+def test_bench_refuses_fewer_than_one_round(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--rounds", "0"])
+    assert e.value.code == 2 and "--rounds must be at least 1; got 0" in capsys.readouterr().err
