@@ -6,13 +6,13 @@ expressions, spliced into Jinja-templated FlashAttention kernels and run block-s
 Triton's interpreter.
 """
 
-from .api import AuxOutput, AuxRequest, flex_attention, kernel_path, kernel_source
+from .api import AuxOutput, AuxRequest, FlexKernelOptions, flex_attention, kernel_path, kernel_source
 from .block_mask import BlockMask, and_masks, create_block_mask, create_mask, noop_mask, or_masks
 from .codegen.trace import UntraceableModError
 from .reference import attention_reference
 
 __all__ = [
-    "flex_attention", "AuxRequest", "AuxOutput", "create_block_mask", "create_mask", "BlockMask", "and_masks",
+    "flex_attention", "AuxRequest", "AuxOutput", "FlexKernelOptions", "create_block_mask", "create_mask", "BlockMask", "and_masks",
     "or_masks", "noop_mask", "attention_reference", "kernel_source", "kernel_path", "UntraceableModError",
 ]
 __version__ = "0.1.0"

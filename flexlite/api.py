@@ -6,7 +6,7 @@ import contextlib
 import functools
 import math
 import os
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Literal, NamedTuple, Optional, TypedDict
 
 import torch
 
@@ -49,6 +49,43 @@ class AuxOutput(NamedTuple):
 
     lse: Optional[torch.Tensor] = None
     max_scores: Optional[torch.Tensor] = None
+
+
+class FlexKernelOptions(TypedDict, total=False):
+    """The keys ``kernel_options`` takes (every key is optional), as torch's ``FlexKernelOptions`` for type
+    checkers: the tile config, flexlite's own options, and torch's performance hints (accepted, no effect).
+    See :func:`flex_attention`'s ``kernel_options`` for what each does."""
+
+    # the forward's tile config (pinned: no autotuning) and the backward's (dK / dV: M1 / N1, dQ: M2 / N2)
+    BLOCK_M: int
+    BLOCK_N: int
+    num_warps: int
+    num_stages: int
+    BLOCK_M1: int
+    BLOCK_N1: int
+    BLOCK_M2: int
+    BLOCK_N2: int
+    # flexlite's
+    AUTOTUNE: bool
+    USE_TMA: bool
+    WARP_SPECIALIZE: bool
+    DECODE: bool
+    DECODE_SPLITS: int
+    FORCE_USE_FLEX_ATTENTION: bool
+    DETERMINISTIC_CAPTURED_GRADS: bool
+    BACKEND: Literal["AUTO", "TRITON", "TRITON_DECODE", "FLASH"]
+    # torch's performance hints: accepted, no effect
+    PRESCALE_QK: bool
+    ROWS_GUARANTEED_SAFE: bool
+    BLOCKS_ARE_CONTIGUOUS: bool
+    WRITE_DQ: bool
+    OUTPUT_LOGSUMEXP: bool
+    OUTPUT_MAX: bool
+    fwd_num_warps: int
+    fwd_num_stages: int
+    kpack: int
+    matrix_instr_nonkdim: int
+    waves_per_eu: int
 
 
 def _fail(msg: str, exc=ValueError):

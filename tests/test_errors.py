@@ -6,7 +6,7 @@ import torch
 import flexlite.api as api
 from flexlite import AuxRequest, create_block_mask, flex_attention
 from flexlite.runtime import launch
-from helpers import rand_qkv
+from helpers import assert_close, rand_qkv
 
 
 def causal(b, h, q_idx, kv_idx):
@@ -100,6 +100,26 @@ def test_every_kernel_option_torch_declares_is_accepted():
     from torch.nn.attention.flex_attention import FlexKernelOptions
     known = set(launch.CONFIG_KEYS) | launch.TORCH_PERF_HINTS | launch.FLEXLITE_OPTIONS
     assert set(typing.get_type_hints(FlexKernelOptions)) - known == set()
+
+
+def test_flexlite_declares_its_kernel_options_as_torch_does(monkeypatch):
+    """flexlite.FlexKernelOptions (a drop-in for torch's TypedDict, for type checkers): exactly the keys
+    kernel_options accepts, torch's among them, with torch's value types where torch declares one."""
+    import typing
+
+    import flexlite
+    from torch.nn.attention.flex_attention import FlexKernelOptions as TorchOptions
+    ours, theirs = typing.get_type_hints(flexlite.FlexKernelOptions), typing.get_type_hints(TorchOptions)
+    assert set(ours) == set(launch.CONFIG_KEYS) | launch.TORCH_PERF_HINTS | launch.FLEXLITE_OPTIONS
+    assert set(theirs) <= set(ours) and not flexlite.FlexKernelOptions.__required_keys__
+    for key in set(theirs) - {"BACKEND"}:
+        assert theirs[key] == ours[key], key
+    assert set(typing.get_args(ours["BACKEND"])) == set(launch.BACKENDS)
+    monkeypatch.undo()  # this one runs the kernel
+    options: flexlite.FlexKernelOptions = {"BLOCK_M": 32, "BLOCK_N": 32, "AUTOTUNE": False}
+    q, k, v = qkv(B=1, Hq=1, Hkv=1)
+    assert_close(flex_attention(q, k, v, kernel_options=options), flexlite.attention_reference(q, k, v)[0],
+                 2e-5, 2e-5)
 
 
 def test_bad_tile_options_are_rejected(monkeypatch):
