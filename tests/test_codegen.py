@@ -483,3 +483,32 @@ def test_score_mod_constant_factors_are_folded_into_the_forward(monkeypatch, nam
     grad = torch.randn_like(out)
     for g, w in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
         assert_grad_close(g, w)
+
+
+def test_the_warp_specialized_forward_computes_the_masks_key_values_apart():
+    """generate(key_values=True), launch.WS_FWD_KEY_VALUES: for fwd_ws.py.jinja only, mask_mod's values from b, h,
+    kv_idx and captured tensors (a document mask's gathers along the keys) move to mask_mod_hoist, which the kernel
+    calls on a compact key vector, with index arithmetic in int; a mask with nothing to move keeps its float forms
+    and its source; other templates are unchanged."""
+    from flexlite.codegen.kernel import generate
+    from flexlite.masks import causal_mask, generate_doc_mask_mod
+    doc = torch.arange(256) // 96
+    document = generate_doc_mask_mod(causal_mask, doc)
+
+    def window(b, h, q_idx, kv_idx):  # no captured tensor: nothing to compute apart
+        return (q_idx - kv_idx).abs().float() < 64.0
+
+    split = generate("fwd_ws.py.jinja", None, document, interpret=False, float_index=True, key_values=True)
+    whole = generate("fwd_ws.py.jinja", None, document, interpret=False, float_index=True)
+    assert split.mask_mod.hoisted and not whole.mask_mod.hoisted
+    assert "def mask_mod_hoist(b, h, kv_idx, " in split.source and "mask_mod_hoist(off_z, off_h, offs_key, " in \
+        split.source and "offs_key" not in whole.source
+    assert "tl.float32" not in split.mask_mod.source  # (no float forms across the split)
+    for name in split.mask_mod.hoisted:  # the mask takes the moved values as parameters
+        assert f"mm_v_{name}" in split.source
+    kept = generate("fwd_ws.py.jinja", None, window, interpret=False, float_index=True, key_values=True)
+    assert kept.source == generate("fwd_ws.py.jinja", None, window, interpret=False, float_index=True).source
+    assert "kv_idx.to(tl.float32)" in kept.mask_mod.source
+    for template in ("fwd.py.jinja", "decode.py.jinja"):
+        assert generate(template, None, document, interpret=False, key_values=True).source == \
+            generate(template, None, document, interpret=False).source

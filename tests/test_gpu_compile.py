@@ -115,6 +115,7 @@ FORWARD_WS = {
     "causal, softcap with its factors folded, D128": (generate_tanh_softcap(30.0, approx=True), "causal", 128, L, L,
                                                       (2, 2)),
     "causal, max_scores stored, D128": (None, "causal", 128, L, L, (2, 2)),
+    "document, key values on a compact vector, D64": (None, "document", 64, L, L, (2, 2)),
 }
 
 
@@ -131,6 +132,11 @@ def _compile_ws(case: str) -> dict:
     if "max_scores" in case:  # and the same kernel without: what storing the maxima costs
         plain = offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads)
         facts.update(plain_loops=offline.sass_loops(plain), plain_stores=plain.asm["ptx"].count("st.global"))
+    if "key values" in case:  # and with mask_mod's gathers along the keys made in the tile's layout
+        launch.WS_FWD_KEY_VALUES = False
+        gathers = offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads)
+        facts.update(gather_loops=offline.sass_loops(gathers), ptx_lines=kernel.asm["ptx"].count("\n"),
+                     gather_ptx_lines=gathers.asm["ptx"].count("\n"))
     return facts
 
 
@@ -158,6 +164,21 @@ def test_warp_specialized_forward_compiles_for_sm90(case):
         assert facts["stores"] > facts["plain_stores"]
         growth = [a["instructions"] - b["instructions"] for a, b in zip(facts["loops"], facts["plain_loops"])]
         assert len(facts["loops"]) == len(facts["plain_loops"]) and growth.count(0) >= 4 and max(growth) <= 32, growth
+    if "key values" in case:
+        # launch.WS_FWD_KEY_VALUES: the document mask's gathers along the keys (document_id[kv_idx] and the start of
+        # its document) once per partial tile on a compact vector, a key per thread, instead of each thread gathering
+        # for its 32 columns: the partial-tile loops load less (53 -> 37 global loads offline) and are shorter
+        # (1372 -> 1207 instructions), the full-tile loops (no mask_mod) as they were, and the kernel smaller
+        # (PTX 16.9k -> 13.7k lines at L 1024: the document mask's first call 4.9-6.2 s on the H200, NOTES 61)
+        loops, gathers = facts["loops"], facts["gather_loops"]
+        assert len(loops) == len(gathers)
+        partial = [i for i, loop in enumerate(gathers) if loop["LDG"] > 8]
+        assert len(partial) == 2, gathers  # one per consumer warpgroup
+        for i in partial:
+            assert loops[i]["LDG"] < gathers[i]["LDG"] and loops[i]["instructions"] < gathers[i]["instructions"]
+        for i in set(range(len(loops))) - set(partial):
+            assert abs(loops[i]["instructions"] - gathers[i]["instructions"]) <= 12 and loops[i]["STL"] == 0
+        assert facts["ptx_lines"] < 0.9 * facts["gather_ptx_lines"]
 
 
 # the warp-specialized (Gluon) dK / dV kernel: (score_mod, mask, head dim, (query heads, kv heads), options of

@@ -736,6 +736,39 @@ if ON_HOPPER:
             check_backward(q, k, v, block_mask=bm, enable_gqa=True, name="ws backward, query values")
         assert len(ws_backward) == 3
 
+    @pytest.mark.parametrize("key_values", [True, False], ids=["compact", "in the tile's layout"])
+    @pytest.mark.parametrize("D, L", [(128, 600), (64, 640)], ids=["D128-L600-ragged", "D64-L640"])
+    def test_forward_with_the_masks_key_values_on_a_compact_vector(monkeypatch, D, L, key_values):
+        # launch.WS_FWD_KEY_VALUES (on by default): mask_mod's values along the keys computed once per partial tile on
+        # a compact key vector (the backward's query values with the sides swapped); the catalog's document mask, one
+        # whose key values are a gather of a gather and a difference, and one with a value of h alone (it stays in the
+        # mask); a ragged length: keys past KV_LEN wrap around for the mods, as in the tile's layout
+        import flexlite.api as api
+        from flexlite import attention_reference
+
+        monkeypatch.setattr(launch, "WS_FWD_KEY_VALUES", key_values)
+        ran = []
+        real_launch = api.launch_forward_ws
+        monkeypatch.setattr(api, "launch_forward_ws", lambda *a, **kw: ran.append(1) or real_launch(*a, **kw))
+        doc = (torch.arange(L, device=DEVICE) // 200).to(torch.int32)
+        start = torch.arange(0, 800, 200, device=DEVICE, dtype=torch.int32)
+
+        def local_causal(b, h, q_idx, kv_idx):
+            return (doc[q_idx] == doc[kv_idx]) & (q_idx - start[doc[q_idx]] >= kv_idx - start[doc[kv_idx]])
+
+        def with_a_head_value(b, h, q_idx, kv_idx):  # start[h % 2] reads h alone: it stays in the mask
+            return (doc[q_idx] + start[h % 2] == doc[kv_idx] + start[h % 2]) | (kv_idx < start[h % 2] + 64)
+
+        q, k, v = rand_qkv(2, 4, 2, L, L, D, dtype=torch.bfloat16, seed=9)
+        for mask in (CATALOG["document"](2, 4, L, L, DEVICE).mask_mod, local_causal, with_a_head_value):
+            bm = create_block_mask(mask, None, None, L, L, device=DEVICE)
+            out = flex_attention(q, k, v, block_mask=bm, enable_gqa=True, kernel_options={"WARP_SPECIALIZE": True})
+            ref = attention_reference(q, k, v, block_mask=bm, enable_gqa=True)[0]
+            assert_close(out, ref, *TOLERANCES[torch.bfloat16])
+        assert len(ran) == 3
+        source = api._generate(None, bm, q.device, "fwd_ws.py.jinja").source
+        assert ("mask_mod_hoist(off_z, off_h, offs_key" in source) == key_values
+
     @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
     def test_dq_is_added_by_the_dkdv_programs_unless_sums_must_be_reproducible(monkeypatch, deterministic):
         import flexlite.api as api

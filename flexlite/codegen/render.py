@@ -55,9 +55,10 @@ def render(template: str, score_mod: LoweredMod, mask_mod: LoweredMod, *, interp
             return "pass  # score_mod has no loop-invariant values"
         return f"{', '.join(hoisted)} = score_mod_hoist({', '.join([b, h] + score_mod.params)})"
 
-    # mask_mod's query values (lowered with hoist b, h, q_idx: bwd_ws.py.jinja only): the kernel computes them per tile
-    # with ``mask_mod_hoist`` and hands them to mask_mod under these names (``mask_query_params``)
-    mask_query = [f"mm_q_{name}" for name in mask_mod.hoisted]
+    # mask_mod's values along one side of a tile (lowered with hoist b, h, q_idx for bwd_ws.py.jinja, whose tiles
+    # have the queries along their columns; b, h, kv_idx for fwd_ws.py.jinja): the kernel computes them per tile on a
+    # compact vector with ``mask_mod_hoist`` and hands them to mask_mod under these names (``mask_side_params``)
+    mask_side = [f"mm_v_{name}" for name in mask_mod.hoisted]
 
     for name, mod in (extra_mods or {}).items():
         extra[f"{name}_source"] = mod.source if mod is not None else ""
@@ -71,9 +72,9 @@ def render(template: str, score_mod: LoweredMod, mask_mod: LoweredMod, *, interp
         score_mod_name=score_mod_name,
         mask_mod_name=mask_mod_name,
         score_args=_param_list(hoisted + score_mod.params),
-        mask_args=_param_list(mask_query + mask_mod.params),
-        mask_query=mask_query,
-        mask_query_params=_param_list(mask_query),
+        mask_args=_param_list(mask_side + mask_mod.params),
+        mask_side=mask_side,
+        mask_side_params=_param_list(mask_side),
         mask_params=_param_list(mask_mod.params),
         mod_params=_param_list(score_mod.params + mask_mod.params),
         inner_params=_param_list(score_mod.params + mask_mod.params + hoisted),

@@ -266,6 +266,11 @@ WS_DEVICE_DESC_HEAD_DIMS = frozenset({128})
 # -1.8 to -3.4 %; q blocks claimed from a counter in their order measured no better); False: a program per q block
 WS_FWD_PERSISTENT = True
 WS_MIN_WALK_KEYS = 2048
+# mask_mod's values from b, h, kv_idx and captured tensors alone (a document mask's gathers along the keys) computed
+# once per partial tile on a compact key vector, a key per thread, then spread along the tile's columns (the backward's
+# query values, WS_BWD_QUERY_VALUES, NOTES 45, with the sides swapped; NOTES 61); False: gathered in the tile's
+# layout, each thread for its 32 columns
+WS_FWD_KEY_VALUES = True
 # return_aux max_scores from the warp-specialized forward too (its STORE_MAX: the consumers' tile loops unchanged,
 # test_gpu_compile; matches the reference on an H200, test_warp_specialized); False: such calls run the Triton forward
 WS_FWD_MAX_SCORES = True
