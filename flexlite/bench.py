@@ -152,6 +152,13 @@ def time_rounds(fns: dict, rounds: int = 1, grad_to_none=None) -> tuple:
     return times, errors
 
 
+def graph_ms(fn: Callable) -> float:
+    """``fn``'s time replayed from a CUDA graph (triton.testing.do_bench_cudagraph): the GPU's own time, with no
+    Python and no launch gaps in it, beside an eager time that a slow or busy host can lengthen."""
+    import triton.testing
+    return round(float(triton.testing.do_bench_cudagraph(fn)), 4)
+
+
 def _timed(forward: Callable, pass_: str) -> Callable:
     """What to time for a pass: the forward call, or the backward of one forward's output (graph kept)."""
     if pass_ == "fwd":
@@ -259,6 +266,13 @@ def run(masks: list, shapes: list, passes: tuple = ("fwd",), dtype=torch.bfloat1
                     row[f"{impl}_ms"] = round(ms, 4)
                     row[f"{impl}_tflops"] = round(f / ms / 1e9, 1)
                     row[f"{impl}_ms_rounds"] = [round(t, 4) for t in ms_rounds]
+                if pass_ == "fwd":  # the GPU's own time too (NOTES 61: eager rows that the host may have slowed)
+                    for impl in ("flexlite", "torch_flex"):
+                        if f"{impl}_ms" in row:
+                            try:
+                                row[f"{impl}_graph_ms"] = graph_ms(impls[impl])
+                            except RuntimeError as e:  # a capture that fails: recorded, not fatal
+                                row[f"{impl}_graph_error"] = str(e).splitlines()[0][:120]
                 if "torch_flex_ms" in row:
                     row["speedup_vs_torch_flex"] = round(row["torch_flex_ms"] / row["flexlite_ms"], 3)
                     if "flexlite_tuned_ms" in row:
@@ -326,9 +340,8 @@ def run_decode(shapes: list = ((8, 32, 8, 32768, 128), (1, 32, 8, 131072, 128)),
         row["speedup_vs_sdpa"] = round(row["sdpa_ms"] / row["flexlite_ms"], 3)
         # at ~0.1 ms per call the host can be the limit of eager timings: the GPU's own time, replayed from a
         # CUDA graph (no Python, no launch gaps), for flexlite and SDPA alike
-        import triton.testing
         for impl in ("flexlite", "sdpa"):
-            row[f"{impl}_graph_ms"] = round(float(triton.testing.do_bench_cudagraph(impls[impl])), 4)
+            row[f"{impl}_graph_ms"] = graph_ms(impls[impl])
         row["graph_speedup_vs_sdpa"] = round(row["sdpa_graph_ms"] / row["flexlite_graph_ms"], 3)
         row["flexlite_graph_pct_of_copy_bw"] = round(100 * nbytes / row["flexlite_graph_ms"] / 1e6 / copy_bw, 1)
         row["speedup_vs_torch_flex"] = round(row["torch_flex_ms"] / row["flexlite_ms"], 3)
@@ -365,8 +378,8 @@ def run_block_mask(lengths: tuple = (32768, 131072), out_dir: Optional[Path] = R
     return _write_results(rows, out_dir, "-block_mask", BLOCK_MASK_COLUMNS)
 
 
-ATTENTION_COLUMNS = ["mask", "shape", "pass", "flexlite_ms", "torch_flex_ms", "speedup_vs_torch_flex",
-                     "tuned_speedup_vs_torch_flex", "flexlite_tflops", "torch_flex_tflops", "sdpa_cudnn_tflops",
+ATTENTION_COLUMNS = ["mask", "shape", "pass", "flexlite_ms", "flexlite_graph_ms", "torch_flex_ms",
+                     "torch_flex_graph_ms", "speedup_vs_torch_flex", "tuned_speedup_vs_torch_flex", "flexlite_tflops", "torch_flex_tflops", "sdpa_cudnn_tflops",
                      "sdpa_flash_tflops", "max_err_vs_fp64"]
 DECODE_COLUMNS = ["mask", "shape", "flexlite_ms", "sdpa_ms", "torch_flex_ms", "speedup_vs_sdpa",
                   "speedup_vs_torch_flex", "flexlite_graph_ms", "sdpa_graph_ms", "graph_speedup_vs_sdpa",
