@@ -130,6 +130,11 @@ def _median_ms(fn: Callable, grad_to_none=None) -> float:
     return time_ms(fn, warmup=25, rep=100, grad_to_none=grad_to_none)
 
 
+def _first_line(error: BaseException) -> str:
+    """What a row records of an implementation that raised: the first line of its message."""
+    return str(error).splitlines()[0][:120] if str(error) else type(error).__name__
+
+
 def time_rounds(fns: dict, rounds: int = 1, grad_to_none=None) -> tuple:
     """Each of ``fns`` (name -> callable) timed ``rounds`` times (:func:`_median_ms`), in order first to last, then
     last to first, and so on: a transient slowdown of the GPU or the host (seen as one row 1.8x slower in one
@@ -148,7 +153,7 @@ def time_rounds(fns: dict, rounds: int = 1, grad_to_none=None) -> tuple:
             try:
                 times[name].append(_median_ms(fns[name], grad_to_none=grad_to_none))
             except RuntimeError as e:
-                errors[name] = str(e).splitlines()[0][:120]
+                errors[name] = _first_line(e)
     return times, errors
 
 
@@ -256,7 +261,7 @@ def run(masks: list, shapes: list, passes: tuple = ("fwd",), dtype=torch.bfloat1
                     try:
                         fns[impl] = _timed(forward, pass_)
                     except RuntimeError as e:  # e.g. an SDPA backend not available for this shape
-                        row[f"{impl}_error"] = str(e).splitlines()[0][:120]
+                        row[f"{impl}_error"] = _first_line(e)
                 times, errors = time_rounds(fns, rounds, grad_to_none=[q, k, v] if backward else None)
                 row.update({f"{impl}_error": error for impl, error in errors.items()})
                 for impl, ms_rounds in times.items():
@@ -272,7 +277,7 @@ def run(masks: list, shapes: list, passes: tuple = ("fwd",), dtype=torch.bfloat1
                             try:
                                 row[f"{impl}_graph_ms"] = graph_ms(impls[impl])
                             except RuntimeError as e:  # a capture that fails: recorded, not fatal
-                                row[f"{impl}_graph_error"] = str(e).splitlines()[0][:120]
+                                row[f"{impl}_graph_error"] = _first_line(e)
                 if "torch_flex_ms" in row:
                     row["speedup_vs_torch_flex"] = round(row["torch_flex_ms"] / row["flexlite_ms"], 3)
                     if "flexlite_tuned_ms" in row:
@@ -379,8 +384,8 @@ def run_block_mask(lengths: tuple = (32768, 131072), out_dir: Optional[Path] = R
 
 
 ATTENTION_COLUMNS = ["mask", "shape", "pass", "flexlite_ms", "flexlite_graph_ms", "torch_flex_ms",
-                     "torch_flex_graph_ms", "speedup_vs_torch_flex", "tuned_speedup_vs_torch_flex", "flexlite_tflops", "torch_flex_tflops", "sdpa_cudnn_tflops",
-                     "sdpa_flash_tflops", "max_err_vs_fp64"]
+                     "torch_flex_graph_ms", "speedup_vs_torch_flex", "tuned_speedup_vs_torch_flex", "flexlite_tflops",
+                     "torch_flex_tflops", "sdpa_cudnn_tflops", "sdpa_flash_tflops", "max_err_vs_fp64"]
 DECODE_COLUMNS = ["mask", "shape", "flexlite_ms", "sdpa_ms", "torch_flex_ms", "speedup_vs_sdpa",
                   "speedup_vs_torch_flex", "flexlite_graph_ms", "sdpa_graph_ms", "graph_speedup_vs_sdpa",
                   "flexlite_pct_of_copy_bw", "flexlite_graph_pct_of_copy_bw", "max_err_vs_fp64"]
