@@ -137,8 +137,9 @@ def _first_line(error: BaseException) -> str:
 
 def time_rounds(fns: dict, rounds: int = 1, grad_to_none=None) -> tuple:
     """Each of ``fns`` (name -> callable) timed ``rounds`` times (:func:`_median_ms`), in order first to last, then
-    last to first, and so on: a transient slowdown of the GPU or the host (seen as one row 1.8x slower in one
-    harness run, NOTES 60) then falls on one round of one implementation, not on a whole comparison. Returns
+    last to first, and so on: a transient slowdown of the GPU or the host then falls on one round of one
+    implementation, not on a whole comparison (a speed that a process keeps throughout, NOTES 61, it cannot
+    remove: the forward rows' CUDA-graph times show it). Returns
     (name -> list of ms, one per round; name -> first line of the RuntimeError that a callable raised, after which
     it is not timed again: e.g. an SDPA backend not available for the shape)."""
     if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
