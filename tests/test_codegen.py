@@ -504,6 +504,14 @@ def test_the_warp_specialized_forward_computes_the_masks_key_values_apart():
     assert "def mask_mod_hoist(b, h, kv_idx, " in split.source and "mask_mod_hoist(off_z, off_h, offs_key, " in \
         split.source and "offs_key" not in whole.source
     assert "tl.float32" not in split.mask_mod.source  # (no float forms across the split)
+
+    def near_in_doc(b, h, q_idx, kv_idx):  # key values and float index forms both: the split keeps the ints
+        return (doc[q_idx] == doc[kv_idx]) & ((q_idx - kv_idx).abs().float() < 64.0)
+    near = {kv: generate("fwd_ws.py.jinja", None, near_in_doc, interpret=False, float_index=True, key_values=kv)
+            for kv in (False, True)}
+    assert near[True].mask_mod.hoisted and not near[False].mask_mod.hoisted
+    assert "kv_idx.to(tl.float32)" in near[False].mask_mod.source
+    assert "kv_idx.to(tl.float32)" not in near[True].mask_mod.source + near[True].mask_mod.hoist_source
     for name in split.mask_mod.hoisted:  # the mask takes the moved values as parameters
         assert f"mm_v_{name}" in split.source
     kept = generate("fwd_ws.py.jinja", None, window, interpret=False, float_index=True, key_values=True)

@@ -167,9 +167,9 @@ def test_warp_specialized_forward_compiles_for_sm90(case):
     if "key values" in case:
         # launch.WS_FWD_KEY_VALUES: the document mask's gathers along the keys (document_id[kv_idx] and the start of
         # its document) once per partial tile on a compact vector, a key per thread, instead of each thread gathering
-        # for its 32 columns: the partial-tile loops load less (53 -> 37 global loads offline) and are shorter
-        # (1372 -> 1207 instructions), the full-tile loops (no mask_mod) as they were, and the kernel smaller
-        # (PTX 16.9k -> 13.7k lines at L 1024: the document mask's first call 4.9-6.2 s on the H200, NOTES 61)
+        # for its 32 columns: the partial-tile loops load less and are shorter, the full-tile loops (no mask_mod) as
+        # they were, and the kernel smaller (at L 1024: 53 -> 37 global loads, 1372 -> 1207 instructions, PTX
+        # 16.9k -> 13.7k lines; benchmarks/NOTES.md 61)
         loops, gathers = facts["loops"], facts["gather_loops"]
         assert len(loops) == len(gathers)
         partial = [i for i, loop in enumerate(gathers) if loop["LDG"] > 8]
