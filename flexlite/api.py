@@ -329,7 +329,9 @@ def _generate(score_mod, block_mask, device: torch.device, template: str = "fwd.
     mask_mod = block_mask.mask_mod if block_mask is not None else None
     return generate(template, score_mod, mask_mod, interpret=device.type != "cuda", float_index=float_index,
                     fold_scales=_launch.FOLD_SCORE_SCALES and template in ("fwd.py.jinja", "fwd_ws.py.jinja"),
-                    key_values=_launch.WS_FWD_KEY_VALUES)
+                    key_values=_launch.WS_FWD_KEY_VALUES,
+                    separate=_launch.SEPARATE_SCORE_BIAS and template in ("fwd.py.jinja", "fwd_ws.py.jinja"),
+                    bias_compact=_launch.WS_FWD_COMPACT_BIAS and template == "fwd_ws.py.jinja")
 
 
 _PASSES = {"forward": "fwd.py.jinja", "forward_ws": "fwd_ws.py.jinja", "decode": "decode.py.jinja",

@@ -520,3 +520,117 @@ def test_the_warp_specialized_forward_computes_the_masks_key_values_apart():
     for template in ("fwd.py.jinja", "decode.py.jinja"):
         assert generate(template, None, document, interpret=False, key_values=True).source == \
             generate(template, None, document, interpret=False).source
+
+
+_q_bias = torch.randn(512, generator=torch.Generator().manual_seed(12)).to(DEVICE)
+_k_bias = torch.randn(512, generator=torch.Generator().manual_seed(13)).to(DEVICE)
+
+SEPARABLE_MODS = {
+    # score_mod, whether lower_mod's separate finds it the score plus a bias of a query side and a key side
+    "alibi": (lambda s, b, h, q, kv: s + _slopes[h] * (kv - q), True),
+    "bias_first": (lambda s, b, h, q, kv: _k_bias[kv] + s, True),
+    "input_factor_and_sides": (lambda s, b, h, q, kv: s * 0.5 + _q_bias[q] * 3.0 - _k_bias[kv] / 2, True),
+    "minus_a_float_distance": (lambda s, b, h, q, kv: s - _slopes[h] * (q - kv).float() / 7, True),
+    "query_side_only": (lambda s, b, h, q, kv: s + _q_bias[q], True),
+    "two_slopes_and_a_head_term": (lambda s, b, h, q, kv: s + _slopes[h] * kv - _slopes[(h + 1) % H] * q + h * 0.25,
+                                   True),
+    "relative_table": (lambda s, b, h, q, kv: s + _table[h % 4, (kv - q) % 64], False),
+    "product_of_sides": (lambda s, b, h, q, kv: s + q * kv * 1e-3, False),
+    "absolute_distance": (lambda s, b, h, q, kv: s - _slopes[h] * (kv - q).abs(), False),
+    "score_not_linear": (lambda s, b, h, q, kv: torch.tanh(s) + _q_bias[q], False),
+    "score_times_a_side": (lambda s, b, h, q, kv: s * _q_bias[q], False),
+    "score_subtracted": (lambda s, b, h, q, kv: _k_bias[kv] - s, False),
+    "score_used_twice": (lambda s, b, h, q, kv: s + s * 0.1 + _q_bias[q], False),
+    "factor_on_the_sum": (lambda s, b, h, q, kv: (s + _q_bias[q]) * 0.5, False),
+    "where_on_both_sides": (lambda s, b, h, q, kv: s + torch.where(q >= kv, 0.0, -1.0), False),
+    "floor_division": (lambda s, b, h, q, kv: s + (kv - q) // 2, False),
+    "identity": (lambda s, b, h, q, kv: s, False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SEPARABLE_MODS))
+def test_which_score_mods_are_the_score_plus_a_separable_bias(name):
+    """lower_mod's separate (launch.SEPARATE_SCORE_BIAS): a score_mod that adds to the score (or to its folded
+    input factor's product) terms of the queries alone and of the keys alone is found separable; products of the two
+    sides, gathers or non-linear functions of both, a score used twice, negated or scaled after the sum are not. The
+    forwards take the separable ones apart (row_bias); the backward and decoding keep the mod as it is."""
+    from flexlite.codegen.kernel import generate, generate_backward
+    from flexlite.codegen.lower import lower_mod
+
+    mod, separable = SEPARABLE_MODS[name]
+    low = lower_mod(trace_mod(mod, "score_mod"), "score_mod", "sm_", fold_scales=True, separate=True)
+    assert low.separable == separable
+    assert not lower_mod(trace_mod(mod, "score_mod"), "score_mod", "sm_", fold_scales=True).separable
+    source = flexlite.kernel_source(mod, device=DEVICE)
+    assert ("row_bias" in source) == separable and ("score_mod(-0.0, " in source) == separable
+    for template in ("fwd_ws.py.jinja",):
+        ws = generate(template, mod, None, interpret=False, fold_scales=True, separate=True, bias_compact=True)
+        assert ("row_bias" in ws.source) == separable and ("offs_kb" in ws.source) == separable
+    assert "row_bias" not in generate("decode.py.jinja", mod, None, interpret=False, separate=True).source
+    assert "row_bias" not in generate_backward(mod, None, interpret=False).source
+
+
+@pytest.mark.parametrize("Lq, Lkv", [(100, 70), (63, 200)], ids=["more-queries-than-keys", "ragged"])
+@pytest.mark.parametrize("name", sorted(n for n, (_, separable) in SEPARABLE_MODS.items() if separable))
+def test_a_separable_bias_leaves_outputs_lse_max_scores_and_gradients_the_references(name, Lq, Lkv):
+    """The forward adds bias(q_anchor, kv) to the scores and bias(q, k0) - bias(q_anchor, k0) to each row's LSE and
+    max_scores (k0 a key in range: with more queries than keys the query block's first row is not one); the backward
+    reads that LSE with the whole mod. All of it is the reference's, under a block mask with partial and full
+    blocks, with GQA."""
+    from flexlite import AuxRequest
+
+    mod = SEPARABLE_MODS[name][0]
+    q, k, v = (t.requires_grad_() for t in rand_qkv(1, H, 1, Lq, Lkv, 16, seed=21))
+    bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx + 20 >= kv_idx, None, None, Lq, Lkv, device=DEVICE,
+                           BLOCK_SIZE=32)
+    out, aux = flex_attention(q, k, v, score_mod=mod, block_mask=bm, enable_gqa=True,
+                              return_aux=AuxRequest(lse=True, max_scores=True))
+    assert "row_bias" in flexlite.kernel_source(mod, bm, device=DEVICE)
+    ref, ref_lse, ref_max = attention_reference(q, k, v, score_mod=mod, block_mask=bm, enable_gqa=True,
+                                                return_max=True)
+    assert_close(out, ref, *TOLERANCES[torch.float32])
+    assert_close(aux.lse, ref_lse, *TOLERANCES[torch.float32], name="lse")
+    assert_close(aux.max_scores, ref_max, *TOLERANCES[torch.float32], name="max_scores")
+    grad = torch.randn_like(out)
+    for g, w in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
+        assert_grad_close(g, w)
+
+
+def test_a_separable_bias_keeps_what_non_finite_rows_give_unseparated(monkeypatch):
+    """A row whose query-side bias is -inf has every score -inf (out 0, LSE -inf), one whose bias is +inf or NaN
+    gets out NaN and that LSE, as without the separation; a fully masked row stays empty whatever its bias."""
+    check_non_finite_row_biases(monkeypatch, D=16, dtype=torch.float32, block_size=32)
+
+
+def check_non_finite_row_biases(monkeypatch, D: int, dtype: torch.dtype, block_size: int, kernel_options=None):
+    """(test_a_separable_bias_keeps_what_non_finite_rows_give_unseparated; on a Hopper GPU, test_warp_specialized
+    runs it through the warp-specialized forward)"""
+    from flexlite import AuxRequest
+    from flexlite.runtime import launch
+
+    row_bias = torch.randn(80, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    row_bias[[3, 40]] = float("-inf")
+    row_bias[[7, 50]] = float("inf")
+    row_bias[[11, 60]] = float("nan")
+    row_bias[[20, 21]] = float("inf")  # rows the mask empties
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + row_bias[q_idx] + _k_bias[kv_idx]
+
+    bm = create_block_mask(lambda b, h, q_idx, kv_idx: (q_idx < 20) | (q_idx > 21), None, None, 80, 90,
+                           device=DEVICE, BLOCK_SIZE=block_size)
+    q, k, v = rand_qkv(1, 2, 2, 80, 90, D, dtype=dtype, seed=6)
+    results = {}
+    for separate in (True, False):
+        monkeypatch.setattr(launch, "SEPARATE_SCORE_BIAS", separate)
+        assert ("row_bias" in flexlite.kernel_source(mod, bm, device=DEVICE)) == separate
+        out, aux = flex_attention(q, k, v, score_mod=mod, block_mask=bm, kernel_options=kernel_options,
+                                  return_aux=AuxRequest(lse=True, max_scores=True))
+        results[separate] = (out, aux.lse, aux.max_scores)
+    for name, got, want in zip(("out", "lse", "max_scores"), results[True], results[False]):
+        assert torch.equal(torch.isnan(got), torch.isnan(want)), name
+        assert_close(torch.nan_to_num(got, 0.0), torch.nan_to_num(want, 0.0), *TOLERANCES[dtype], name=name)
+    out, lse = results[True][:2]
+    assert torch.equal(out[:, :, [3, 40, 20, 21]], torch.zeros_like(out[:, :, [3, 40, 20, 21]]))
+    assert torch.isnan(out[:, :, [7, 50, 11, 60]]).all()
+    assert (lse[:, :, [3, 40, 20, 21]] == float("-inf")).all() and (lse[:, :, [7, 50]] == float("inf")).all()

@@ -116,6 +116,7 @@ FORWARD_WS = {
                                                       (2, 2)),
     "causal, max_scores stored, D128": (None, "causal", 128, L, L, (2, 2)),
     "document, key values on a compact vector, D64": (None, "document", 64, L, L, (2, 2)),
+    "causal, ALiBi a separable bias, D128": (generate_alibi_bias(2), "causal", 128, L, L, (2, 2)),
 }
 
 
@@ -137,6 +138,12 @@ def _compile_ws(case: str) -> dict:
         gathers = offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads)
         facts.update(gather_loops=offline.sass_loops(gathers), ptx_lines=kernel.asm["ptx"].count("\n"),
                      gather_ptx_lines=gathers.asm["ptx"].count("\n"))
+    if "separable" in case:  # and with its key side on the tile's columns, and with the bias in every score
+        launch.WS_FWD_COMPACT_BIAS = False
+        column = offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads)
+        launch.SEPARATE_SCORE_BIAS = False
+        whole = offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads)
+        facts.update(column_loops=offline.sass_loops(column), whole_loops=offline.sass_loops(whole))
     return facts
 
 
@@ -179,6 +186,23 @@ def test_warp_specialized_forward_compiles_for_sm90(case):
         for i in set(range(len(loops))) - set(partial):
             assert abs(loops[i]["instructions"] - gathers[i]["instructions"]) <= 12 and loops[i]["STL"] == 0
         assert facts["ptx_lines"] < 0.9 * facts["gather_ptx_lines"]
+    if "separable" in case:
+        # launch.SEPARATE_SCORE_BIAS: ALiBi's bias taken at the item's first row, one FMA per score with the bias
+        # along the keys, and the rest added to the LSE once per row; WS_FWD_COMPACT_BIAS: on full tiles that bias
+        # computed on a compact key vector, partial ones' on the tile's columns beside the mask's key indices (partial /
+        # full tile loops 930 / 798 instructions with the bias in every score, 838 / 703 separated, 838 / 562 with the
+        # compact vector; benchmarks/NOTES.md 62)
+        loops, column, whole = facts["loops"], facts["column_loops"], facts["whole_loops"]
+        assert len(loops) == len(column) == len(whole)
+        tiles = [i for i, loop in enumerate(whole) if loop["MUFU"] == 66]  # 64 exponentials and 2 rescales a tile
+        partial = [i for i in tiles if whole[i]["ISETP"] >= 64]  # the causal compare per score
+        assert len(tiles) == 4 and len(partial) == 2, whole
+        for i in tiles:
+            assert column[i]["instructions"] < whole[i]["instructions"] - 60, (column[i], whole[i])
+        for i in set(tiles) - set(partial):
+            assert loops[i]["instructions"] < column[i]["instructions"] - 100, (loops[i], column[i])
+        for i in partial:
+            assert abs(loops[i]["instructions"] - column[i]["instructions"]) <= 8, (loops[i], column[i])
 
 
 # the warp-specialized (Gluon) dK / dV kernel: (score_mod, mask, head dim, (query heads, kv heads), options of

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from catalog import CATALOG
-from flexlite import attention_reference, create_block_mask, flex_attention
+from flexlite import attention_reference, create_block_mask, flex_attention, kernel_source
 from flexlite.runtime import launch
 from helpers import DEVICE, TOLERANCES, assert_close, assert_grad_close, rand_qkv
 
@@ -501,6 +501,51 @@ if ON_HOPPER:
         assert ran == [True, False]
         assert torch.equal(out, plain) and torch.equal(aux.lse, lse)
         assert_close(aux.max_scores, ref_max, *LSE_TOLERANCES[torch.bfloat16], name="max_scores")
+
+    @pytest.mark.parametrize("compact", [True, False], ids=["compact key vector", "column vector"])
+    @pytest.mark.parametrize("shape, grid", WS_FORWARD_RUNS)
+    @pytest.mark.parametrize("name", ["alibi", "input_factor_and_sides", "two_slopes_and_a_head_term",
+                                      "query_side_only"])
+    def test_separable_score_mod_biases(monkeypatch, name, shape, grid, compact):
+        # launch.SEPARATE_SCORE_BIAS, WS_FWD_COMPACT_BIAS: the key side of the bias taken along the tiles' keys (on a
+        # compact vector or on the tile's columns), the query side added to LSE and max_scores once per row; out,
+        # lse and max_scores are the reference's (test_codegen's mods, at every head count here)
+        from flexlite import AuxRequest
+        from helpers import LSE_TOLERANCES
+        from test_codegen import SEPARABLE_MODS
+
+        monkeypatch.setattr(launch, "WS_FWD_COMPACT_BIAS", compact)
+        monkeypatch.setattr(launch, "WS_FWD_PERSISTENT", grid == "persistent")
+        if grid == "persistent":
+            facts = launch._device_facts(torch.device(DEVICE))
+            monkeypatch.setattr(launch, "_device_facts", lambda device: (3, facts[1]))
+        B, Hq, Hkv, Lq, Lkv, D = shape
+        slopes = torch.rand(Hq, device=DEVICE)
+        mods = {"alibi": lambda s, b, h, q, kv: s + slopes[h] * (kv - q),
+                "two_slopes_and_a_head_term": lambda s, b, h, q, kv: s + slopes[h] * kv - slopes[(h + 1) % Hq] * q
+                + h * 0.25}
+        mod = mods.get(name) or SEPARABLE_MODS[name][0]
+        case = CATALOG["causal"](B, Hq, Lq, Lkv, DEVICE)
+        bm = create_block_mask(case.mask_mod, None, None, Lq, Lkv, device=DEVICE)
+        q, k, v = rand_qkv(B, Hq, Hkv, Lq, Lkv, D, dtype=torch.bfloat16, seed=23)
+        source = kernel_source(mod, bm, device=DEVICE, kernel="forward_ws")
+        assert "row_bias" in source and ("offs_kb" in source) == compact
+        out, aux = flex_attention(q, k, v, score_mod=mod, block_mask=bm, enable_gqa=Hq != Hkv,
+                                  kernel_options={"WARP_SPECIALIZE": True},
+                                  return_aux=AuxRequest(lse=True, max_scores=True))
+        ref, ref_lse, ref_max = attention_reference(q, k, v, score_mod=mod, block_mask=bm, enable_gqa=Hq != Hkv,
+                                                    return_max=True)
+        assert_close(out, ref, *TOLERANCES[torch.bfloat16])
+        assert_close(aux.lse, ref_lse, *LSE_TOLERANCES[torch.bfloat16], name="lse")
+        assert_close(aux.max_scores, ref_max, *LSE_TOLERANCES[torch.bfloat16], name="max_scores")
+
+    @pytest.mark.parametrize("compact", [True, False], ids=["compact key vector", "column vector"])
+    @pytest.mark.parametrize("D", [128, 64])
+    def test_separable_bias_with_non_finite_rows(monkeypatch, D, compact):
+        from test_codegen import check_non_finite_row_biases
+
+        monkeypatch.setattr(launch, "WS_FWD_COMPACT_BIAS", compact)
+        check_non_finite_row_biases(monkeypatch, D, torch.bfloat16, 128, kernel_options={"WARP_SPECIALIZE": True})
 
     @pytest.mark.parametrize("fold", [True, False], ids=["folded", "in the mod"])
     @pytest.mark.parametrize("D", [128, 64])

@@ -35,21 +35,25 @@ class GeneratedKernel:
 
 
 def _lowered(traced: Optional[TracedMod], fn_name: str, prefix: str, float_index: bool = False,
-             query_values: bool = False, fold_scales: bool = False, key_values: bool = False) -> LoweredMod:
+             query_values: bool = False, fold_scales: bool = False, key_values: bool = False,
+             separate: bool = False) -> LoweredMod:
     """``query_values`` (mask_mod): its values from b, h, q_idx and captured tensors alone computed apart
     (bwd_ws.py.jinja evaluates them on a compact query vector); ``key_values`` (mask_mod): from b, h, kv_idx
     (fwd_ws.py.jinja: a compact key vector), and where there are such values, index arithmetic in int only (the
     float forms of ``float_index`` are not carried across the split). ``fold_scales`` (score_mod): its constant
-    input and output factors left to the kernel (lower_mod's ``fold_scales``)."""
+    input and output factors left to the kernel (lower_mod's ``fold_scales``); ``separate`` (score_mod): whether it
+    is the score plus a bias of a query side and a key side (lower_mod's ``separate``)."""
     if traced is None:
         return identity_score_mod() if fn_name == "score_mod" else noop_mask_mod()
     key = (fn_name,) + tuple(name for name, on in (("float_index", float_index), ("query_values", query_values),
-                                                    ("fold_scales", fold_scales), ("key_values", key_values)) if on)
+                                                    ("fold_scales", fold_scales), ("key_values", key_values),
+                                                    ("separate", separate)) if on)
     if key not in traced.lowered:
         # score_mod's loop-invariant loads are hoisted out of the kernels' loops (lower_mod's ``hoist``)
         hoist = ("b", "h") if fn_name == "score_mod" else ("b", "h", "q_idx") if query_values else \
             ("b", "h", "kv_idx") if key_values else ()
-        low = lower_mod(traced, fn_name, prefix, float_index and not hoist[2:], hoist=hoist, fold_scales=fold_scales)
+        low = lower_mod(traced, fn_name, prefix, float_index and not hoist[2:], hoist=hoist, fold_scales=fold_scales,
+                        separate=separate)
         if hoist[2:] and not low.hoisted and float_index:  # nothing to split off: keep the float forms
             low = lower_mod(traced, fn_name, prefix, float_index, fold_scales=fold_scales)
         traced.lowered[key] = low
@@ -60,33 +64,38 @@ def _lowered(traced: Optional[TracedMod], fn_name: str, prefix: str, float_index
 def _render(template: str, sm_source: str, mm_source: str, sm_params: tuple, mm_params: tuple,
             interpret: bool, sm_name: str, mm_name: str, extra: tuple = (), sm_hoisted: tuple = (),
             sm_hoist_source: str = "", mm_hoisted: tuple = (), mm_hoist_source: str = "",
-            sm_scales: tuple = (None, None)) -> str:
+            sm_scales: tuple = (None, None), sm_separable: bool = False, bias_compact: bool = False) -> str:
     sm = LoweredMod("score_mod", sm_source, list(sm_params), [], hoisted=sm_hoisted, hoist_source=sm_hoist_source,
-                    in_scale=sm_scales[0], out_scale=sm_scales[1])
+                    in_scale=sm_scales[0], out_scale=sm_scales[1], separable=sm_separable)
     mm = LoweredMod("mask_mod", mm_source, list(mm_params), [], hoisted=mm_hoisted, hoist_source=mm_hoist_source)
     extra_mods = {name: LoweredMod(name, src, list(params), []) if src is not None else None
                   for name, src, params in extra}
     return render(template, sm, mm, interpret=interpret, score_mod_name=sm_name, mask_mod_name=mm_name,
-                  extra_mods=extra_mods)
+                  extra_mods=extra_mods, bias_compact=bias_compact)
 
 
 def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Callable], *,
              interpret: bool, float_index: bool = False, fold_scales: bool = False,
-             key_values: bool = False) -> GeneratedKernel:
+             key_values: bool = False, separate: bool = False, bias_compact: bool = False) -> GeneratedKernel:
     """Kernel source for ``template`` with ``score_mod`` / ``mask_mod`` (None: identity / keep all).
     ``float_index``: lower index arithmetic that ends in float32 from float index vectors (the caller guarantees
     lengths below 2**24; :class:`~flexlite.codegen.lower._Lowerer`). ``fold_scales`` (the forward templates):
     score_mod's constant input and output factors folded into the kernel's multiplies. ``key_values``
     (fwd_ws.py.jinja): mask_mod's values from b, h, kv_idx and captured tensors alone (its gathers along the keys)
-    computed apart, on a compact key vector."""
+    computed apart, on a compact key vector. ``separate`` (the forward templates): a score_mod that is the score plus
+    a bias of a query side and a key side takes the query side once per row, into the LSE (lower_mod's
+    ``separate``); ``bias_compact`` (fwd_ws.py.jinja): that bias along the keys computed on a compact key vector.
+    """
     sm = trace_mod(score_mod, "score_mod") if score_mod is not None else None
     mm = trace_mod(mask_mod, "mask_mod") if mask_mod is not None else None
-    low_sm = _lowered(sm, "score_mod", "sm_", float_index, fold_scales=fold_scales)
+    low_sm = _lowered(sm, "score_mod", "sm_", float_index, fold_scales=fold_scales,
+                      separate=separate and template in ("fwd.py.jinja", "fwd_ws.py.jinja"))
     low_mm = _lowered(mm, "mask_mod", "mm_", float_index, key_values=key_values and template == "fwd_ws.py.jinja")
     source = _render(template, low_sm.source, low_mm.source, tuple(low_sm.params), tuple(low_mm.params),
                      interpret, sm.name if sm else "none", mm.name if mm else "none", (), low_sm.hoisted,
                      low_sm.hoist_source, low_mm.hoisted, low_mm.hoist_source,
-                     sm_scales=(low_sm.in_scale, low_sm.out_scale))
+                     sm_scales=(low_sm.in_scale, low_sm.out_scale), sm_separable=low_sm.separable,
+                     bias_compact=bias_compact and low_sm.separable)
     return GeneratedKernel(template, source, low_sm, low_mm, has_score_mod=sm is not None)
 
 

@@ -320,6 +320,9 @@ class LoweredMod:
     # score)`` and the function computes f of its (already multiplied) input; None: no such factor
     in_scale: Optional[float] = None
     out_scale: Optional[float] = None
+    # score_mod is ``score + bias`` with a bias that splits into a query side and a key side (lower_mod's
+    # ``separate``): the function then gives the bias when called with score -0.0
+    separable: bool = False
 
     def kernel_args(self) -> list:
         """Runtime values for ``params``: per tensor its pointer, strides, sizes."""
@@ -652,8 +655,68 @@ def _fold_scales(low: "_Lowerer") -> tuple:
     return in_scale, out_scale
 
 
+# ops through which a sum of a query-side and a key-side value stays such a sum (lower_mod's ``separate``): with an
+# operand that is the same for the whole tile (b, h, captured tensors, numbers), multiplication and division by it
+_SUM_OPS = ("add", "sub", "neg", "pos")
+_SCALE_OPS = ("mul", "truediv")
+
+
+def _separable_bias(low: "_Lowerer") -> bool:
+    """Whether score_mod is the score plus a bias (sums and differences with the score, or its folded input factor's
+    multiply, added once) whose terms split into values of b, h, q_idx alone and of b, h, kv_idx alone (ALiBi's
+    ``slopes[h] * (kv_idx - q_idx)``): built from such values by adds, subtracts, negations, conversions to float and
+    multiplies or divisions by what b and h alone give. Then bias(q, kv) = bias(q0, kv) + bias(q, k0) - bias(q0, k0)
+    for any q0, k0, and the forward templates add the query side to the LSE once per row instead of to every
+    score."""
+    gm = low.traced.graph_module
+    score = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.target == "score")
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    scored = {score} | {n for n, target in low.aliases.items() if target is score}
+    row_side = _only(gm, ("b", "h", "q_idx"))[0]
+    key_side = _only(gm, ("b", "h", "kv_idx"))[0]
+    tile_constant = low.bh_only[0]
+
+    def number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    def separable(v) -> bool:
+        if number(v) or v in row_side or v in key_side:
+            return True
+        if not isinstance(v, fx.Node) or v.kwargs or v in scored:
+            return False
+        key = op_key(v)
+        if key in _SUM_OPS:
+            return all(separable(a) for a in v.args)
+        if key == "to":  # to float: exact for the int index arithmetic (a float index below 2**24) and linear
+            return v.meta.get("dtype") in (torch.float32, torch.float64) and len(v.args) >= 1 and separable(v.args[0])
+        if key in _SCALE_OPS and len(v.args) == 2:
+            a, b = v.args
+            if number(b) or b in tile_constant:
+                return separable(a)
+            return key == "mul" and (number(a) or a in tile_constant) and separable(b)
+        return False
+
+    def score_plus_bias(v) -> bool:
+        # v is the score plus separable terms, the score (read by nothing else) taken with a plus sign
+        if v in scored:
+            return True
+        if not isinstance(v, fx.Node) or v.kwargs or len(v.users) != 1 or op_key(v) not in ("add", "sub", "pos"):
+            return False
+        if op_key(v) == "pos":
+            return score_plus_bias(v.args[0])
+        a, b = v.args
+        if op_key(v) == "add" and score_plus_bias(b):
+            return separable(a)
+        return score_plus_bias(a) and separable(b)
+
+    dtype = out.meta.get("dtype") if isinstance(out, fx.Node) else None
+    return (dtype is not None and dtype.is_floating_point and out not in scored and
+            all(len(n.users) == 1 for n in scored) and score_plus_bias(out))
+
+
 def lower_mod(traced: TracedMod, fn_name: str, prefix: str, float_index: bool = False,
-              hoist: tuple = (), fold_scales: bool = False) -> LoweredMod:
+              hoist: tuple = (), fold_scales: bool = False,
+              separate: bool = False) -> LoweredMod:
     """Lower a traced mod to ``@triton.jit def fn_name(...)``; captured params are named ``prefix``c<i>.
     ``float_index``: the kernel's q_idx / kv_idx stay below 2**24 (see :class:`_Lowerer`). ``hoist``: mod inputs
     (e.g. ``("b", "h")``) whose values, with captured tensors, the kernel can compute apart: what the mod computes
@@ -663,9 +726,12 @@ def lower_mod(traced: TracedMod, fn_name: str, prefix: str, float_index: bool = 
     those values as parameters (:attr:`LoweredMod.hoisted`). ``fold_scales`` (score_mod): a constant factor of its
     input and a small positive one of a bounded output (softcap's ``30 * tanh(score / 30)``; :func:`_fold_scales`)
     are left to the kernel, which folds them into its own multiplies (:attr:`LoweredMod.in_scale`,
-    :attr:`LoweredMod.out_scale`)."""
+    :attr:`LoweredMod.out_scale`). ``separate`` (score_mod): whether the mod is the score plus a bias that splits
+    into a query side and a key side (:func:`_separable_bias`, :attr:`LoweredMod.separable`); the source is the
+    same either way."""
     low = _Lowerer(traced, prefix, float_index)
     in_scale, out_scale = _fold_scales(low) if fold_scales else (None, None)
+    separable = separate and traced.kind == "score_mod" and _separable_bias(low)
     lines, result = low.run()
     invariant, moved, hoisted = _hoistable(low, hoist) if hoist else (set(), set(), [])
     hoist_lines = [line for n in low.traced.graph_module.graph.nodes if n in invariant
@@ -694,7 +760,7 @@ def lower_mod(traced: TracedMod, fn_name: str, prefix: str, float_index: bool = 
             + [f"    {line}" for line in hoist_lines] + [f"    return {', '.join(names)}"]) + "\n"
     return LoweredMod(fn_name=fn_name, source=source, params=low.params, tensors=low.tensors,
                       result_dtype=result.dtype, hoisted=names, hoist_source=hoist_source, in_scale=in_scale,
-                      out_scale=out_scale)
+                      out_scale=out_scale, separable=separable)
 
 
 def identity_score_mod() -> LoweredMod:

@@ -38,11 +38,13 @@ def _param_list(names: list) -> str:
 
 
 def render(template: str, score_mod: LoweredMod, mask_mod: LoweredMod, *, interpret: bool,
-           score_mod_name: str = "none", mask_mod_name: str = "none", extra_mods: Optional[dict] = None) -> str:
+           score_mod_name: str = "none", mask_mod_name: str = "none", extra_mods: Optional[dict] = None,
+           bias_compact: bool = False) -> str:
     """Render ``template`` (e.g. ``"fwd.py.jinja"``) into kernel source text.
 
     ``extra_mods`` (name -> LoweredMod or None), for the backward's derivative functions: each becomes
     ``<name>_source`` and ``<name>_args`` ("" if None), and all their parameters ``extra_params``.
+    ``bias_compact`` (fwd_ws.py.jinja): a separable score_mod's bias along the keys computed on a compact vector.
     """
     extra = {}
     extra_params = []
@@ -83,6 +85,10 @@ def render(template: str, score_mod: LoweredMod, mask_mod: LoweredMod, *, interp
         # templates multiply the output's by LOG2E: the forward's exp2 argument then one FMA, as without a score_mod)
         score_in_scale=None if score_mod.in_scale is None else repr(float(score_mod.in_scale)),
         score_out_scale=None if score_mod.out_scale is None else repr(float(score_mod.out_scale)),
+        # score_mod is the score plus a bias of a query side and a key side (lower_mod's separate): the forwards add
+        # the key side to each score and the query side to each row's LSE
+        score_separable=score_mod.separable,
+        bias_compact=bias_compact,
         extra_params=_param_list(extra_params),
         **extra,
     )

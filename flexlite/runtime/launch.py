@@ -446,6 +446,15 @@ WS_BWD_QUERY_VALUES = True
 # multiplies: per score one multiply before the mod and one FMA into exp2 instead of four multiplies and a subtraction
 # (H200: softcap + causal's forward 4-5 % faster at both head dims; NOTES 47)
 FOLD_SCORE_SCALES = True
+# the forward kernels take a score_mod that is the score plus a bias of a query side and a key side (ALiBi's
+# slopes[h] * (kv_idx - q_idx); lower_mod's separate) as the score plus the bias at the walk's first query row, one FMA
+# per score with that key side computed along a tile's columns, and add the rest, constant along each row, to the
+# row's LSE (and max_scores) once: a softmax does not see what is constant along a row (NOTES 62)
+SEPARATE_SCORE_BIAS = True
+# the warp-specialized forward computes that key side once per tile on a compact key vector, a key per thread, and
+# spreads it along the tile's columns (as WS_FWD_KEY_VALUES does for mask_mod); False: on the tile's column vector, 32
+# keys per thread (NOTES 62)
+WS_FWD_COMPACT_BIAS = True
 
 
 def ws_backward_unmet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sparse_block: tuple) -> Optional[str]:
