@@ -331,7 +331,7 @@ def _generate(score_mod, block_mask, device: torch.device, template: str = "fwd.
                     fold_scales=_launch.FOLD_SCORE_SCALES and template in ("fwd.py.jinja", "fwd_ws.py.jinja"),
                     key_values=_launch.WS_FWD_KEY_VALUES,
                     separate=_launch.SEPARATE_SCORE_BIAS and template in ("fwd.py.jinja", "fwd_ws.py.jinja"),
-                    bias_compact=_launch.WS_FWD_COMPACT_BIAS and template == "fwd_ws.py.jinja")
+                    compact_bias_dims=_launch.WS_FWD_COMPACT_BIAS_HEAD_DIMS if template == "fwd_ws.py.jinja" else ())
 
 
 _PASSES = {"forward": "fwd.py.jinja", "forward_ws": "fwd_ws.py.jinja", "decode": "decode.py.jinja",

@@ -139,7 +139,7 @@ def _compile_ws(case: str) -> dict:
         facts.update(gather_loops=offline.sass_loops(gathers), ptx_lines=kernel.asm["ptx"].count("\n"),
                      gather_ptx_lines=gathers.asm["ptx"].count("\n"))
     if "separable" in case:  # and with its key side on the tile's columns, and with the bias in every score
-        launch.WS_FWD_COMPACT_BIAS = False
+        launch.WS_FWD_COMPACT_BIAS_HEAD_DIMS = frozenset()
         column = offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads)
         launch.SEPARATE_SCORE_BIAS = False
         whole = offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads)
@@ -188,10 +188,10 @@ def test_warp_specialized_forward_compiles_for_sm90(case):
         assert facts["ptx_lines"] < 0.9 * facts["gather_ptx_lines"]
     if "separable" in case:
         # launch.SEPARATE_SCORE_BIAS: ALiBi's bias taken at the item's first row, one FMA per score with the bias
-        # along the keys, and the rest added to the LSE once per row; WS_FWD_COMPACT_BIAS: on full tiles that bias
-        # computed on a compact key vector, partial ones' on the tile's columns beside the mask's key indices (partial /
-        # full tile loops 930 / 798 instructions with the bias in every score, 838 / 703 separated, 838 / 562 with the
-        # compact vector; benchmarks/NOTES.md 62)
+        # along the keys, and the rest added to the LSE once per row; WS_FWD_COMPACT_BIAS_HEAD_DIMS: on full tiles
+        # that bias computed on a compact key vector, partial ones' on the tile's columns beside the mask's key indices
+        # (partial / full tile loops 930 / 798 instructions with the bias in every score, 838 / 703 separated, 838 /
+        # 562 with the compact vector; benchmarks/NOTES.md 62)
         loops, column, whole = facts["loops"], facts["column_loops"], facts["whole_loops"]
         assert len(loops) == len(column) == len(whole)
         tiles = [i for i, loop in enumerate(whole) if loop["MUFU"] == 66]  # 64 exponentials and 2 rescales a tile

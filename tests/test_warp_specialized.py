@@ -507,14 +507,14 @@ if ON_HOPPER:
     @pytest.mark.parametrize("name", ["alibi", "input_factor_and_sides", "two_slopes_and_a_head_term",
                                       "query_side_only"])
     def test_separable_score_mod_biases(monkeypatch, name, shape, grid, compact):
-        # launch.SEPARATE_SCORE_BIAS, WS_FWD_COMPACT_BIAS: the key side of the bias taken along the tiles' keys (on a
-        # compact vector or on the tile's columns), the query side added to LSE and max_scores once per row; out,
-        # lse and max_scores are the reference's (test_codegen's mods, at every head count here)
+        # launch.SEPARATE_SCORE_BIAS, WS_FWD_COMPACT_BIAS_HEAD_DIMS: the key side of the bias taken along the tiles'
+        # keys (on a compact vector or on the tile's columns), the query side added to LSE and max_scores once per
+        # row; out, lse and max_scores are the reference's (test_codegen's mods, at every head count here)
         from flexlite import AuxRequest
         from helpers import LSE_TOLERANCES
         from test_codegen import SEPARABLE_MODS
 
-        monkeypatch.setattr(launch, "WS_FWD_COMPACT_BIAS", compact)
+        monkeypatch.setattr(launch, "WS_FWD_COMPACT_BIAS_HEAD_DIMS", frozenset({64, 128} if compact else ()))
         monkeypatch.setattr(launch, "WS_FWD_PERSISTENT", grid == "persistent")
         if grid == "persistent":
             facts = launch._device_facts(torch.device(DEVICE))
@@ -544,7 +544,7 @@ if ON_HOPPER:
     def test_separable_bias_with_non_finite_rows(monkeypatch, D, compact):
         from test_codegen import check_non_finite_row_biases
 
-        monkeypatch.setattr(launch, "WS_FWD_COMPACT_BIAS", compact)
+        monkeypatch.setattr(launch, "WS_FWD_COMPACT_BIAS_HEAD_DIMS", frozenset({64, 128} if compact else ()))
         check_non_finite_row_biases(monkeypatch, D, torch.bfloat16, 128, kernel_options={"WARP_SPECIALIZE": True})
 
     @pytest.mark.parametrize("fold", [True, False], ids=["folded", "in the mod"])

@@ -64,19 +64,19 @@ def _lowered(traced: Optional[TracedMod], fn_name: str, prefix: str, float_index
 def _render(template: str, sm_source: str, mm_source: str, sm_params: tuple, mm_params: tuple,
             interpret: bool, sm_name: str, mm_name: str, extra: tuple = (), sm_hoisted: tuple = (),
             sm_hoist_source: str = "", mm_hoisted: tuple = (), mm_hoist_source: str = "",
-            sm_scales: tuple = (None, None), sm_separable: bool = False, bias_compact: bool = False) -> str:
+            sm_scales: tuple = (None, None), sm_separable: bool = False, compact_bias_dims: tuple = ()) -> str:
     sm = LoweredMod("score_mod", sm_source, list(sm_params), [], hoisted=sm_hoisted, hoist_source=sm_hoist_source,
                     in_scale=sm_scales[0], out_scale=sm_scales[1], separable=sm_separable)
     mm = LoweredMod("mask_mod", mm_source, list(mm_params), [], hoisted=mm_hoisted, hoist_source=mm_hoist_source)
     extra_mods = {name: LoweredMod(name, src, list(params), []) if src is not None else None
                   for name, src, params in extra}
     return render(template, sm, mm, interpret=interpret, score_mod_name=sm_name, mask_mod_name=mm_name,
-                  extra_mods=extra_mods, bias_compact=bias_compact)
+                  extra_mods=extra_mods, compact_bias_dims=compact_bias_dims)
 
 
 def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Callable], *,
              interpret: bool, float_index: bool = False, fold_scales: bool = False,
-             key_values: bool = False, separate: bool = False, bias_compact: bool = False) -> GeneratedKernel:
+             key_values: bool = False, separate: bool = False, compact_bias_dims: tuple = ()) -> GeneratedKernel:
     """Kernel source for ``template`` with ``score_mod`` / ``mask_mod`` (None: identity / keep all).
     ``float_index``: lower index arithmetic that ends in float32 from float index vectors (the caller guarantees
     lengths below 2**24; :class:`~flexlite.codegen.lower._Lowerer`). ``fold_scales`` (the forward templates):
@@ -84,7 +84,8 @@ def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Ca
     (fwd_ws.py.jinja): mask_mod's values from b, h, kv_idx and captured tensors alone (its gathers along the keys)
     computed apart, on a compact key vector. ``separate`` (the forward templates): a score_mod that is the score plus
     a bias of a query side and a key side takes the query side once per row, into the LSE (lower_mod's
-    ``separate``); ``bias_compact`` (fwd_ws.py.jinja): that bias along the keys computed on a compact key vector.
+    ``separate``); ``compact_bias_dims`` (fwd_ws.py.jinja): the head dims at which that bias along the keys is
+    computed on a compact key vector.
     """
     sm = trace_mod(score_mod, "score_mod") if score_mod is not None else None
     mm = trace_mod(mask_mod, "mask_mod") if mask_mod is not None else None
@@ -95,7 +96,7 @@ def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Ca
                      interpret, sm.name if sm else "none", mm.name if mm else "none", (), low_sm.hoisted,
                      low_sm.hoist_source, low_mm.hoisted, low_mm.hoist_source,
                      sm_scales=(low_sm.in_scale, low_sm.out_scale), sm_separable=low_sm.separable,
-                     bias_compact=bias_compact and low_sm.separable)
+                     compact_bias_dims=tuple(sorted(compact_bias_dims)) if low_sm.separable else ())
     return GeneratedKernel(template, source, low_sm, low_mm, has_score_mod=sm is not None)
 
 

@@ -39,12 +39,13 @@ def _param_list(names: list) -> str:
 
 def render(template: str, score_mod: LoweredMod, mask_mod: LoweredMod, *, interpret: bool,
            score_mod_name: str = "none", mask_mod_name: str = "none", extra_mods: Optional[dict] = None,
-           bias_compact: bool = False) -> str:
+           compact_bias_dims: tuple = ()) -> str:
     """Render ``template`` (e.g. ``"fwd.py.jinja"``) into kernel source text.
 
     ``extra_mods`` (name -> LoweredMod or None), for the backward's derivative functions: each becomes
     ``<name>_source`` and ``<name>_args`` ("" if None), and all their parameters ``extra_params``.
-    ``bias_compact`` (fwd_ws.py.jinja): a separable score_mod's bias along the keys computed on a compact vector.
+    ``compact_bias_dims`` (fwd_ws.py.jinja): the head dims at which a separable score_mod's bias along the keys is
+    computed on a compact vector.
     """
     extra = {}
     extra_params = []
@@ -88,7 +89,7 @@ def render(template: str, score_mod: LoweredMod, mask_mod: LoweredMod, *, interp
         # score_mod is the score plus a bias of a query side and a key side (lower_mod's separate): the forwards add
         # the key side to each score and the query side to each row's LSE
         score_separable=score_mod.separable,
-        bias_compact=bias_compact,
+        compact_bias_dims=compact_bias_dims,
         extra_params=_param_list(extra_params),
         **extra,
     )
