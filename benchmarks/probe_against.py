@@ -8,12 +8,14 @@ settings of flexlite.runtime.launch given other values. Each is checked against 
 order, the best round of each kept. Prints a table: ms of both and their ratio.
 
 Usage: python benchmarks/probe_against.py NAME=VALUE[,NAME=VALUE...] [mask,mask,...] [D,D,...] [--rounds=N]
-[--passes=fwd,bwd]
+[--passes=fwd,bwd] [--options=KEY=VALUE[,KEY=VALUE...]]
 (NAME: a template file name under flexlite/codegen/templates, e.g. fwd_ws.py.jinja, and VALUE the path of the text
-to use; or launch.SETTING, e.g. launch.WS_FWD_PERSISTENT, and VALUE a Python literal)"""
+to use; or launch.SETTING, e.g. launch.WS_FWD_PERSISTENT, and VALUE a Python literal, which may hold commas, e.g.
+{64,128}; --options: kernel_options for every call of both, e.g. WARP_SPECIALIZE=False for the Triton forward)"""
 
 import ast
 import contextlib
+import re
 import sys
 import unittest.mock
 from pathlib import Path
@@ -56,8 +58,15 @@ def before(changes: dict):
         yield
 
 
+def _pairs(text: str) -> dict:
+    """``NAME=VALUE[,NAME=VALUE...]`` as a dict; a comma starts a new pair only before ``NAME=``."""
+    return dict(pair.split("=", 1) for pair in re.split(r",(?=[\w.]+=)", text))
+
+
 def main():
-    changes = dict(pair.split("=", 1) for pair in sys.argv[1].split(","))
+    changes = _pairs(sys.argv[1])
+    options = next(({k: ast.literal_eval(v) for k, v in _pairs(a.split("=", 1)[1]).items()}
+                    for a in sys.argv if a.startswith("--options=")), None)
     rounds = next((int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--rounds=")), ROUNDS)
     passes = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--passes=")), ["fwd", "bwd"])
     masks, dims = probe_args(sys.argv[1:])
@@ -67,13 +76,15 @@ def main():
         errors = {}
         for label, scope in variants:
             with scope():
-                errors[label] = max(check_against_reference(case, D, "cuda", backward="bwd" in passes).values())
+                errors[label] = max(check_against_reference(case, D, "cuda", backward="bwd" in passes,
+                                                            kernel_options=options).values())
         for pass_ in passes:
             best = {}
             for r in range(rounds):  # (each round in the other order)
                 for label, scope in variants[::1 if r % 2 == 0 else -1]:
                     with scope():
-                        fn = _timed(lambda: flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm), pass_)
+                        fn = _timed(lambda: flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm,
+                                                           kernel_options=options), pass_)
                         ms = _median_ms(fn, grad_to_none=(q, k, v) if pass_ == "bwd" else None)
                     best[label] = min(best.get(label, ms), ms)
             rows.append([case.name, f"D{D}", pass_, round(best["now"], 4), round(best["before"], 4),

@@ -184,15 +184,16 @@ def _git_commit() -> str:
         return os.environ.get("FLEXLITE_COMMIT", "unknown")
 
 
-def check_against_reference(case: MaskCase, D: int, device, dtype=torch.bfloat16, backward: bool = False) -> dict:
-    """Max abs errors of flexlite vs the fp64 reference at B1 H2 S1024 (random inputs): out, and with
-    ``backward`` also dq / dk / dv."""
+def check_against_reference(case: MaskCase, D: int, device, dtype=torch.bfloat16, backward: bool = False,
+                            kernel_options: Optional[dict] = None) -> dict:
+    """Max abs errors of flexlite (called with ``kernel_options``) vs the fp64 reference at B1 H2 S1024 (random
+    inputs): out, and with ``backward`` also dq / dk / dv."""
     B, H, S = 1, 2, 1024
     g = torch.Generator().manual_seed(0)
     q, k, v = [torch.randn(B, H, S, D, generator=g).to(device, dtype).requires_grad_(backward) for _ in range(3)]
     small = mask_cases(S, H, device)[case.name]
     bm = create_block_mask(small.mask_mod, None, None, S, S, device=device) if small.mask_mod else None
-    out = flex_attention(q, k, v, score_mod=small.score_mod, block_mask=bm)
+    out = flex_attention(q, k, v, score_mod=small.score_mod, block_mask=bm, kernel_options=kernel_options)
     ref, _ = attention_reference(q, k, v, score_mod=small.score_mod, block_mask=bm)
     errors = {"max_err_vs_fp64": float((out.double() - ref).abs().max())}
     if backward:
