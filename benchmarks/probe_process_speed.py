@@ -5,11 +5,14 @@ In one process: the forward of each mask timed (do_bench median), then WORKLOAD 
 for three cycles. Run once per workload, each in a fresh process, to see which, if any, moves the next timings:
 ``none`` (nothing), ``torch_flex`` (torch's compiled flex_attention on the same inputs, as the harness runs it),
 ``cudnn`` (SDPA's cuDNN backend, causal), ``backward`` (flexlite's forward and backward), ``reference`` (the
-harness's fp64 check, bench.check_against_reference). Prints a table: workload, cycle, mask, ms.
+harness's fp64 check, bench.check_against_reference). Prints a table: workload, cycle, mask, ms, and the wall
+clock at the timing's start and end (to line up with an ``nvidia-smi --query-gpu=timestamp,clocks.sm,... -lms``
+log taken beside it).
 
-Usage: python benchmarks/probe_process_speed.py WORKLOAD [mask,mask,...]"""
+Usage: python benchmarks/probe_process_speed.py WORKLOAD [mask,mask,...] [--cycles=N]"""
 
 import sys
+import time
 
 import torch
 from tabulate import tabulate
@@ -51,19 +54,23 @@ def workload(name: str, cases: list):
 
 
 def main():
-    name = sys.argv[1] if len(sys.argv) > 1 else "none"
-    masks = sys.argv[2].split(",") if len(sys.argv) > 2 else ["document_8_causal", "causal", "prefix_lm_2048"]
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    name = args[0] if args else "none"
+    masks = args[1].split(",") if len(args) > 1 else ["document_8_causal", "causal", "prefix_lm_2048"]
+    cycles = next((int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--cycles=")), 3)
     cases = list(probe_cases(masks, [128]))
     rows = []
-    for cycle in range(3):
+    for cycle in range(cycles):
         for D, q, k, v, case, bm in cases:
+            start = time.time()
             with torch.no_grad():
                 ms = _median_ms(lambda: flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm))
-            rows.append([name, cycle, case.name, round(ms, 4)])
+            rows.append([name, cycle, case.name, round(ms, 4), time.strftime("%H:%M:%S", time.localtime(start))
+                         + f".{int(start % 1 * 1000):03d}", f"{time.time() % 60:06.3f}"])
             print(rows[-1], flush=True)
         workload(name, cases)
-    print(tabulate(rows, headers=["workload", "cycle (after that many runs of it)", "mask", "forward ms"],
-                   tablefmt="github"), flush=True)
+    print(tabulate(rows, headers=["workload", "cycle (after that many runs of it)", "mask", "forward ms", "start",
+                                  "end (s)"], tablefmt="github"), flush=True)
 
 
 if __name__ == "__main__":
