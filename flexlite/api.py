@@ -325,13 +325,16 @@ def _split_partial(kernel: GeneratedKernel, query: torch.Tensor, value: torch.Te
 
 
 def _generate(score_mod, block_mask, device: torch.device, template: str = "fwd.py.jinja",
-              float_index: bool = False) -> GeneratedKernel:
+              float_index: bool = False, bounded: bool = False) -> GeneratedKernel:
+    """``bounded``: the inputs are bfloat16 and no max_scores are asked for, so that the warp-specialized forward may
+    run a bounded score_mod against its bound (launch.WS_FWD_BOUNDED_SOFTMAX)."""
     mask_mod = block_mask.mask_mod if block_mask is not None else None
     return generate(template, score_mod, mask_mod, interpret=device.type != "cuda", float_index=float_index,
                     fold_scales=_launch.FOLD_SCORE_SCALES and template in ("fwd.py.jinja", "fwd_ws.py.jinja"),
                     key_values=_launch.WS_FWD_KEY_VALUES,
                     separate=_launch.SEPARATE_SCORE_BIAS and template in ("fwd.py.jinja", "fwd_ws.py.jinja"),
-                    compact_bias_dims=_launch.WS_FWD_COMPACT_BIAS_HEAD_DIMS if template == "fwd_ws.py.jinja" else ())
+                    compact_bias_dims=_launch.WS_FWD_COMPACT_BIAS_HEAD_DIMS if template == "fwd_ws.py.jinja" else (),
+                    bounded=bounded and _launch.WS_FWD_BOUNDED_SOFTMAX)
 
 
 _PASSES = {"forward": "fwd.py.jinja", "forward_ws": "fwd_ws.py.jinja", "decode": "decode.py.jinja",
@@ -339,7 +342,7 @@ _PASSES = {"forward": "fwd.py.jinja", "forward_ws": "fwd_ws.py.jinja", "decode":
 
 
 def kernel_source(score_mod: Optional[Callable] = None, block_mask=None, *, device=None,
-                  kernel: str = "forward") -> str:
+                  kernel: str = "forward", dtype: torch.dtype = torch.bfloat16) -> str:
     """The generated Triton source flex_attention runs for these mods (also written to the kernel cache;
     ``FLEXLITE_SHOW_KERNELS=1`` prints each kernel as it is first loaded).
 
@@ -347,9 +350,14 @@ def kernel_source(score_mod: Optional[Callable] = None, block_mask=None, *, devi
     where it can: CUDA only), ``"decode"`` (queries <= 64), ``"backward"`` (without captured-tensor
     gradients) or ``"backward_ws"`` (the warp-specialized Gluon dK / dV and dQ kernel: CUDA only). ``device``
     picks the CUDA or the interpreter (CPU) variant; by default the block mask's device, else CUDA when available.
+    ``dtype``: the inputs' (the warp-specialized forward runs a bounded score_mod such as softcap against its bound
+    for bfloat16 inputs only, and for calls without max_scores).
     """
     if kernel not in _PASSES:
         raise ValueError(f"kernel_source: kernel must be one of {sorted(_PASSES)}; got {kernel!r}")
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"kernel_source: dtype must be torch.bfloat16, torch.float16 or torch.float32 (the inputs' "
+                         f"dtype); got {dtype!r}")
     if score_mod is not None:
         check_arity(score_mod, "score_mod", caller="kernel_source")
         check_mod_output(score_mod, "score_mod", "kernel_source")
@@ -372,13 +380,14 @@ def kernel_source(score_mod: Optional[Callable] = None, block_mask=None, *, devi
         return generate_backward(score_mod, mask_mod, interpret=device.type != "cuda", template=_PASSES[kernel],
                                  query_values=_launch.WS_BWD_QUERY_VALUES).source
     lengths = block_mask.seq_lengths if block_mask is not None else (0, 0)
-    return _generate(score_mod, block_mask, device, _PASSES[kernel], _float_index(_PASSES[kernel], *lengths)).source
+    return _generate(score_mod, block_mask, device, _PASSES[kernel], _float_index(_PASSES[kernel], *lengths),
+                     bounded=dtype == torch.bfloat16).source
 
 
 def kernel_path(score_mod: Optional[Callable] = None, block_mask=None, *, device=None,
-                kernel: str = "forward") -> str:
+                kernel: str = "forward", dtype: torch.dtype = torch.bfloat16) -> str:
     """Path of the file holding :func:`kernel_source` for these mods."""
-    return str(write_source(kernel_source(score_mod, block_mask, device=device, kernel=kernel)))
+    return str(write_source(kernel_source(score_mod, block_mask, device=device, kernel=kernel, dtype=dtype)))
 
 
 # warp-specialized forward sources that Triton failed to compile (Triton 3.6's Gluon lowering fails, for one, on a
@@ -403,7 +412,8 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options, ma
     ws = _warp_specialize(query, key, value, block_mask, num, sparse, options)
     rows = 0 if ws else _decode_rows(query, key, num, sparse, options)
     template = "fwd_ws.py.jinja" if ws else "decode.py.jinja" if rows else "fwd.py.jinja"
-    kernel = _generate(score_mod, block_mask, query.device, template, _float_index(template, Lq, Lkv))
+    kernel = _generate(score_mod, block_mask, query.device, template, _float_index(template, Lq, Lkv),
+                       bounded=query.dtype == torch.bfloat16 and not max_scores)
     if ws and kernel.source in _WS_UNCOMPILABLE and not options.get("WARP_SPECIALIZE"):
         return _forward(query, key, value, score_mod, block_mask, scale, {**options, "WARP_SPECIALIZE": False},
                         max_scores)

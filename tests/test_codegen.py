@@ -640,3 +640,42 @@ def check_non_finite_row_biases(monkeypatch, D: int, dtype: torch.dtype, block_s
     assert torch.equal(out[:, :, [3, 40, 20, 21]], torch.zeros_like(out[:, :, [3, 40, 20, 21]]))
     assert torch.isnan(out[:, :, [7, 50, 11, 60]]).all()
     assert (lse[:, :, [3, 40, 20, 21]] == float("-inf")).all() and (lse[:, :, [7, 50]] == float("inf")).all()
+
+
+@pytest.mark.parametrize("cap, dtype, bounded", [(30.0, torch.bfloat16, True), (41.0, torch.bfloat16, True),
+                                                 (42.0, torch.bfloat16, False), (30.0, torch.float16, False),
+                                                 (30.0, torch.float32, False)],
+                         ids=["cap30-bf16", "cap41-bf16", "cap42-bf16", "cap30-fp16", "cap30-fp32"])
+def test_the_gluon_forward_takes_a_bounded_score_mod_against_its_bound(cap, dtype, bounded):
+    """launch.WS_FWD_BOUNDED_SOFTMAX: softcap's folded cap * tanh bounds the scores, so the warp-specialized forward
+    runs exp2 against cap * log2(e) instead of the running row max (P's row sums by the tensor cores, ones_smem):
+    for bfloat16 inputs only (fp16's P would lose its small weights below 2 ** -14) and only while the smallest
+    weight, 2 ** (-2 * cap * log2(e)), is a normal number (cap * log2(e) <= 60: caps up to 41.58)."""
+    from flexlite.mods import generate_tanh_softcap
+
+    mod = generate_tanh_softcap(cap, approx=True)
+    source = flexlite.kernel_source(mod, device="cuda", kernel="forward_ws", dtype=dtype)
+    assert ("ones_smem" in source) == bounded
+    if bounded:
+        assert f"gl.exp2(s * {cap * 1.4426950408889634!r} - {cap * 1.4426950408889634!r})" in source
+    for kernel in ("forward", "decode"):  # the Triton kernels keep the running max
+        assert "ones_smem" not in flexlite.kernel_source(mod, device="cuda", kernel=kernel, dtype=dtype)
+    with pytest.raises(ValueError, match="kernel_source: dtype must be"):
+        flexlite.kernel_source(mod, device="cuda", kernel="forward_ws", dtype=torch.int32)
+
+
+@pytest.mark.parametrize("max_scores", [False, True])
+def test_max_scores_take_the_running_max(monkeypatch, max_scores):
+    """The bound replaces the row max, so a call asking for max_scores is generated without it (api._generate's
+    bounded), as is one with other than bfloat16 inputs."""
+    import flexlite.api as api
+    from flexlite import AuxRequest
+    from flexlite.mods import generate_tanh_softcap
+
+    seen, real = [], api._generate
+    monkeypatch.setattr(api, "_generate", lambda *a, **kw: seen.append(kw.get("bounded")) or real(*a, **kw))
+    for dtype in (torch.bfloat16, torch.float16):
+        q, k, v = rand_qkv(1, 2, 2, 80, 80, 16, dtype=dtype, seed=2)
+        flex_attention(q, k, v, score_mod=generate_tanh_softcap(20.0, approx=True),
+                       return_aux=AuxRequest(max_scores=max_scores))
+    assert seen == [not max_scores, False]

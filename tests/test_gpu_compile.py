@@ -117,6 +117,8 @@ FORWARD_WS = {
     "causal, max_scores stored, D128": (None, "causal", 128, L, L, (2, 2)),
     "document, key values on a compact vector, D64": (None, "document", 64, L, L, (2, 2)),
     "causal, ALiBi a separable bias, D128": (generate_alibi_bias(2), "causal", 128, L, L, (2, 2)),
+    "causal, softcap folded, against its bound, D128": (generate_tanh_softcap(30.0, approx=True), "causal", 128, L,
+                                                        L, (2, 2)),
 }
 
 
@@ -127,7 +129,7 @@ def _compile_ws(case: str) -> dict:
     offline = _offline()
     launch.FOLD_SCORE_SCALES = "folded" in case  # (a fresh process per compile)
     kernel = offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads,
-                                        max_scores="max_scores" in case)
+                                        max_scores="max_scores" in case, bounded="bound" in case)
     facts = {**_facts(kernel, offline), "loops": offline.sass_loops(kernel),
              "stores": kernel.asm["ptx"].count("st.global")}
     if "max_scores" in case:  # and the same kernel without: what storing the maxima costs
@@ -138,6 +140,9 @@ def _compile_ws(case: str) -> dict:
         gathers = offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads)
         facts.update(gather_loops=offline.sass_loops(gathers), ptx_lines=kernel.asm["ptx"].count("\n"),
                      gather_ptx_lines=gathers.asm["ptx"].count("\n"))
+    if "bound" in case:  # and with the running row max
+        facts["running_loops"] = offline.sass_loops(
+            offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads))
     if "separable" in case:  # and with its key side on the tile's columns, and with the bias in every score
         launch.WS_FWD_COMPACT_BIAS_HEAD_DIMS = frozenset()
         column = offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads)
@@ -186,6 +191,17 @@ def test_warp_specialized_forward_compiles_for_sm90(case):
         for i in set(range(len(loops))) - set(partial):
             assert abs(loops[i]["instructions"] - gathers[i]["instructions"]) <= 12 and loops[i]["STL"] == 0
         assert facts["ptx_lines"] < 0.9 * facts["gather_ptx_lines"]
+    if "bound" in case:
+        # launch.WS_FWD_BOUNDED_SOFTMAX: softcap's scores are at most 30, so exp2 runs against that bound: per tile
+        # no row max and no rescale (2 exponentials fewer per thread: the rescale's), and P's row sums by 8 more
+        # wgmma instructions (P times ones) instead of the adds (full-tile loops 594 -> 400 instructions at L 256;
+        # benchmarks/NOTES.md 64)
+        loops, running = facts["loops"], facts["running_loops"]
+        tiles = [i for i, loop in enumerate(running) if loop["MUFU"] == 130]  # tanh and exp2 per score, 2 rescales
+        assert len(tiles) == 4 and len(loops) == len(running), running
+        for i in tiles:
+            assert loops[i]["MUFU"] == 128 and loops[i]["HGMMA"] == running[i]["HGMMA"] + 8, (loops[i], running[i])
+            assert loops[i]["instructions"] < 0.85 * running[i]["instructions"], (loops[i], running[i])
     if "separable" in case:
         # launch.SEPARATE_SCORE_BIAS: ALiBi's bias taken at the item's first row, one FMA per score with the bias
         # along the keys, and the rest added to the LSE once per row; WS_FWD_COMPACT_BIAS_HEAD_DIMS: on full tiles

@@ -539,6 +539,38 @@ if ON_HOPPER:
         assert_close(aux.lse, ref_lse, *LSE_TOLERANCES[torch.bfloat16], name="lse")
         assert_close(aux.max_scores, ref_max, *LSE_TOLERANCES[torch.bfloat16], name="max_scores")
 
+    @pytest.mark.parametrize("shape, grid", WS_FORWARD_RUNS)
+    @pytest.mark.parametrize("cap", [2.0, 41.0])
+    def test_softcap_against_its_bound(monkeypatch, shape, grid, cap):
+        # launch.WS_FWD_BOUNDED_SOFTMAX: bf16 softcap through the warp-specialized forward against its bound, P's row
+        # sums by the tensor cores; every fifth query row has all its scores near -cap, so that its weights sit near
+        # the bound's bottom, 2 ** (-2 * cap * log2(e)) (2 ** -118 for cap 41: still normal); out and lse are the
+        # reference's, and the output's error at most 1.5x the running max's (+ 2e-3)
+        from flexlite.mods import generate_tanh_softcap
+        from helpers import LSE_TOLERANCES
+
+        monkeypatch.setattr(launch, "WS_FWD_PERSISTENT", grid == "persistent")
+        if grid == "persistent":
+            facts = launch._device_facts(torch.device(DEVICE))
+            monkeypatch.setattr(launch, "_device_facts", lambda device: (3, facts[1]))
+        B, Hq, Hkv, Lq, Lkv, D = shape
+        mod = generate_tanh_softcap(cap, approx=True)
+        bm = create_block_mask(CATALOG["causal"](B, Hq, Lq, Lkv, DEVICE).mask_mod, None, None, Lq, Lkv, device=DEVICE)
+        q, k, v = rand_qkv(B, Hq, Hkv, Lq, Lkv, D, dtype=torch.bfloat16, seed=31)
+        k = k + 2  # a common component: q rows of -2 score about -4 * sqrt(D) against every key
+        q[:, :, ::5] = -2
+        assert "ones_smem" in kernel_source(mod, bm, device=DEVICE, kernel="forward_ws", dtype=torch.bfloat16)
+        ref, ref_lse = attention_reference(q, k, v, score_mod=mod, block_mask=bm, enable_gqa=Hq != Hkv)
+        errors = {}
+        for bounded in (True, False):
+            monkeypatch.setattr(launch, "WS_FWD_BOUNDED_SOFTMAX", bounded)
+            out, lse = flex_attention(q, k, v, score_mod=mod, block_mask=bm, enable_gqa=Hq != Hkv, return_lse=True,
+                                      kernel_options={"WARP_SPECIALIZE": True})
+            assert_close(out, ref, *TOLERANCES[torch.bfloat16], name=f"out (bounded: {bounded})")
+            assert_close(lse, ref_lse, *LSE_TOLERANCES[torch.bfloat16], name=f"lse (bounded: {bounded})")
+            errors[bounded] = (out.double() - ref).abs().max().item()
+        assert errors[True] <= 1.5 * errors[False] + 2e-3, errors
+
     @pytest.mark.parametrize("compact", [True, False], ids=["compact key vector", "column vector"])
     @pytest.mark.parametrize("D", [128, 64])
     def test_separable_bias_with_non_finite_rows(monkeypatch, D, compact):

@@ -64,19 +64,35 @@ def _lowered(traced: Optional[TracedMod], fn_name: str, prefix: str, float_index
 def _render(template: str, sm_source: str, mm_source: str, sm_params: tuple, mm_params: tuple,
             interpret: bool, sm_name: str, mm_name: str, extra: tuple = (), sm_hoisted: tuple = (),
             sm_hoist_source: str = "", mm_hoisted: tuple = (), mm_hoist_source: str = "",
-            sm_scales: tuple = (None, None), sm_separable: bool = False, compact_bias_dims: tuple = ()) -> str:
+            sm_scales: tuple = (None, None), sm_separable: bool = False, compact_bias_dims: tuple = (),
+            score_bound: Optional[float] = None) -> str:
     sm = LoweredMod("score_mod", sm_source, list(sm_params), [], hoisted=sm_hoisted, hoist_source=sm_hoist_source,
                     in_scale=sm_scales[0], out_scale=sm_scales[1], separable=sm_separable)
     mm = LoweredMod("mask_mod", mm_source, list(mm_params), [], hoisted=mm_hoisted, hoist_source=mm_hoist_source)
     extra_mods = {name: LoweredMod(name, src, list(params), []) if src is not None else None
                   for name, src, params in extra}
     return render(template, sm, mm, interpret=interpret, score_mod_name=sm_name, mask_mod_name=mm_name,
-                  extra_mods=extra_mods, compact_bias_dims=compact_bias_dims)
+                  extra_mods=extra_mods, compact_bias_dims=compact_bias_dims, score_bound=score_bound)
+
+
+# the largest score bound (base 2) a kernel takes in place of the running row max: P's smallest weight,
+# 2 ** (-2 * bound), must stay a normal bf16 / fp32 number (above 2 ** -126), ex2.approx flushing what is below
+MAX_BOUND = 60.0
+_LOG2E = 1.4426950408889634
+
+
+def _score_bound(low: LoweredMod) -> Optional[float]:
+    """The bound of a folded score_mod's output in base 2 (its output factor times tanh / sigmoid, |f| <= 1:
+    lower_mod's fold_scales), or None where it has none or it is above MAX_BOUND."""
+    if low.out_scale is None or not 0 < low.out_scale * _LOG2E <= MAX_BOUND:
+        return None
+    return low.out_scale * _LOG2E
 
 
 def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Callable], *,
              interpret: bool, float_index: bool = False, fold_scales: bool = False,
-             key_values: bool = False, separate: bool = False, compact_bias_dims: tuple = ()) -> GeneratedKernel:
+             key_values: bool = False, separate: bool = False, compact_bias_dims: tuple = (),
+             bounded: bool = False) -> GeneratedKernel:
     """Kernel source for ``template`` with ``score_mod`` / ``mask_mod`` (None: identity / keep all).
     ``float_index``: lower index arithmetic that ends in float32 from float index vectors (the caller guarantees
     lengths below 2**24; :class:`~flexlite.codegen.lower._Lowerer`). ``fold_scales`` (the forward templates):
@@ -85,7 +101,9 @@ def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Ca
     computed apart, on a compact key vector. ``separate`` (the forward templates): a score_mod that is the score plus
     a bias of a query side and a key side takes the query side once per row, into the LSE (lower_mod's
     ``separate``); ``compact_bias_dims`` (fwd_ws.py.jinja): the head dims at which that bias along the keys is
-    computed on a compact key vector.
+    computed on a compact key vector. ``bounded`` (fwd_ws.py.jinja, bf16 inputs only: the caller's to know): where
+    score_mod's folded output factor bounds it (``cap * tanh``, up to :data:`MAX_BOUND` in base 2 over two), the
+    softmax runs against that bound instead of the running row max.
     """
     sm = trace_mod(score_mod, "score_mod") if score_mod is not None else None
     mm = trace_mod(mask_mod, "mask_mod") if mask_mod is not None else None
@@ -96,7 +114,8 @@ def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Ca
                      interpret, sm.name if sm else "none", mm.name if mm else "none", (), low_sm.hoisted,
                      low_sm.hoist_source, low_mm.hoisted, low_mm.hoist_source,
                      sm_scales=(low_sm.in_scale, low_sm.out_scale), sm_separable=low_sm.separable,
-                     compact_bias_dims=tuple(sorted(compact_bias_dims)) if low_sm.separable else ())
+                     compact_bias_dims=tuple(sorted(compact_bias_dims)) if low_sm.separable else (),
+                     score_bound=_score_bound(low_sm) if bounded and template == "fwd_ws.py.jinja" else None)
     return GeneratedKernel(template, source, low_sm, low_mm, has_score_mod=sm is not None)
 
 

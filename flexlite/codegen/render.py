@@ -39,13 +39,14 @@ def _param_list(names: list) -> str:
 
 def render(template: str, score_mod: LoweredMod, mask_mod: LoweredMod, *, interpret: bool,
            score_mod_name: str = "none", mask_mod_name: str = "none", extra_mods: Optional[dict] = None,
-           compact_bias_dims: tuple = ()) -> str:
+           compact_bias_dims: tuple = (), score_bound: Optional[float] = None) -> str:
     """Render ``template`` (e.g. ``"fwd.py.jinja"``) into kernel source text.
 
     ``extra_mods`` (name -> LoweredMod or None), for the backward's derivative functions: each becomes
     ``<name>_source`` and ``<name>_args`` ("" if None), and all their parameters ``extra_params``.
     ``compact_bias_dims`` (fwd_ws.py.jinja): the head dims at which a separable score_mod's bias along the keys is
-    computed on a compact vector.
+    computed on a compact vector. ``score_bound`` (fwd_ws.py.jinja): a bound of score_mod's output in base 2 that the
+    kernel takes instead of the running row max.
     """
     extra = {}
     extra_params = []
@@ -90,6 +91,7 @@ def render(template: str, score_mod: LoweredMod, mask_mod: LoweredMod, *, interp
         # the key side to each score and the query side to each row's LSE
         score_separable=score_mod.separable,
         compact_bias_dims=compact_bias_dims,
+        score_bound=None if score_bound is None else repr(float(score_bound)),
         extra_params=_param_list(extra_params),
         **extra,
     )

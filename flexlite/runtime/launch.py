@@ -456,6 +456,10 @@ SEPARATE_SCORE_BIAS = True
 # on the tile's column vector, 32 keys per thread (H200, ALiBi + causal's forward: 5.5 % faster at D128, 5.3 % slower
 # at D64, NOTES 62)
 WS_FWD_COMPACT_BIAS_HEAD_DIMS = frozenset({128})
+# the warp-specialized forward runs a bounded score_mod (softcap's cap * tanh, cap * log2(e) up to kernel.MAX_BOUND)
+# against that bound instead of the running row max, with bf16 inputs and without max_scores: no row max, no rescale
+# of O, P's row sums from the tensor cores (P times ones), so that l sums the bf16 weights P V multiplies (NOTES 64)
+WS_FWD_BOUNDED_SOFTMAX = True
 
 
 def ws_backward_unmet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sparse_block: tuple) -> Optional[str]:
