@@ -479,6 +479,9 @@ if ON_HOPPER:
         from helpers import LSE_TOLERANCES
 
         monkeypatch.setattr(launch, "WS_FWD_MAX_SCORES", True)
+        # (a call without max_scores would run softcap against its bound, WS_FWD_BOUNDED_SOFTMAX; with them it takes
+        # the running max, test_codegen's test_max_scores_take_the_running_max)
+        monkeypatch.setattr(launch, "WS_FWD_BOUNDED_SOFTMAX", False)
         monkeypatch.setattr(launch, "WS_FWD_PERSISTENT", grid == "persistent")
         if grid == "persistent":
             facts = launch._device_facts(torch.device(DEVICE))
