@@ -194,7 +194,7 @@ def test_warp_specialized_forward_compiles_for_sm90(case):
     if "bound" in case:
         # launch.WS_FWD_BOUNDED_SOFTMAX: softcap's scores are at most 30, so exp2 runs against that bound: per tile
         # no row max and no rescale (2 exponentials fewer per thread: the rescale's), and P's row sums by 8 more
-        # wgmma instructions (P times ones) instead of the adds (full-tile loops 594 -> 400 instructions at L 256;
+        # wgmma instructions (P times ones) instead of the adds (full-tile loops 594 -> 394 instructions at L 256;
         # benchmarks/NOTES.md 64)
         loops, running = facts["loops"], facts["running_loops"]
         tiles = [i for i, loop in enumerate(running) if loop["MUFU"] == 130]  # tanh and exp2 per score, 2 rescales
