@@ -102,7 +102,7 @@ def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Ca
     a bias of a query side and a key side takes the query side once per row, into the LSE (lower_mod's
     ``separate``); ``compact_bias_dims`` (fwd_ws.py.jinja): the head dims at which that bias along the keys is
     computed on a compact key vector. ``bounded`` (fwd_ws.py.jinja, bf16 inputs only: the caller's to know): where
-    score_mod's folded output factor bounds it (``cap * tanh``, up to :data:`MAX_BOUND` in base 2 over two), the
+    score_mod's folded output factor bounds it (``cap * tanh`` with cap * log2(e) up to :data:`MAX_BOUND`), the
     softmax runs against that bound instead of the running row max.
     """
     sm = trace_mod(score_mod, "score_mod") if score_mod is not None else None
