@@ -41,12 +41,11 @@ AFTER = (
      "        mbarrier.arrive(kv_empty.index(sp), count=1)  # this warpgroup is done with tile j-1\n", 8, "pv",
      "i0 + j"),
     ("    mbarrier.wait(q_bar, phase=jj & 1)\n", 4, "q", "i"),
-    ("        o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))\n        # OUT in the last slot's K buffer", 8,
-     "last", "i_last"),
     ("        mbarrier.arrive(kv_empty.index(last), count=1)\n", 8, "out", "i_last"),
 )
 BEFORE = (("    mbarrier.wait(q_bar, phase=jj & 1)\n", 4, "item", "i"),
-          ("        # partial tiles 1 .. n_part - 1, then full tiles", 8, "first", "i"))
+          ("        # partial tiles 1 .. n_part - 1, then full tiles", 8, "first", "i"),
+          ("        # OUT in the last slot's K buffer", 8, "last", "i_last"))
 
 
 def stamped_template(base: int) -> str:
