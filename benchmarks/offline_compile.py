@@ -165,18 +165,16 @@ def compile_forward(score_mod, block_mask, D: int, tile: tuple, use_tma: bool, L
 
 
 def compile_forward_ws(score_mod, block_mask, D: int, L: int = 1024, Lkv: Optional[int] = None, dtype=torch.bfloat16,
-                       heads: tuple = (2, 2), persistent: Optional[bool] = None, max_scores: bool = False,
-                       bounded: bool = False):
+                       heads: tuple = (2, 2), persistent: Optional[bool] = None, max_scores: bool = False):
     """The compiled warp-specialized (Gluon) forward kernel for these mods at head dim ``D``, ``L`` queries and
     ``Lkv`` keys (default ``L``), ``heads`` = (query heads, kv heads); ``persistent``: with its persistent grid or
-    without (launch.WS_FWD_PERSISTENT; None: its default); ``max_scores``: storing the row maxima (STORE_MAX);
-    ``bounded``: a bounded score_mod run against its bound (api._generate's, as flex_attention asks for bf16 inputs
-    without max_scores)."""
+    without (launch.WS_FWD_PERSISTENT; None: its default); ``max_scores``: storing the row maxima (STORE_MAX). The
+    source is the one flex_attention would run for ``dtype`` and ``max_scores`` (api._generate)."""
     Lkv = L if Lkv is None else Lkv
     q = torch.randn(1, heads[0], L, D, dtype=dtype)
     k, v = [torch.randn(1, heads[1], Lkv, D, dtype=dtype) for _ in range(2)]
     kernel = _generate(score_mod, block_mask, torch.device("cuda"), "fwd_ws.py.jinja",
-                       _float_index("fwd_ws.py.jinja", L, Lkv), bounded=bounded)
+                       _float_index("fwd_ws.py.jinja", L, Lkv), dtype=dtype, max_scores=max_scores)
     module = load_module(kernel.source, interpret=False)
     num, idx, full_num, full_idx, sparse = _block_tensors(block_mask, L, Lkv, torch.device("cpu"))
     saved = launch.WS_FWD_PERSISTENT

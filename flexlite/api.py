@@ -325,16 +325,18 @@ def _split_partial(kernel: GeneratedKernel, query: torch.Tensor, value: torch.Te
 
 
 def _generate(score_mod, block_mask, device: torch.device, template: str = "fwd.py.jinja",
-              float_index: bool = False, bounded: bool = False) -> GeneratedKernel:
-    """``bounded``: the inputs are bfloat16 and no max_scores are asked for, so that the warp-specialized forward may
-    run a bounded score_mod against its bound (launch.WS_FWD_BOUNDED_SOFTMAX)."""
+              float_index: bool = False, dtype: Optional[torch.dtype] = None,
+              max_scores: bool = False) -> GeneratedKernel:
+    """``dtype`` (the inputs') and ``max_scores``: the warp-specialized forward runs a bounded score_mod against its
+    bound (launch.WS_FWD_BOUNDED_SOFTMAX) for bfloat16 inputs without max_scores only (fp16's P would lose the small
+    weights; max_scores need the running row max)."""
     mask_mod = block_mask.mask_mod if block_mask is not None else None
     return generate(template, score_mod, mask_mod, interpret=device.type != "cuda", float_index=float_index,
                     fold_scales=_launch.FOLD_SCORE_SCALES and template in ("fwd.py.jinja", "fwd_ws.py.jinja"),
                     key_values=_launch.WS_FWD_KEY_VALUES,
                     separate=_launch.SEPARATE_SCORE_BIAS and template in ("fwd.py.jinja", "fwd_ws.py.jinja"),
                     compact_bias_dims=_launch.WS_FWD_COMPACT_BIAS_HEAD_DIMS if template == "fwd_ws.py.jinja" else (),
-                    bounded=bounded and _launch.WS_FWD_BOUNDED_SOFTMAX)
+                    bounded=_launch.WS_FWD_BOUNDED_SOFTMAX and dtype == torch.bfloat16 and not max_scores)
 
 
 _PASSES = {"forward": "fwd.py.jinja", "forward_ws": "fwd_ws.py.jinja", "decode": "decode.py.jinja",
@@ -381,7 +383,7 @@ def kernel_source(score_mod: Optional[Callable] = None, block_mask=None, *, devi
                                  query_values=_launch.WS_BWD_QUERY_VALUES).source
     lengths = block_mask.seq_lengths if block_mask is not None else (0, 0)
     return _generate(score_mod, block_mask, device, _PASSES[kernel], _float_index(_PASSES[kernel], *lengths),
-                     bounded=dtype == torch.bfloat16).source
+                     dtype=dtype).source
 
 
 def kernel_path(score_mod: Optional[Callable] = None, block_mask=None, *, device=None,
@@ -413,7 +415,7 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options, ma
     rows = 0 if ws else _decode_rows(query, key, num, sparse, options)
     template = "fwd_ws.py.jinja" if ws else "decode.py.jinja" if rows else "fwd.py.jinja"
     kernel = _generate(score_mod, block_mask, query.device, template, _float_index(template, Lq, Lkv),
-                       bounded=query.dtype == torch.bfloat16 and not max_scores)
+                       dtype=query.dtype, max_scores=max_scores)
     if ws and kernel.source in _WS_UNCOMPILABLE and not options.get("WARP_SPECIALIZE"):
         return _forward(query, key, value, score_mod, block_mask, scale, {**options, "WARP_SPECIALIZE": False},
                         max_scores)

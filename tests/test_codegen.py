@@ -666,14 +666,14 @@ def test_the_gluon_forward_takes_a_bounded_score_mod_against_its_bound(cap, dtyp
 
 @pytest.mark.parametrize("max_scores", [False, True])
 def test_max_scores_take_the_running_max(monkeypatch, max_scores):
-    """The bound replaces the row max, so a call asking for max_scores is generated without it (api._generate's
-    bounded), as is one with other than bfloat16 inputs."""
+    """The bound replaces the row max, so a call asking for max_scores is generated without it (api._generate decides
+    generate's bounded), as is one with other than bfloat16 inputs."""
     import flexlite.api as api
     from flexlite import AuxRequest
     from flexlite.mods import generate_tanh_softcap
 
-    seen, real = [], api._generate
-    monkeypatch.setattr(api, "_generate", lambda *a, **kw: seen.append(kw.get("bounded")) or real(*a, **kw))
+    seen, real = [], api.generate
+    monkeypatch.setattr(api, "generate", lambda *a, **kw: seen.append(kw.get("bounded")) or real(*a, **kw))
     for dtype in (torch.bfloat16, torch.float16):
         q, k, v = rand_qkv(1, 2, 2, 80, 80, 16, dtype=dtype, seed=2)
         flex_attention(q, k, v, score_mod=generate_tanh_softcap(20.0, approx=True),

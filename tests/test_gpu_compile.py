@@ -128,8 +128,9 @@ def _compile_ws(case: str) -> dict:
     score_mod, mask, D, Lq, Lkv, heads = FORWARD_WS[case]
     offline = _offline()
     launch.FOLD_SCORE_SCALES = "folded" in case  # (a fresh process per compile)
+    launch.WS_FWD_BOUNDED_SOFTMAX = "bound" in case  # (the other softcap cases keep the running max)
     kernel = offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads,
-                                        max_scores="max_scores" in case, bounded="bound" in case)
+                                        max_scores="max_scores" in case)
     facts = {**_facts(kernel, offline), "loops": offline.sass_loops(kernel),
              "stores": kernel.asm["ptx"].count("st.global")}
     if "max_scores" in case:  # and the same kernel without: what storing the maxima costs
@@ -141,6 +142,7 @@ def _compile_ws(case: str) -> dict:
         facts.update(gather_loops=offline.sass_loops(gathers), ptx_lines=kernel.asm["ptx"].count("\n"),
                      gather_ptx_lines=gathers.asm["ptx"].count("\n"))
     if "bound" in case:  # and with the running row max
+        launch.WS_FWD_BOUNDED_SOFTMAX = False
         facts["running_loops"] = offline.sass_loops(
             offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads))
     if "separable" in case:  # and with its key side on the tile's columns, and with the bias in every score
