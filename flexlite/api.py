@@ -336,7 +336,8 @@ def _generate(score_mod, block_mask, device: torch.device, template: str = "fwd.
                     key_values=_launch.WS_FWD_KEY_VALUES,
                     separate=_launch.SEPARATE_SCORE_BIAS and template in ("fwd.py.jinja", "fwd_ws.py.jinja"),
                     compact_bias_dims=_launch.WS_FWD_COMPACT_BIAS_HEAD_DIMS if template == "fwd_ws.py.jinja" else (),
-                    bounded=_launch.WS_FWD_BOUNDED_SOFTMAX and dtype == torch.bfloat16 and not max_scores)
+                    bounded=_launch.WS_FWD_BOUNDED_SOFTMAX and dtype == torch.bfloat16 and not max_scores,
+                    llvm_opt_level=_launch.WS_FWD_LLVM_OPT_LEVEL if template == "fwd_ws.py.jinja" else None)
 
 
 _PASSES = {"forward": "fwd.py.jinja", "forward_ws": "fwd_ws.py.jinja", "decode": "decode.py.jinja",

@@ -119,6 +119,7 @@ FORWARD_WS = {
     "causal, ALiBi a separable bias, D128": (generate_alibi_bias(2), "causal", 128, L, L, (2, 2)),
     "causal, softcap folded, against its bound, D128": (generate_tanh_softcap(30.0, approx=True), "causal", 128, L,
                                                         L, (2, 2)),
+    "document, LLVM at O0 against Triton's O3, D128": (None, "document", 128, L, L, (2, 2)),
 }
 
 
@@ -145,6 +146,11 @@ def _compile_ws(case: str) -> dict:
         launch.WS_FWD_BOUNDED_SOFTMAX = False
         facts["running_loops"] = offline.sass_loops(
             offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads))
+    facts["llir_i1_vectors"] = kernel.asm["llir"].count("x i1>")
+    if "LLVM" in case:  # and at Triton's own LLVM level
+        launch.WS_FWD_LLVM_OPT_LEVEL = None
+        o3 = offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads)
+        facts.update(o3_loops=offline.sass_loops(o3), o3_llir_i1_vectors=o3.asm["llir"].count("x i1>"))
     if "separable" in case:  # and with its key side on the tile's columns, and with the bias in every score
         launch.WS_FWD_COMPACT_BIAS_HEAD_DIMS = frozenset()
         column = offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads)
@@ -204,6 +210,21 @@ def test_warp_specialized_forward_compiles_for_sm90(case):
         for i in tiles:
             assert loops[i]["MUFU"] == 128 and loops[i]["HGMMA"] == running[i]["HGMMA"] + 8, (loops[i], running[i])
             assert loops[i]["instructions"] < 0.85 * running[i]["instructions"], (loops[i], running[i])
+    # launch.WS_FWD_LLVM_OPT_LEVEL (O0): no vector of compare results for the NVPTX backend to unpack bit by bit
+    assert facts["llir_i1_vectors"] == 0
+    if "LLVM" in case:
+        # at Triton's O3 the SLP vectorizer packs the partial tiles' mask compares into <64 x i1> vectors, unpacked
+        # with shifts and logic ops (L 256, document: partial-tile loops ~1350 -> ~850 instructions at O0, full-tile
+        # loops within a few; benchmarks/NOTES.md 65). Should a Triton no longer do that, the setting may go.
+        loops, o3 = facts["loops"], facts["o3_loops"]
+        assert facts["o3_llir_i1_vectors"] > 0 and len(loops) == len(o3), o3
+        tiles = [i for i, loop in enumerate(o3) if loop["MUFU"] == 66]  # 64 exponentials and 2 rescales a tile
+        partial = [i for i in tiles if o3[i]["ISETP"] >= 64]  # the mask's compares per score
+        assert len(tiles) == 4 and len(partial) == 2, o3
+        for i in partial:
+            assert loops[i]["instructions"] < o3[i]["instructions"] - 150, (loops[i], o3[i])
+        for i in set(tiles) - set(partial):
+            assert abs(loops[i]["instructions"] - o3[i]["instructions"]) <= 12, (loops[i], o3[i])
     if "separable" in case:
         # launch.SEPARATE_SCORE_BIAS: ALiBi's bias taken at the item's first row, one FMA per score with the bias
         # along the keys, and the rest added to the LSE once per row; WS_FWD_COMPACT_BIAS_HEAD_DIMS: on full tiles

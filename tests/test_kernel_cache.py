@@ -84,3 +84,62 @@ def test_triton_cache_key_is_prewarmed_in_the_background(monkeypatch):
     monkeypatch.delenv("FLEXLITE_PREWARM")
     monkeypatch.setattr(torch.version, "cuda", None)
     assert prewarm_triton_key() is None and calls == [True]
+
+
+def test_llvm_opt_level_applies_to_the_compiles_of_the_thread_that_asked_for_it(monkeypatch):
+    """compile.llvm_opt_level: Triton's NVIDIA backend calls LLVM's optimizer at O3; inside the context the calling
+    thread's compiles take the level asked for, other threads' and those after it Triton's own, and a nested None
+    gives Triton's level back until it ends."""
+    import threading
+
+    from triton.backends.nvidia import compiler as nvidia
+    from triton._C.libtriton import llvm
+
+    levels = []
+    with compile_module.llvm_opt_level("O0"):  # installs the pass-through in front of the binding
+        pass
+    proxy = nvidia.llvm
+    assert isinstance(proxy, compile_module._LLVMAtLevel) and proxy.OPTIMIZE_O2 is llvm.OPTIMIZE_O2
+    monkeypatch.setattr(proxy, "_llvm", type("Binding", (), {
+        **{f"OPTIMIZE_{name}": name for name in ("O0", "O1", "O2", "O3")},
+        "optimize_module": staticmethod(lambda module, level, *args: levels.append((module, level)))})())
+
+    def optimize(module):  # what make_llir does
+        nvidia.llvm.optimize_module(module, nvidia.llvm.OPTIMIZE_O3)
+
+    with compile_module.llvm_opt_level("O0"):
+        optimize("this thread")
+        other = threading.Thread(target=optimize, args=("another thread",))
+        other.start()
+        other.join()
+        with compile_module.llvm_opt_level(None):
+            optimize("nested None")
+        optimize("after the nested one")
+    optimize("after")
+    assert levels == [("this thread", "O0"), ("another thread", "O3"), ("nested None", "O3"),
+                      ("after the nested one", "O0"), ("after", "O3")]
+
+
+@pytest.mark.parametrize("level", ["O4", "-O0", 0])
+def test_llvm_opt_level_names_its_levels(level):
+    with pytest.raises(ValueError, match=r"level must be one of \('O0', 'O1', 'O2', 'O3'\) or None"):
+        compile_module.llvm_opt_level(level)
+
+
+@pytest.mark.parametrize("level", ["O0", None])
+def test_the_warp_specialized_forward_source_names_its_llvm_level(monkeypatch, level):
+    """launch.WS_FWD_LLVM_OPT_LEVEL is rendered into the Gluon forward's source, as the module constant its launcher
+    compiles at and inside the kernel's body, so that Triton's caches (keyed by the kernel's own text) keep the builds
+    of two levels apart; the other templates do not carry it."""
+    from flexlite import api, create_block_mask
+    from flexlite.runtime import launch
+
+    monkeypatch.setattr(launch, "WS_FWD_LLVM_OPT_LEVEL", level)
+    blocks = create_block_mask(lambda b, h, q, k: q >= k, None, None, 256, 256, device="cpu")
+    source = api._generate(None, blocks, torch.device("cuda"), "fwd_ws.py.jinja").source
+    assert f"\nLLVM_OPT_LEVEL = {level!r}\n" in source
+    body = source[source.index("def flex_fwd_ws_kernel("):]
+    assert f"# compiled with LLVM at {level!r} (LLVM_OPT_LEVEL)" in body
+    assert "LLVM_OPT_LEVEL" not in api._generate(None, blocks, torch.device("cuda"), "fwd.py.jinja").source
+    monkeypatch.setattr(launch, "WS_FWD_LLVM_OPT_LEVEL", "O3" if level is None else None)
+    assert api._generate(None, blocks, torch.device("cuda"), "fwd_ws.py.jinja").source != source

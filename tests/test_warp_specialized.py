@@ -386,8 +386,8 @@ def test_the_gluon_forward_grid_is_a_program_per_q_block_or_one_per_sm(monkeypat
                                device="cpu")
     from flexlite.api import _block_tensors
     num, idx, full_num, full_idx, sparse = _block_tensors(blocks, shape[3], shape[4], torch.device("cpu"))
-    launch.launch_forward_ws(types.SimpleNamespace(flex_fwd_ws_kernel=Kernel()), [], q, k, v, num, idx, full_num,
-                             full_idx, sparse, 0.125, False)
+    launch.launch_forward_ws(types.SimpleNamespace(flex_fwd_ws_kernel=Kernel(), LLVM_OPT_LEVEL=None), [], q, k, v, num,
+                             idx, full_num, full_idx, sparse, 0.125, False)
     (grid, args, kwargs), = launches
     n_qblocks = -(-shape[3] // 128)
     assert grid == (programs,) and kwargs["PERSISTENT"] == (programs == 5)

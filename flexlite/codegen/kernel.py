@@ -65,14 +65,15 @@ def _render(template: str, sm_source: str, mm_source: str, sm_params: tuple, mm_
             interpret: bool, sm_name: str, mm_name: str, extra: tuple = (), sm_hoisted: tuple = (),
             sm_hoist_source: str = "", mm_hoisted: tuple = (), mm_hoist_source: str = "",
             sm_scales: tuple = (None, None), sm_separable: bool = False, compact_bias_dims: tuple = (),
-            score_bound: Optional[float] = None) -> str:
+            score_bound: Optional[float] = None, llvm_opt_level: Optional[str] = None) -> str:
     sm = LoweredMod("score_mod", sm_source, list(sm_params), [], hoisted=sm_hoisted, hoist_source=sm_hoist_source,
                     in_scale=sm_scales[0], out_scale=sm_scales[1], separable=sm_separable)
     mm = LoweredMod("mask_mod", mm_source, list(mm_params), [], hoisted=mm_hoisted, hoist_source=mm_hoist_source)
     extra_mods = {name: LoweredMod(name, src, list(params), []) if src is not None else None
                   for name, src, params in extra}
     return render(template, sm, mm, interpret=interpret, score_mod_name=sm_name, mask_mod_name=mm_name,
-                  extra_mods=extra_mods, compact_bias_dims=compact_bias_dims, score_bound=score_bound)
+                  extra_mods=extra_mods, compact_bias_dims=compact_bias_dims, score_bound=score_bound,
+                  llvm_opt_level=llvm_opt_level)
 
 
 # the largest score bound (base 2) a kernel takes in place of the running row max: P's smallest weight,
@@ -92,7 +93,7 @@ def _score_bound(low: LoweredMod) -> Optional[float]:
 def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Callable], *,
              interpret: bool, float_index: bool = False, fold_scales: bool = False,
              key_values: bool = False, separate: bool = False, compact_bias_dims: tuple = (),
-             bounded: bool = False) -> GeneratedKernel:
+             bounded: bool = False, llvm_opt_level: Optional[str] = None) -> GeneratedKernel:
     """Kernel source for ``template`` with ``score_mod`` / ``mask_mod`` (None: identity / keep all).
     ``float_index``: lower index arithmetic that ends in float32 from float index vectors (the caller guarantees
     lengths below 2**24; :class:`~flexlite.codegen.lower._Lowerer`). ``fold_scales`` (the forward templates):
@@ -103,7 +104,8 @@ def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Ca
     ``separate``); ``compact_bias_dims`` (fwd_ws.py.jinja): the head dims at which that bias along the keys is
     computed on a compact key vector. ``bounded`` (fwd_ws.py.jinja, bf16 inputs only: the caller's to know): where
     score_mod's folded output factor bounds it (``cap * tanh`` with cap * log2(e) up to :data:`MAX_BOUND`), the
-    softmax runs against that bound instead of the running row max.
+    softmax runs against that bound instead of the running row max. ``llvm_opt_level`` (fwd_ws.py.jinja): the LLVM
+    optimization level its launcher compiles it at (None: Triton's own; :func:`flexlite.runtime.compile.llvm_opt_level`).
     """
     sm = trace_mod(score_mod, "score_mod") if score_mod is not None else None
     mm = trace_mod(mask_mod, "mask_mod") if mask_mod is not None else None
@@ -115,7 +117,8 @@ def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Ca
                      low_sm.hoist_source, low_mm.hoisted, low_mm.hoist_source,
                      sm_scales=(low_sm.in_scale, low_sm.out_scale), sm_separable=low_sm.separable,
                      compact_bias_dims=tuple(sorted(compact_bias_dims)) if low_sm.separable else (),
-                     score_bound=_score_bound(low_sm) if bounded and template == "fwd_ws.py.jinja" else None)
+                     score_bound=_score_bound(low_sm) if bounded and template == "fwd_ws.py.jinja" else None,
+                     llvm_opt_level=llvm_opt_level if template == "fwd_ws.py.jinja" else None)
     return GeneratedKernel(template, source, low_sm, low_mm, has_score_mod=sm is not None)
 
 

@@ -19,7 +19,7 @@ except ImportError:
 
 from . import autotune
 from .autotune import length_bucket
-from .compile import interpreter_scope
+from .compile import interpreter_scope, llvm_opt_level
 
 # kernel_options keys of torch's FlexAttention that only tune performance there; accepted, no effect
 TORCH_PERF_HINTS = frozenset({
@@ -398,14 +398,15 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
     work = n_qblocks * B * Hq
     persistent = WS_FWD_PERSISTENT and host_desc
     programs = min(work, _device_facts(q.device)[0]) if persistent else work
-    module.flex_fwd_ws_kernel[(programs,)](
-        q, k, v, out, *descs, lse, lse if row_max is None else row_max, *blocks, *q.stride()[:3], *k.stride()[:3],
-        *v.stride()[:3], *out.stride()[:3], *block_strides, work, n_qblocks, Hq, Hq // Hkv, Lq, Lkv, float(scale),
-        *scalars_to(mod_args, q.device),
-        BLOCK_M=WS_BLOCK_M, D=D, SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1],
-        EVEN_M=Lq % WS_BLOCK_M == 0, EVEN_N=Lkv % sparse_block[1] == 0, HAS_FULL_BLOCKS=has_full,
-        HAS_SCORE_MOD=has_score_mod, REVERSE_M=REVERSE_Q_BLOCKS, DENSE=dense, HOST_DESC=host_desc,
-        PERSISTENT=persistent, STORE_MAX=max_scores, **tiles, num_warps=4)
+    with llvm_opt_level(module.LLVM_OPT_LEVEL):  # the level its source names (compile.llvm_opt_level)
+        module.flex_fwd_ws_kernel[(programs,)](
+            q, k, v, out, *descs, lse, lse if row_max is None else row_max, *blocks, *q.stride()[:3], *k.stride()[:3],
+            *v.stride()[:3], *out.stride()[:3], *block_strides, work, n_qblocks, Hq, Hq // Hkv, Lq, Lkv, float(scale),
+            *scalars_to(mod_args, q.device),
+            BLOCK_M=WS_BLOCK_M, D=D, SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1],
+            EVEN_M=Lq % WS_BLOCK_M == 0, EVEN_N=Lkv % sparse_block[1] == 0, HAS_FULL_BLOCKS=has_full,
+            HAS_SCORE_MOD=has_score_mod, REVERSE_M=REVERSE_Q_BLOCKS, DENSE=dense, HOST_DESC=host_desc,
+            PERSISTENT=persistent, STORE_MAX=max_scores, **tiles, num_warps=4)
     return out, lse, row_max
 
 
@@ -460,6 +461,11 @@ WS_FWD_COMPACT_BIAS_HEAD_DIMS = frozenset({128})
 # against that bound instead of the running row max, with bf16 inputs and without max_scores: no row max, no rescale
 # of O, P's row sums from the tensor cores (P times ones), so that l sums the bf16 weights P V multiplies (NOTES 64)
 WS_FWD_BOUNDED_SOFTMAX = True
+# the LLVM optimization level the warp-specialized forward compiles at (None: Triton's own, O3): at O3 LLVM's SLP
+# vectorizer packs a partial tile's mask compares into a <64 x i1> vector that the NVPTX backend unpacks with ~200
+# shifts and logic ops per warp and tile (compile.llvm_opt_level); at O0 its tile loops are what ptxas makes of the
+# kernel alone, and LLVM's part of a first call's compile is gone (NOTES 65)
+WS_FWD_LLVM_OPT_LEVEL = "O0"
 
 
 def ws_backward_unmet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sparse_block: tuple) -> Optional[str]:
