@@ -381,7 +381,8 @@ def kernel_source(score_mod: Optional[Callable] = None, block_mask=None, *, devi
     if kernel.startswith("backward"):
         mask_mod = block_mask.mask_mod if block_mask is not None else None
         return generate_backward(score_mod, mask_mod, interpret=device.type != "cuda", template=_PASSES[kernel],
-                                 query_values=_launch.WS_BWD_QUERY_VALUES).source
+                                 query_values=_launch.WS_BWD_QUERY_VALUES,
+                                 llvm_opt_level=_launch.WS_BWD_LLVM_OPT_LEVEL).source
     lengths = block_mask.seq_lengths if block_mask is not None else (0, 0)
     return _generate(score_mod, block_mask, device, _PASSES[kernel], _float_index(_PASSES[kernel], *lengths),
                      dtype=dtype).source
@@ -554,7 +555,8 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
     ws_module = None
     if not (scatter or deterministic) and _warp_specialize_backward(query, key, value, sparse, options):
         ws_kernel = generate_backward(score_mod, mask_mod, interpret=interpret, template="bwd_ws.py.jinja",
-                                      query_values=_launch.WS_BWD_QUERY_VALUES)
+                                      query_values=_launch.WS_BWD_QUERY_VALUES,
+                                      llvm_opt_level=_launch.WS_BWD_LLVM_OPT_LEVEL)
         if ws_kernel.source not in _WS_UNCOMPILABLE:
             ws_module = load_module(ws_kernel.source, interpret=interpret)
     buffers = [torch.zeros(t.shape, dtype=torch.float32, device=query.device) for t in scatter]

@@ -126,20 +126,22 @@ def test_llvm_opt_level_names_its_levels(level):
         compile_module.llvm_opt_level(level)
 
 
+@pytest.mark.parametrize("kernel, setting", [("forward_ws", "WS_FWD_LLVM_OPT_LEVEL"),
+                                             ("backward_ws", "WS_BWD_LLVM_OPT_LEVEL")])
 @pytest.mark.parametrize("level", ["O0", None])
-def test_the_warp_specialized_forward_source_names_its_llvm_level(monkeypatch, level):
-    """launch.WS_FWD_LLVM_OPT_LEVEL is rendered into the Gluon forward's source, as the module constant its launcher
-    compiles at and inside the kernel's body, so that Triton's caches (keyed by the kernel's own text) keep the builds
-    of two levels apart; the other templates do not carry it."""
-    from flexlite import api, create_block_mask
+def test_the_gluon_kernels_sources_name_their_llvm_level(monkeypatch, kernel, setting, level):
+    """launch.WS_FWD_LLVM_OPT_LEVEL / WS_BWD_LLVM_OPT_LEVEL is rendered into the Gluon kernel's source, as the module
+    constant its launcher compiles at and inside the kernel's body, so that Triton's caches (keyed by the kernel's own
+    text) keep the builds of two levels apart; the Triton kernels do not carry it."""
+    from flexlite import create_block_mask, kernel_source
     from flexlite.runtime import launch
 
-    monkeypatch.setattr(launch, "WS_FWD_LLVM_OPT_LEVEL", level)
+    monkeypatch.setattr(launch, setting, level)
     blocks = create_block_mask(lambda b, h, q, k: q >= k, None, None, 256, 256, device="cpu")
-    source = api._generate(None, blocks, torch.device("cuda"), "fwd_ws.py.jinja").source
+    source = kernel_source(None, blocks, device="cuda", kernel=kernel)
     assert f"\nLLVM_OPT_LEVEL = {level!r}\n" in source
-    body = source[source.index("def flex_fwd_ws_kernel("):]
+    body = source[source.index("_kernel(", source.index("@gluon.jit(do_not_specialize")):]
     assert f"# compiled with LLVM at {level!r} (LLVM_OPT_LEVEL)" in body
-    assert "LLVM_OPT_LEVEL" not in api._generate(None, blocks, torch.device("cuda"), "fwd.py.jinja").source
-    monkeypatch.setattr(launch, "WS_FWD_LLVM_OPT_LEVEL", "O3" if level is None else None)
-    assert api._generate(None, blocks, torch.device("cuda"), "fwd_ws.py.jinja").source != source
+    assert "LLVM_OPT_LEVEL" not in kernel_source(None, blocks, device="cuda", kernel=kernel.replace("_ws", ""))
+    monkeypatch.setattr(launch, setting, "O3" if level is None else None)
+    assert kernel_source(None, blocks, device="cuda", kernel=kernel) != source

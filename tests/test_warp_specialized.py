@@ -356,9 +356,9 @@ def test_the_gluon_grid_is_a_program_per_key_block_or_one_per_sm(monkeypatch, pe
     q, k, v = rand_qkv(2, 4, 2, 384, 384, 64, dtype=torch.bfloat16, device="cpu")
     lse, delta = torch.zeros(2, 4, 384), torch.zeros(2, 4, 384)
     q_blocks, _, has_full = launch._block_args(*_q_block_tensors(None, 384, 384, torch.device("cpu")))
-    launch._launch_dkdv_ws(types.SimpleNamespace(flex_bwd_ws_dkdv_kernel=Kernel()), [], [], q, k, v, q, lse, delta,
-                           torch.empty_like(k), torch.empty_like(v), q_blocks, (128, 128), 0.125, False, has_full, True,
-                           persistent=persistent)
+    launch._launch_dkdv_ws(types.SimpleNamespace(flex_bwd_ws_dkdv_kernel=Kernel(), LLVM_OPT_LEVEL=None), [], [], q, k,
+                           v, q, lse, delta, torch.empty_like(k), torch.empty_like(v), q_blocks, (128, 128), 0.125,
+                           False, has_full, True, persistent=persistent)
     (grid, args, kwargs), = launches
     assert grid == (programs,) and kwargs["PERSISTENT"] == persistent
     assert args[9 + len(q_blocks) + 6] == 12  # N_WORK: after 5 descriptors, lse, delta, dk, dv, the lists, 6 strides

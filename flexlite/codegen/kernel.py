@@ -105,7 +105,7 @@ def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Ca
     computed on a compact key vector. ``bounded`` (fwd_ws.py.jinja, bf16 inputs only: the caller's to know): where
     score_mod's folded output factor bounds it (``cap * tanh`` with cap * log2(e) up to :data:`MAX_BOUND`), the
     softmax runs against that bound instead of the running row max. ``llvm_opt_level`` (fwd_ws.py.jinja): the LLVM
-    optimization level its launcher compiles it at (None: Triton's own; :func:`flexlite.runtime.compile.llvm_opt_level`).
+    optimization level its launcher compiles it at (None: Triton's own; :class:`flexlite.runtime.compile.llvm_opt_level`).
     """
     sm = trace_mod(score_mod, "score_mod") if score_mod is not None else None
     mm = trace_mod(mask_mod, "mask_mod") if mask_mod is not None else None
@@ -164,12 +164,13 @@ def _captured_grad(traced: TracedMod, grad_captured: tuple) -> tuple:
 
 def generate_backward(score_mod: Optional[Callable], mask_mod: Optional[Callable], *, interpret: bool,
                       grad_captured: tuple = (), template: str = "bwd.py.jinja",
-                      query_values: bool = False) -> BackwardKernel:
+                      query_values: bool = False, llvm_opt_level: Optional[str] = None) -> BackwardKernel:
     """Backward kernel source for these mods. ``grad_captured``: tensors captured by ``score_mod``
     whose gradients the dK/dV kernel scatters (atomically) into buffers; () for none. ``template``:
     ``"bwd.py.jinja"`` (preprocess, dK/dV and dQ kernels) or ``"bwd_ws.py.jinja"`` (the warp-specialized dK/dV
     kernel; no captured-tensor gradients). ``query_values`` (bwd_ws.py.jinja): mask_mod's values from b, h, q_idx
-    and captured tensors alone (its gathers along the queries) computed apart, on a compact query vector."""
+    and captured tensors alone (its gathers along the queries) computed apart, on a compact query vector.
+    ``llvm_opt_level`` (bwd_ws.py.jinja): as :func:`generate`'s."""
     sm = trace_mod(score_mod, "score_mod") if score_mod is not None else None
     mm = trace_mod(mask_mod, "mask_mod") if mask_mod is not None else None
     low_sm = _lowered(sm, "score_mod", "sm_")
@@ -181,6 +182,7 @@ def generate_backward(score_mod: Optional[Callable], mask_mod: Optional[Callable
                   for name, m in (("score_grad", score_grad), ("captured_grad", captured_grad)))
     source = _render(template, low_sm.source, low_mm.source, tuple(low_sm.params), tuple(low_mm.params),
                      interpret, sm.name if sm else "none", mm.name if mm else "none", extra, low_sm.hoisted,
-                     low_sm.hoist_source, low_mm.hoisted, low_mm.hoist_source)
+                     low_sm.hoist_source, low_mm.hoisted, low_mm.hoist_source,
+                     llvm_opt_level=llvm_opt_level if template == "bwd_ws.py.jinja" else None)
     return BackwardKernel(template, source, low_sm, low_mm, has_score_mod=sm is not None,
                           score_grad=score_grad, captured_grad=captured_grad, buffer_slots=slots)

@@ -47,8 +47,8 @@ def render(template: str, score_mod: LoweredMod, mask_mod: LoweredMod, *, interp
     ``<name>_source`` and ``<name>_args`` ("" if None), and all their parameters ``extra_params``.
     ``compact_bias_dims`` (fwd_ws.py.jinja): the head dims at which a separable score_mod's bias along the keys is
     computed on a compact vector. ``score_bound`` (fwd_ws.py.jinja): a bound of score_mod's output in base 2 that the
-    kernel takes instead of the running row max. ``llvm_opt_level`` (fwd_ws.py.jinja): the LLVM optimization level
-    the kernel compiles at (None: Triton's own; compile.llvm_opt_level).
+    kernel takes instead of the running row max. ``llvm_opt_level`` (the Gluon templates, fwd_ws.py.jinja and
+    bwd_ws.py.jinja): the LLVM optimization level the kernel compiles at (None: Triton's own; compile.llvm_opt_level).
     """
     extra = {}
     extra_params = []

@@ -466,6 +466,8 @@ WS_FWD_BOUNDED_SOFTMAX = True
 # shifts and logic ops per warp and tile (compile.llvm_opt_level); at O0 its tile loops are what ptxas makes of the
 # kernel alone, and LLVM's part of a first call's compile is gone (NOTES 65)
 WS_FWD_LLVM_OPT_LEVEL = "O0"
+# the same for the warp-specialized dK / dV kernel
+WS_BWD_LLVM_OPT_LEVEL = None
 
 
 def ws_backward_unmet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sparse_block: tuple) -> Optional[str]:
@@ -506,13 +508,14 @@ def _launch_dkdv_ws(module, mod_args: list, grad_args: list, q, k, v, grad_out, 
         descs.append(descs[0])  # unused
     work = Lkv // WS_BWD_BLOCK_N * B * Hkv  # key blocks, each a work item (bws_work)
     programs = min(work, _device_facts(q.device)[0]) if persistent else work
-    module.flex_bwd_ws_dkdv_kernel[(programs,)](
-        *descs, lse, delta, dk, dv, *q_blocks, *_mask_strides(q_blocks[0]),
-        *_mask_strides(q_blocks[1]), work, Hq, Hkv, Hq // Hkv, Lq, Lkv, float(scale), *mod_args, *grad_args,
-        BLOCK_N=WS_BWD_BLOCK_N, D=D, DV=v.shape[-1], SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1],
-        HAS_FULL_BLOCKS=has_full, HAS_SCORE_MOD=has_score_mod, DENSE=dense, FUSED_DQ=dq_acc is not None, **tiles,
-        FULL_FIRST=WS_BWD_FULL_FIRST, PERSISTENT=persistent,
-        num_warps=4)
+    with llvm_opt_level(module.LLVM_OPT_LEVEL):  # the level its source names (compile.llvm_opt_level)
+        module.flex_bwd_ws_dkdv_kernel[(programs,)](
+            *descs, lse, delta, dk, dv, *q_blocks, *_mask_strides(q_blocks[0]),
+            *_mask_strides(q_blocks[1]), work, Hq, Hkv, Hq // Hkv, Lq, Lkv, float(scale), *mod_args, *grad_args,
+            BLOCK_N=WS_BWD_BLOCK_N, D=D, DV=v.shape[-1], SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1],
+            HAS_FULL_BLOCKS=has_full, HAS_SCORE_MOD=has_score_mod, DENSE=dense, FUSED_DQ=dq_acc is not None, **tiles,
+            FULL_FIRST=WS_BWD_FULL_FIRST, PERSISTENT=persistent,
+            num_warps=4)
 
 
 def decode_rows(q: torch.Tensor, k: torch.Tensor, sparse_block: tuple, mask_heads: int) -> int:
