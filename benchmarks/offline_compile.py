@@ -220,7 +220,7 @@ def compile_backward_ws(score_mod, block_mask, D: int, L: int = 1024, dtype=torc
     mask_mod = block_mask.mask_mod if block_mask is not None else None
     kernel = generate_backward(score_mod, mask_mod, interpret=False)
     ws_kernel = generate_backward(score_mod, mask_mod, interpret=False, template="bwd_ws.py.jinja",
-                                  query_values=query_values, llvm_opt_level=launch.WS_BWD_LLVM_OPT_LEVEL)
+                                  query_values=query_values, llvm_opt_levels=launch.WS_BWD_LLVM_OPT_LEVELS)
     module, ws_module = (load_module(k.source, interpret=False) for k in (kernel, ws_kernel))
     *kv_blocks, sparse = _block_tensors(block_mask, L, L, torch.device("cpu"))
     q_blocks = _q_block_tensors(block_mask, L, L, torch.device("cpu"))

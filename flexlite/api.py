@@ -337,7 +337,7 @@ def _generate(score_mod, block_mask, device: torch.device, template: str = "fwd.
                     separate=_launch.SEPARATE_SCORE_BIAS and template in ("fwd.py.jinja", "fwd_ws.py.jinja"),
                     compact_bias_dims=_launch.WS_FWD_COMPACT_BIAS_HEAD_DIMS if template == "fwd_ws.py.jinja" else (),
                     bounded=_launch.WS_FWD_BOUNDED_SOFTMAX and dtype == torch.bfloat16 and not max_scores,
-                    llvm_opt_level=_launch.WS_FWD_LLVM_OPT_LEVEL if template == "fwd_ws.py.jinja" else None)
+                    llvm_opt_levels=_launch.WS_FWD_LLVM_OPT_LEVELS if template == "fwd_ws.py.jinja" else {})
 
 
 _PASSES = {"forward": "fwd.py.jinja", "forward_ws": "fwd_ws.py.jinja", "decode": "decode.py.jinja",
@@ -382,7 +382,7 @@ def kernel_source(score_mod: Optional[Callable] = None, block_mask=None, *, devi
         mask_mod = block_mask.mask_mod if block_mask is not None else None
         return generate_backward(score_mod, mask_mod, interpret=device.type != "cuda", template=_PASSES[kernel],
                                  query_values=_launch.WS_BWD_QUERY_VALUES,
-                                 llvm_opt_level=_launch.WS_BWD_LLVM_OPT_LEVEL).source
+                                 llvm_opt_levels=_launch.WS_BWD_LLVM_OPT_LEVELS).source
     lengths = block_mask.seq_lengths if block_mask is not None else (0, 0)
     return _generate(score_mod, block_mask, device, _PASSES[kernel], _float_index(_PASSES[kernel], *lengths),
                      dtype=dtype).source
@@ -556,7 +556,7 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
     if not (scatter or deterministic) and _warp_specialize_backward(query, key, value, sparse, options):
         ws_kernel = generate_backward(score_mod, mask_mod, interpret=interpret, template="bwd_ws.py.jinja",
                                       query_values=_launch.WS_BWD_QUERY_VALUES,
-                                      llvm_opt_level=_launch.WS_BWD_LLVM_OPT_LEVEL)
+                                      llvm_opt_levels=_launch.WS_BWD_LLVM_OPT_LEVELS)
         if ws_kernel.source not in _WS_UNCOMPILABLE:
             ws_module = load_module(ws_kernel.source, interpret=interpret)
     buffers = [torch.zeros(t.shape, dtype=torch.float32, device=query.device) for t in scatter]

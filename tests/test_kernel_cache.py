@@ -126,22 +126,45 @@ def test_llvm_opt_level_names_its_levels(level):
         compile_module.llvm_opt_level(level)
 
 
-@pytest.mark.parametrize("kernel, setting", [("forward_ws", "WS_FWD_LLVM_OPT_LEVEL"),
-                                             ("backward_ws", "WS_BWD_LLVM_OPT_LEVEL")])
-@pytest.mark.parametrize("level", ["O0", None])
-def test_the_gluon_kernels_sources_name_their_llvm_level(monkeypatch, kernel, setting, level):
-    """launch.WS_FWD_LLVM_OPT_LEVEL / WS_BWD_LLVM_OPT_LEVEL is rendered into the Gluon kernel's source, as the module
-    constant its launcher compiles at and inside the kernel's body, so that Triton's caches (keyed by the kernel's own
-    text) keep the builds of two levels apart; the Triton kernels do not carry it."""
+@pytest.mark.parametrize("kernel, setting", [("forward_ws", "WS_FWD_LLVM_OPT_LEVELS"),
+                                             ("backward_ws", "WS_BWD_LLVM_OPT_LEVELS")])
+@pytest.mark.parametrize("levels", [{64: "O0", 128: "O0"}, {128: "O0"}, {}])
+def test_the_gluon_kernels_sources_name_their_llvm_levels(monkeypatch, kernel, setting, levels):
+    """launch.WS_FWD_LLVM_OPT_LEVELS / WS_BWD_LLVM_OPT_LEVELS (head dim -> level) is rendered into the Gluon kernel's
+    source, as the module constant its launcher compiles at and inside the kernel's body, so that Triton's caches
+    (keyed by the kernel's own text and its constexprs, the head dim among them) keep the builds apart; the Triton
+    kernels do not carry it."""
     from flexlite import create_block_mask, kernel_source
     from flexlite.runtime import launch
 
-    monkeypatch.setattr(launch, setting, level)
+    monkeypatch.setattr(launch, setting, levels)
     blocks = create_block_mask(lambda b, h, q, k: q >= k, None, None, 256, 256, device="cpu")
     source = kernel_source(None, blocks, device="cuda", kernel=kernel)
-    assert f"\nLLVM_OPT_LEVEL = {level!r}\n" in source
+    assert f"\nLLVM_OPT_LEVELS = {levels!r}\n" in source
     body = source[source.index("_kernel(", source.index("@gluon.jit(do_not_specialize")):]
-    assert f"# compiled with LLVM at {level!r} (LLVM_OPT_LEVEL)" in body
-    assert "LLVM_OPT_LEVEL" not in kernel_source(None, blocks, device="cuda", kernel=kernel.replace("_ws", ""))
-    monkeypatch.setattr(launch, setting, "O3" if level is None else None)
+    assert f"# compiled with LLVM at {levels!r} by head dim (LLVM_OPT_LEVELS)" in body
+    assert "LLVM_OPT_LEVELS" not in kernel_source(None, blocks, device="cuda", kernel=kernel.replace("_ws", ""))
+    monkeypatch.setattr(launch, setting, {**levels, 64: "O1"})
     assert kernel_source(None, blocks, device="cuda", kernel=kernel) != source
+
+
+@pytest.mark.parametrize("D, level", [(64, None), (128, "O0")])
+def test_the_gluon_launchers_compile_at_their_head_dims_level(monkeypatch, D, level):
+    """The Gluon forward's launcher compiles (if Triton compiles now) at the level its module names for the head dim,
+    Triton's own for head dims it does not name."""
+    from flexlite.api import _block_tensors
+    from flexlite.runtime import launch
+
+    seen = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append(compile_module._LLVM_LEVEL.level)
+
+    monkeypatch.setattr(launch, "_device_facts", lambda device: (5, 9))
+    monkeypatch.setattr(launch, "_ensure_allocator", lambda: None)
+    q, k, v = (torch.randn(1, 2, 256, D, dtype=torch.bfloat16) for _ in range(3))
+    num, idx, full_num, full_idx, sparse = _block_tensors(None, 256, 256, torch.device("cpu"))
+    module = type("Module", (), {"flex_fwd_ws_kernel": Kernel(), "LLVM_OPT_LEVELS": {128: "O0"}})
+    launch.launch_forward_ws(module, [], q, k, v, num, idx, full_num, full_idx, sparse, 0.125, False, dense=True)
+    assert seen == [level] and getattr(compile_module._LLVM_LEVEL, "level", None) is None

@@ -356,7 +356,7 @@ def test_the_gluon_grid_is_a_program_per_key_block_or_one_per_sm(monkeypatch, pe
     q, k, v = rand_qkv(2, 4, 2, 384, 384, 64, dtype=torch.bfloat16, device="cpu")
     lse, delta = torch.zeros(2, 4, 384), torch.zeros(2, 4, 384)
     q_blocks, _, has_full = launch._block_args(*_q_block_tensors(None, 384, 384, torch.device("cpu")))
-    launch._launch_dkdv_ws(types.SimpleNamespace(flex_bwd_ws_dkdv_kernel=Kernel(), LLVM_OPT_LEVEL=None), [], [], q, k,
+    launch._launch_dkdv_ws(types.SimpleNamespace(flex_bwd_ws_dkdv_kernel=Kernel(), LLVM_OPT_LEVELS={}), [], [], q, k,
                            v, q, lse, delta, torch.empty_like(k), torch.empty_like(v), q_blocks, (128, 128), 0.125,
                            False, has_full, True, persistent=persistent)
     (grid, args, kwargs), = launches
@@ -386,7 +386,7 @@ def test_the_gluon_forward_grid_is_a_program_per_q_block_or_one_per_sm(monkeypat
                                device="cpu")
     from flexlite.api import _block_tensors
     num, idx, full_num, full_idx, sparse = _block_tensors(blocks, shape[3], shape[4], torch.device("cpu"))
-    launch.launch_forward_ws(types.SimpleNamespace(flex_fwd_ws_kernel=Kernel(), LLVM_OPT_LEVEL=None), [], q, k, v, num,
+    launch.launch_forward_ws(types.SimpleNamespace(flex_fwd_ws_kernel=Kernel(), LLVM_OPT_LEVELS={}), [], q, k, v, num,
                              idx, full_num, full_idx, sparse, 0.125, False)
     (grid, args, kwargs), = launches
     n_qblocks = -(-shape[3] // 128)

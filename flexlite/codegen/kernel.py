@@ -65,7 +65,7 @@ def _render(template: str, sm_source: str, mm_source: str, sm_params: tuple, mm_
             interpret: bool, sm_name: str, mm_name: str, extra: tuple = (), sm_hoisted: tuple = (),
             sm_hoist_source: str = "", mm_hoisted: tuple = (), mm_hoist_source: str = "",
             sm_scales: tuple = (None, None), sm_separable: bool = False, compact_bias_dims: tuple = (),
-            score_bound: Optional[float] = None, llvm_opt_level: Optional[str] = None) -> str:
+            score_bound: Optional[float] = None, llvm_opt_levels: tuple = ()) -> str:
     sm = LoweredMod("score_mod", sm_source, list(sm_params), [], hoisted=sm_hoisted, hoist_source=sm_hoist_source,
                     in_scale=sm_scales[0], out_scale=sm_scales[1], separable=sm_separable)
     mm = LoweredMod("mask_mod", mm_source, list(mm_params), [], hoisted=mm_hoisted, hoist_source=mm_hoist_source)
@@ -73,7 +73,7 @@ def _render(template: str, sm_source: str, mm_source: str, sm_params: tuple, mm_
                   for name, src, params in extra}
     return render(template, sm, mm, interpret=interpret, score_mod_name=sm_name, mask_mod_name=mm_name,
                   extra_mods=extra_mods, compact_bias_dims=compact_bias_dims, score_bound=score_bound,
-                  llvm_opt_level=llvm_opt_level)
+                  llvm_opt_levels=llvm_opt_levels)
 
 
 # the largest score bound (base 2) a kernel takes in place of the running row max: P's smallest weight,
@@ -90,10 +90,15 @@ def _score_bound(low: LoweredMod) -> Optional[float]:
     return low.out_scale * _LOG2E
 
 
+def _levels(levels: Optional[dict]) -> tuple:
+    """Head dim -> LLVM level as sorted pairs (the render cache's key)."""
+    return tuple(sorted((levels or {}).items()))
+
+
 def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Callable], *,
              interpret: bool, float_index: bool = False, fold_scales: bool = False,
              key_values: bool = False, separate: bool = False, compact_bias_dims: tuple = (),
-             bounded: bool = False, llvm_opt_level: Optional[str] = None) -> GeneratedKernel:
+             bounded: bool = False, llvm_opt_levels: Optional[dict] = None) -> GeneratedKernel:
     """Kernel source for ``template`` with ``score_mod`` / ``mask_mod`` (None: identity / keep all).
     ``float_index``: lower index arithmetic that ends in float32 from float index vectors (the caller guarantees
     lengths below 2**24; :class:`~flexlite.codegen.lower._Lowerer`). ``fold_scales`` (the forward templates):
@@ -104,8 +109,9 @@ def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Ca
     ``separate``); ``compact_bias_dims`` (fwd_ws.py.jinja): the head dims at which that bias along the keys is
     computed on a compact key vector. ``bounded`` (fwd_ws.py.jinja, bf16 inputs only: the caller's to know): where
     score_mod's folded output factor bounds it (``cap * tanh`` with cap * log2(e) up to :data:`MAX_BOUND`), the
-    softmax runs against that bound instead of the running row max. ``llvm_opt_level`` (fwd_ws.py.jinja): the LLVM
-    optimization level its launcher compiles it at (None: Triton's own; :class:`flexlite.runtime.compile.llvm_opt_level`).
+    softmax runs against that bound instead of the running row max. ``llvm_opt_levels`` (fwd_ws.py.jinja): head dim -> the
+    LLVM optimization level its launcher compiles it at (others: Triton's own;
+    :class:`flexlite.runtime.compile.llvm_opt_level`).
     """
     sm = trace_mod(score_mod, "score_mod") if score_mod is not None else None
     mm = trace_mod(mask_mod, "mask_mod") if mask_mod is not None else None
@@ -118,7 +124,7 @@ def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Ca
                      sm_scales=(low_sm.in_scale, low_sm.out_scale), sm_separable=low_sm.separable,
                      compact_bias_dims=tuple(sorted(compact_bias_dims)) if low_sm.separable else (),
                      score_bound=_score_bound(low_sm) if bounded and template == "fwd_ws.py.jinja" else None,
-                     llvm_opt_level=llvm_opt_level if template == "fwd_ws.py.jinja" else None)
+                     llvm_opt_levels=_levels(llvm_opt_levels) if template == "fwd_ws.py.jinja" else ())
     return GeneratedKernel(template, source, low_sm, low_mm, has_score_mod=sm is not None)
 
 
@@ -164,13 +170,13 @@ def _captured_grad(traced: TracedMod, grad_captured: tuple) -> tuple:
 
 def generate_backward(score_mod: Optional[Callable], mask_mod: Optional[Callable], *, interpret: bool,
                       grad_captured: tuple = (), template: str = "bwd.py.jinja",
-                      query_values: bool = False, llvm_opt_level: Optional[str] = None) -> BackwardKernel:
+                      query_values: bool = False, llvm_opt_levels: Optional[dict] = None) -> BackwardKernel:
     """Backward kernel source for these mods. ``grad_captured``: tensors captured by ``score_mod``
     whose gradients the dK/dV kernel scatters (atomically) into buffers; () for none. ``template``:
     ``"bwd.py.jinja"`` (preprocess, dK/dV and dQ kernels) or ``"bwd_ws.py.jinja"`` (the warp-specialized dK/dV
     kernel; no captured-tensor gradients). ``query_values`` (bwd_ws.py.jinja): mask_mod's values from b, h, q_idx
     and captured tensors alone (its gathers along the queries) computed apart, on a compact query vector.
-    ``llvm_opt_level`` (bwd_ws.py.jinja): as :func:`generate`'s."""
+    ``llvm_opt_levels`` (bwd_ws.py.jinja): as :func:`generate`'s."""
     sm = trace_mod(score_mod, "score_mod") if score_mod is not None else None
     mm = trace_mod(mask_mod, "mask_mod") if mask_mod is not None else None
     low_sm = _lowered(sm, "score_mod", "sm_")
@@ -183,6 +189,6 @@ def generate_backward(score_mod: Optional[Callable], mask_mod: Optional[Callable
     source = _render(template, low_sm.source, low_mm.source, tuple(low_sm.params), tuple(low_mm.params),
                      interpret, sm.name if sm else "none", mm.name if mm else "none", extra, low_sm.hoisted,
                      low_sm.hoist_source, low_mm.hoisted, low_mm.hoist_source,
-                     llvm_opt_level=llvm_opt_level if template == "bwd_ws.py.jinja" else None)
+                     llvm_opt_levels=_levels(llvm_opt_levels) if template == "bwd_ws.py.jinja" else ())
     return BackwardKernel(template, source, low_sm, low_mm, has_score_mod=sm is not None,
                           score_grad=score_grad, captured_grad=captured_grad, buffer_slots=slots)

@@ -40,15 +40,16 @@ def _param_list(names: list) -> str:
 def render(template: str, score_mod: LoweredMod, mask_mod: LoweredMod, *, interpret: bool,
            score_mod_name: str = "none", mask_mod_name: str = "none", extra_mods: Optional[dict] = None,
            compact_bias_dims: tuple = (), score_bound: Optional[float] = None,
-           llvm_opt_level: Optional[str] = None) -> str:
+           llvm_opt_levels: tuple = ()) -> str:
     """Render ``template`` (e.g. ``"fwd.py.jinja"``) into kernel source text.
 
     ``extra_mods`` (name -> LoweredMod or None), for the backward's derivative functions: each becomes
     ``<name>_source`` and ``<name>_args`` ("" if None), and all their parameters ``extra_params``.
     ``compact_bias_dims`` (fwd_ws.py.jinja): the head dims at which a separable score_mod's bias along the keys is
     computed on a compact vector. ``score_bound`` (fwd_ws.py.jinja): a bound of score_mod's output in base 2 that the
-    kernel takes instead of the running row max. ``llvm_opt_level`` (the Gluon templates, fwd_ws.py.jinja and
-    bwd_ws.py.jinja): the LLVM optimization level the kernel compiles at (None: Triton's own; compile.llvm_opt_level).
+    kernel takes instead of the running row max. ``llvm_opt_levels`` (the Gluon templates, fwd_ws.py.jinja and
+    bwd_ws.py.jinja): (head dim, LLVM optimization level) pairs, the level the kernel compiles at per head dim (others:
+    Triton's own; compile.llvm_opt_level).
     """
     extra = {}
     extra_params = []
@@ -94,7 +95,7 @@ def render(template: str, score_mod: LoweredMod, mask_mod: LoweredMod, *, interp
         score_separable=score_mod.separable,
         compact_bias_dims=compact_bias_dims,
         score_bound=None if score_bound is None else repr(float(score_bound)),
-        llvm_opt_level=repr(llvm_opt_level),
+        llvm_opt_levels=repr(dict(llvm_opt_levels)),
         extra_params=_param_list(extra_params),
         **extra,
     )

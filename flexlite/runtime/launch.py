@@ -398,7 +398,7 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
     work = n_qblocks * B * Hq
     persistent = WS_FWD_PERSISTENT and host_desc
     programs = min(work, _device_facts(q.device)[0]) if persistent else work
-    with llvm_opt_level(module.LLVM_OPT_LEVEL):  # the level its source names (compile.llvm_opt_level)
+    with llvm_opt_level(module.LLVM_OPT_LEVELS.get(D)):  # the level its source names (compile.llvm_opt_level)
         module.flex_fwd_ws_kernel[(programs,)](
             q, k, v, out, *descs, lse, lse if row_max is None else row_max, *blocks, *q.stride()[:3], *k.stride()[:3],
             *v.stride()[:3], *out.stride()[:3], *block_strides, work, n_qblocks, Hq, Hq // Hkv, Lq, Lkv, float(scale),
@@ -461,13 +461,16 @@ WS_FWD_COMPACT_BIAS_HEAD_DIMS = frozenset({128})
 # against that bound instead of the running row max, with bf16 inputs and without max_scores: no row max, no rescale
 # of O, P's row sums from the tensor cores (P times ones), so that l sums the bf16 weights P V multiplies (NOTES 64)
 WS_FWD_BOUNDED_SOFTMAX = True
-# the LLVM optimization level the warp-specialized forward compiles at (None: Triton's own, O3): at O3 LLVM's SLP
-# vectorizer packs a partial tile's mask compares into a <64 x i1> vector that the NVPTX backend unpacks with ~200
-# shifts and logic ops per warp and tile (compile.llvm_opt_level); at O0 its tile loops are what ptxas makes of the
-# kernel alone, and LLVM's part of a first call's compile is gone (NOTES 65)
-WS_FWD_LLVM_OPT_LEVEL = "O0"
-# the same for the warp-specialized dK / dV kernel
-WS_BWD_LLVM_OPT_LEVEL = None
+# per head dim the LLVM optimization level the warp-specialized forward compiles at (head dims not named: Triton's
+# own, O3): at O3 LLVM's SLP vectorizer packs a partial tile's mask compares into a <64 x i1> vector that the NVPTX
+# backend unpacks with ~200 shifts and logic ops per warp and tile (compile.llvm_opt_level); at O0 the tile loops are
+# what ptxas makes of the kernel alone (H200: the document mask's forward 9.8 % faster at D128, 5.9 % at D64, the
+# other harness masks even or up to 4.7 % faster; NOTES 65)
+WS_FWD_LLVM_OPT_LEVELS = {64: "O0", 128: "O0"}
+# the same for the warp-specialized dK / dV kernel: at D128 O0 also ends O3's spills in its tile loops (H200: the
+# backward 0.4-2.3 % faster, document's 13 %); at D64 its full-tile loops grow by ~45 instructions at O0 (2-3.4 %
+# slower but for document and softcap; NOTES 65)
+WS_BWD_LLVM_OPT_LEVELS = {128: "O0"}
 
 
 def ws_backward_unmet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sparse_block: tuple) -> Optional[str]:
@@ -508,7 +511,7 @@ def _launch_dkdv_ws(module, mod_args: list, grad_args: list, q, k, v, grad_out, 
         descs.append(descs[0])  # unused
     work = Lkv // WS_BWD_BLOCK_N * B * Hkv  # key blocks, each a work item (bws_work)
     programs = min(work, _device_facts(q.device)[0]) if persistent else work
-    with llvm_opt_level(module.LLVM_OPT_LEVEL):  # the level its source names (compile.llvm_opt_level)
+    with llvm_opt_level(module.LLVM_OPT_LEVELS.get(D)):  # the level its source names (compile.llvm_opt_level)
         module.flex_bwd_ws_dkdv_kernel[(programs,)](
             *descs, lse, delta, dk, dv, *q_blocks, *_mask_strides(q_blocks[0]),
             *_mask_strides(q_blocks[1]), work, Hq, Hkv, Hq // Hkv, Lq, Lkv, float(scale), *mod_args, *grad_args,
