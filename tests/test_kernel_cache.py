@@ -122,7 +122,8 @@ def test_llvm_opt_level_applies_to_the_compiles_of_the_thread_that_asked_for_it(
 
 @pytest.mark.parametrize("level", ["O4", "-O0", 0])
 def test_llvm_opt_level_names_its_levels(level):
-    with pytest.raises(ValueError, match=r"level must be one of \('O0', 'O1', 'O2', 'O3'\) or None"):
+    with pytest.raises(ValueError, match=r"level must be one of \('O0', 'O1', 'O2', 'O3'\) or None \(the values of "
+                                         r"launch.WS_FWD_LLVM_OPT_LEVELS / WS_BWD_LLVM_OPT_LEVELS, per head dim\)"):
         compile_module.llvm_opt_level(level)
 
 
@@ -168,3 +169,8 @@ def test_the_gluon_launchers_compile_at_their_head_dims_level(monkeypatch, D, le
     module = type("Module", (), {"flex_fwd_ws_kernel": Kernel(), "LLVM_OPT_LEVELS": {128: "O0"}})
     launch.launch_forward_ws(module, [], q, k, v, num, idx, full_num, full_idx, sparse, 0.125, False, dense=True)
     assert seen == [level] and getattr(compile_module._LLVM_LEVEL, "level", None) is None
+    # a level that is none of LLVM's, set by hand: refused at the launch, before anything compiles
+    module.LLVM_OPT_LEVELS = {D: "O9"}
+    with pytest.raises(ValueError, match="launch.WS_FWD_LLVM_OPT_LEVELS / WS_BWD_LLVM_OPT_LEVELS"):
+        launch.launch_forward_ws(module, [], q, k, v, num, idx, full_num, full_idx, sparse, 0.125, False, dense=True)
+    assert len(seen) == 1

@@ -109,8 +109,8 @@ def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Ca
     ``separate``); ``compact_bias_dims`` (fwd_ws.py.jinja): the head dims at which that bias along the keys is
     computed on a compact key vector. ``bounded`` (fwd_ws.py.jinja, bf16 inputs only: the caller's to know): where
     score_mod's folded output factor bounds it (``cap * tanh`` with cap * log2(e) up to :data:`MAX_BOUND`), the
-    softmax runs against that bound instead of the running row max. ``llvm_opt_levels`` (fwd_ws.py.jinja): head dim -> the
-    LLVM optimization level its launcher compiles it at (others: Triton's own;
+    softmax runs against that bound instead of the running row max. ``llvm_opt_levels`` (fwd_ws.py.jinja): head
+    dim -> the LLVM optimization level its launcher compiles it at (others: Triton's own;
     :class:`flexlite.runtime.compile.llvm_opt_level`).
     """
     sm = trace_mod(score_mod, "score_mod") if score_mod is not None else None

@@ -149,9 +149,10 @@ _LLVM_LEVEL = threading.local()  # .level: the LLVM optimization level this thre
 
 
 class _LLVMAtLevel:
-    """Triton's ``llvm`` binding as its NVIDIA backend sees it once :func:`llvm_opt_level` has run: everything
-    passes through but ``optimize_module``, which takes the level the calling thread asked for (Triton's own, O3,
-    where it asked for none). Per thread, so that other kernels compiling at the same time keep Triton's level."""
+    """Triton's ``llvm`` binding as its NVIDIA backend sees it once :class:`llvm_opt_level` has been asked for a
+    level: everything passes through but ``optimize_module``, which takes the level the calling thread asked for
+    (Triton's own, O3, where it asked for none). Per thread, so that other kernels compiling at the same time keep
+    Triton's level."""
 
     def __init__(self, llvm):
         self._llvm = llvm
@@ -181,7 +182,8 @@ class llvm_opt_level:
 
     def __init__(self, level: "str | None"):
         if level is not None and level not in LLVM_LEVELS:
-            raise ValueError(f"llvm_opt_level: level must be one of {LLVM_LEVELS} or None, got {level!r}")
+            raise ValueError(f"llvm_opt_level: level must be one of {LLVM_LEVELS} or None (the values of "
+                             f"launch.WS_FWD_LLVM_OPT_LEVELS / WS_BWD_LLVM_OPT_LEVELS, per head dim), got {level!r}")
         self.level = level
         if level is not None and not llvm_opt_level._installed:
             _install_llvm_at_level()

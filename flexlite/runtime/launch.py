@@ -515,10 +515,9 @@ def _launch_dkdv_ws(module, mod_args: list, grad_args: list, q, k, v, grad_out, 
         module.flex_bwd_ws_dkdv_kernel[(programs,)](
             *descs, lse, delta, dk, dv, *q_blocks, *_mask_strides(q_blocks[0]),
             *_mask_strides(q_blocks[1]), work, Hq, Hkv, Hq // Hkv, Lq, Lkv, float(scale), *mod_args, *grad_args,
-            BLOCK_N=WS_BWD_BLOCK_N, D=D, DV=v.shape[-1], SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1],
-            HAS_FULL_BLOCKS=has_full, HAS_SCORE_MOD=has_score_mod, DENSE=dense, FUSED_DQ=dq_acc is not None, **tiles,
-            FULL_FIRST=WS_BWD_FULL_FIRST, PERSISTENT=persistent,
-            num_warps=4)
+            BLOCK_N=WS_BWD_BLOCK_N, D=D, DV=v.shape[-1], SPARSE_Q_BLOCK=sparse_block[0],
+            SPARSE_KV_BLOCK=sparse_block[1], HAS_FULL_BLOCKS=has_full, HAS_SCORE_MOD=has_score_mod, DENSE=dense,
+            FUSED_DQ=dq_acc is not None, **tiles, FULL_FIRST=WS_BWD_FULL_FIRST, PERSISTENT=persistent, num_warps=4)
 
 
 def decode_rows(q: torch.Tensor, k: torch.Tensor, sparse_block: tuple, mask_heads: int) -> int:
