@@ -174,3 +174,15 @@ def test_the_gluon_launchers_compile_at_their_head_dims_level(monkeypatch, D, le
     with pytest.raises(ValueError, match="launch.WS_FWD_LLVM_OPT_LEVELS / WS_BWD_LLVM_OPT_LEVELS"):
         launch.launch_forward_ws(module, [], q, k, v, num, idx, full_num, full_idx, sparse, 0.125, False, dense=True)
     assert len(seen) == 1
+
+
+@pytest.mark.parametrize("setting", ["WS_FWD_LLVM_OPT_LEVELS", "WS_BWD_LLVM_OPT_LEVELS"])
+def test_the_llvm_level_settings_must_map_head_dims(monkeypatch, setting):
+    from flexlite import create_block_mask, kernel_source
+    from flexlite.runtime import launch
+
+    monkeypatch.setattr(launch, setting, "O0")
+    blocks = create_block_mask(lambda b, h, q, k: q >= k, None, None, 256, 256, device="cpu")
+    kernel = "forward_ws" if "FWD" in setting else "backward_ws"
+    with pytest.raises(TypeError, match=r"must be a dict of head dim -> LLVM level .*e.g. \{128: 'O0'\}; got 'O0'"):
+        kernel_source(None, blocks, device="cuda", kernel=kernel)

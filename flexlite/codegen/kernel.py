@@ -91,8 +91,15 @@ def _score_bound(low: LoweredMod) -> Optional[float]:
 
 
 def _levels(levels: Optional[dict]) -> tuple:
-    """Head dim -> LLVM level as sorted pairs (the render cache's key)."""
-    return tuple(sorted((levels or {}).items()))
+    """Head dim -> LLVM level as sorted pairs (the render cache's key); the levels themselves are checked where the
+    kernel is launched (:class:`flexlite.runtime.compile.llvm_opt_level`)."""
+    if levels is None:
+        return ()
+    if not isinstance(levels, dict):
+        raise TypeError(f"launch.WS_FWD_LLVM_OPT_LEVELS / WS_BWD_LLVM_OPT_LEVELS must be a dict of head dim -> LLVM "
+                        f"level ('O0' ... 'O3'; head dims left out: Triton's own), e.g. {{128: 'O0'}}; got "
+                        f"{levels!r}")
+    return tuple(sorted(levels.items()))
 
 
 def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Callable], *,
