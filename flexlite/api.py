@@ -334,10 +334,9 @@ def _generate(score_mod, block_mask, device: torch.device, template: str = "fwd.
     return generate(template, score_mod, mask_mod, interpret=device.type != "cuda", float_index=float_index,
                     fold_scales=_launch.FOLD_SCORE_SCALES and template in ("fwd.py.jinja", "fwd_ws.py.jinja"),
                     key_values=_launch.WS_FWD_KEY_VALUES,
-                    separate=_launch.SEPARATE_SCORE_BIAS and template in ("fwd.py.jinja", "fwd_ws.py.jinja"),
-                    compact_bias_dims=_launch.WS_FWD_COMPACT_BIAS_HEAD_DIMS if template == "fwd_ws.py.jinja" else (),
+                    separate=_launch.SEPARATE_SCORE_BIAS, compact_bias_dims=_launch.WS_FWD_COMPACT_BIAS_HEAD_DIMS,
                     bounded=_launch.WS_FWD_BOUNDED_SOFTMAX and dtype == torch.bfloat16 and not max_scores,
-                    llvm_opt_levels=_launch.WS_FWD_LLVM_OPT_LEVELS if template == "fwd_ws.py.jinja" else {})
+                    llvm_opt_levels=_launch.WS_FWD_LLVM_OPT_LEVELS)  # (generate keeps each for its templates)
 
 
 _PASSES = {"forward": "fwd.py.jinja", "forward_ws": "fwd_ws.py.jinja", "decode": "decode.py.jinja",

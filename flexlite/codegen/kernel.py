@@ -129,7 +129,8 @@ def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Ca
                      interpret, sm.name if sm else "none", mm.name if mm else "none", (), low_sm.hoisted,
                      low_sm.hoist_source, low_mm.hoisted, low_mm.hoist_source,
                      sm_scales=(low_sm.in_scale, low_sm.out_scale), sm_separable=low_sm.separable,
-                     compact_bias_dims=tuple(sorted(compact_bias_dims)) if low_sm.separable else (),
+                     compact_bias_dims=tuple(sorted(compact_bias_dims))
+                     if low_sm.separable and template == "fwd_ws.py.jinja" else (),
                      score_bound=_score_bound(low_sm) if bounded and template == "fwd_ws.py.jinja" else None,
                      llvm_opt_levels=_levels(llvm_opt_levels) if template == "fwd_ws.py.jinja" else ())
     return GeneratedKernel(template, source, low_sm, low_mm, has_score_mod=sm is not None)
