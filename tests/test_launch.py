@@ -163,6 +163,71 @@ def test_compiled_launch_reuses_a_kernel_only_for_the_same_argument_properties(m
     assert kernel.triton_launches == 4
 
 
+def test_compiled_launch_keys_host_descriptors_by_what_triton_specializes(monkeypatch):
+    """A host tensor descriptor reuses the compiled kernel for another base, shape or strides (its launcher encodes
+    the tensor map at every launch) and goes to the launcher as it is; another dtype, block shape, layout or padding
+    goes through Triton's launch (a kernel of its own)."""
+    from types import SimpleNamespace
+
+    from flexlite.runtime import launch as launch_module
+    from flexlite.runtime.launch import CompiledLaunch
+
+    monkeypatch.setattr(launch_module, "_current_device_and_stream", lambda: (0, 0))
+
+    def desc(base, block_shape=(64, 32), layout="swizzle-128", padding="zero"):
+        return SimpleNamespace(base=base, shape=list(base.shape), strides=list(base.stride()),
+                               block_shape=list(block_shape), layout=layout, padding=padding)
+
+    kernel = _JitKernel()
+    kernel.params = [_Param("DESC", False), _Param("N", False), _Param("BLOCK", True)]
+    launch = CompiledLaunch(kernel, {"BLOCK": 64})
+    x, y = torch.zeros(256, 32), torch.zeros(512, 32)
+    launch((1,), (desc(x), 8))
+    second = desc(y)
+    launch((2,), (second, 8))  # another base and shape: direct, the descriptor itself to the launcher
+    assert kernel.triton_launches == 1 and kernel.compiles[0].runs == [((2, 1, 1), (second, 8, 64))]
+    for other in (desc(x.half()), desc(x, block_shape=(128, 32)), desc(x, layout="swizzle-64"),
+                  desc(x, padding="nan")):
+        launch((1,), (other, 8))
+    assert kernel.triton_launches == 5
+
+
+def test_compiled_launch_is_one_per_kernel_and_kwargs(monkeypatch):
+    from flexlite.runtime import launch as launch_module
+    from flexlite.runtime.launch import compiled_launch
+
+    monkeypatch.setattr(launch_module, "_current_device_and_stream", lambda: (0, 0))
+    kernel, other = _JitKernel(), _JitKernel()
+    first = compiled_launch(kernel, {"BLOCK": 64, "num_warps": 4})
+    assert compiled_launch(kernel, {"BLOCK": 64, "num_warps": 4}) is first
+    assert first.kwargs == {"BLOCK": 64, "num_warps": 4} and first.kernel is kernel
+    assert compiled_launch(kernel, {"BLOCK": 32, "num_warps": 4}) is not first
+    assert compiled_launch(other, {"BLOCK": 64, "num_warps": 4}).kernel is other
+
+
+def test_run_with_fallback_launches_a_remembered_config_directly(monkeypatch):
+    """Once a config is known to fit, run_with_fallback launches through compiled_launch: the grid function still
+    runs first (it sets constexprs that depend on the config), and Triton's launch is needed once more only (to
+    hand back the compiled kernel), then never."""
+    from flexlite.runtime import launch as launch_module
+
+    monkeypatch.setattr(launch_module, "_current_device_and_stream", lambda: (0, 0))
+    kernel = _JitKernel()
+    kernel.params = [_Param("X", False), _Param("N", False), _Param("BLOCK_M", True), _Param("BLOCK_N", True),
+                     _Param("EVEN", True)]
+    x = torch.zeros(64)
+    for _ in range(3):  # each call with its own constexprs, as launch_forward's
+        constexprs = {}
+
+        def grid(cfg):
+            constexprs["EVEN"] = 200 % cfg.BLOCK_M == 0
+            return (cfg.BLOCK_M, 2)
+        cfg = run_with_fallback(kernel, grid, (x, 200), constexprs, TileConfig(64, 32, 4, 2), pinned=False)
+        assert cfg == TileConfig(64, 32, 4, 2)
+    assert kernel.triton_launches == 2
+    assert kernel.compiles[-1].runs == [((64, 2, 1), (x.data_ptr(), 200, 64, 32, False))]
+
+
 def test_compiled_launch_leaves_interpreted_or_unusual_kernels_to_triton():
     from flexlite.runtime.launch import CompiledLaunch
 
@@ -180,6 +245,48 @@ def test_compiled_launch_leaves_interpreted_or_unusual_kernels_to_triton():
     kernel.params = [_Param("BLOCK", True), _Param("X", False)]  # a constexpr before a runtime parameter
     assert not CompiledLaunch(kernel, {"BLOCK": 16}).direct
     assert not CompiledLaunch(_JitKernel(), {}).direct  # a constexpr without a value
+
+
+# on a GPU: the warp-specialized kernels (D128, D64) and the Triton ones; the interpreter (no direct launches there):
+# one small case, for the values
+_REPEATED = ([(name, D, ws) for name in ("document", "softcap_causal") for D in (128, 64) for ws in (None, False)]
+             if DEVICE == "cuda" else [("document", 16, None)])
+
+
+@pytest.mark.parametrize("name, D, ws", _REPEATED, ids=str)
+def test_repeated_training_calls_launch_directly_and_match_the_reference(monkeypatch, name, D, ws):
+    """A training loop's calls: one shape, new values each call, forward and backward. On a GPU, from the third call
+    on no kernel goes through Triton's launch path (JITFunction.run): each launches its compiled kernel directly
+    (launch.compiled_launch), and every call's output and gradients still match the reference."""
+    from triton.runtime.jit import JITFunction
+
+    from flexlite import attention_reference, create_block_mask, flex_attention
+
+    from catalog import CATALOG
+    from helpers import TOLERANCES, assert_close, assert_grad_close
+
+    cuda = DEVICE == "cuda"
+    B, H, L, dtype = (1, 2, 256, torch.bfloat16) if cuda else (1, 1, 128, torch.float32)
+    case = CATALOG[name](B, H, L, L, DEVICE)
+    bm = create_block_mask(case.mask_mod, None, None, L, L, device=DEVICE)
+    options = None if ws is None else {"WARP_SPECIALIZE": ws}
+    triton_runs = []
+    run = JITFunction.run
+    monkeypatch.setattr(JITFunction, "run", lambda self, *a, **kw: triton_runs.append(self) or run(self, *a, **kw))
+    for call in range(3):
+        q, k, v = (t.requires_grad_() for t in rand_qkv(B, H, H, L, L, D, dtype=dtype, seed=call))
+        grad_out = torch.randn(B, H, L, D, dtype=dtype, device=DEVICE)
+        triton_runs.clear()
+        out = flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm, kernel_options=options)
+        grads = torch.autograd.grad(out, (q, k, v), grad_out)
+        if cuda and call == 2:
+            assert triton_runs == []
+        inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        ref = attention_reference(*inputs, score_mod=case.score_mod, block_mask=bm)[0]
+        assert_close(out, ref, *TOLERANCES[dtype], name=f"call {call} output")
+        for grad_name, got, want in zip(("dq", "dk", "dv"), grads,
+                                        torch.autograd.grad(ref, inputs, grad_out.double())):
+            assert_grad_close(got, want, dtype, f"call {call} {grad_name}")
 
 
 def test_device_facts_come_from_detect_gpu(monkeypatch):

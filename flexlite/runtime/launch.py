@@ -163,9 +163,14 @@ def run_with_fallback(kernel, grid, args: tuple, constexprs: dict, config: TileC
     from triton.runtime.errors import OutOfResources
 
     key = (id(kernel), tuple(constexprs.items()), config)  # each call site builds its dict in one order
-    todo = [_WORKING_CONFIG[key]] if key in _WORKING_CONFIG else fallback_configs(config, shrink_m)
+    cfg = _WORKING_CONFIG.get(key)
+    if cfg is not None:  # known to fit: launched without Triton's per-call binding (compiled_launch)
+        launch_grid = grid(cfg)  # (which may set constexprs that depend on the config)
+        compiled_launch(kernel, dict(constexprs, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, num_warps=cfg.num_warps,
+                                     num_stages=cfg.num_stages))(launch_grid, args)
+        return cfg
     error = None
-    for cfg in todo:
+    for cfg in fallback_configs(config, shrink_m):
         try:
             kernel[grid(cfg)](*args, **constexprs, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
                               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -398,15 +403,16 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
     work = n_qblocks * B * Hq
     persistent = WS_FWD_PERSISTENT and host_desc
     programs = min(work, _device_facts(q.device)[0]) if persistent else work
+    launch = compiled_launch(module.flex_fwd_ws_kernel, dict(
+        BLOCK_M=WS_BLOCK_M, D=D, SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1],
+        EVEN_M=Lq % WS_BLOCK_M == 0, EVEN_N=Lkv % sparse_block[1] == 0, HAS_FULL_BLOCKS=has_full,
+        HAS_SCORE_MOD=has_score_mod, REVERSE_M=REVERSE_Q_BLOCKS, DENSE=dense, HOST_DESC=host_desc,
+        PERSISTENT=persistent, STORE_MAX=max_scores, **tiles, num_warps=4))
     with llvm_opt_level(module.LLVM_OPT_LEVELS.get(D)):  # the level its source names (compile.llvm_opt_level)
-        module.flex_fwd_ws_kernel[(programs,)](
+        launch((programs,), (
             q, k, v, out, *descs, lse, lse if row_max is None else row_max, *blocks, *q.stride()[:3], *k.stride()[:3],
             *v.stride()[:3], *out.stride()[:3], *block_strides, work, n_qblocks, Hq, Hq // Hkv, Lq, Lkv, float(scale),
-            *scalars_to(mod_args, q.device),
-            BLOCK_M=WS_BLOCK_M, D=D, SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1],
-            EVEN_M=Lq % WS_BLOCK_M == 0, EVEN_N=Lkv % sparse_block[1] == 0, HAS_FULL_BLOCKS=has_full,
-            HAS_SCORE_MOD=has_score_mod, REVERSE_M=REVERSE_Q_BLOCKS, DENSE=dense, HOST_DESC=host_desc,
-            PERSISTENT=persistent, STORE_MAX=max_scores, **tiles, num_warps=4)
+            *scalars_to(mod_args, q.device)))
     return out, lse, row_max
 
 
@@ -511,13 +517,14 @@ def _launch_dkdv_ws(module, mod_args: list, grad_args: list, q, k, v, grad_out, 
         descs.append(descs[0])  # unused
     work = Lkv // WS_BWD_BLOCK_N * B * Hkv  # key blocks, each a work item (bws_work)
     programs = min(work, _device_facts(q.device)[0]) if persistent else work
+    launch = compiled_launch(module.flex_bwd_ws_dkdv_kernel, dict(
+        BLOCK_N=WS_BWD_BLOCK_N, D=D, DV=v.shape[-1], SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1],
+        HAS_FULL_BLOCKS=has_full, HAS_SCORE_MOD=has_score_mod, DENSE=dense, FUSED_DQ=dq_acc is not None, **tiles,
+        FULL_FIRST=WS_BWD_FULL_FIRST, PERSISTENT=persistent, num_warps=4))
     with llvm_opt_level(module.LLVM_OPT_LEVELS.get(D)):  # the level its source names (compile.llvm_opt_level)
-        module.flex_bwd_ws_dkdv_kernel[(programs,)](
+        launch((programs,), (
             *descs, lse, delta, dk, dv, *q_blocks, *_mask_strides(q_blocks[0]),
-            *_mask_strides(q_blocks[1]), work, Hq, Hkv, Hq // Hkv, Lq, Lkv, float(scale), *mod_args, *grad_args,
-            BLOCK_N=WS_BWD_BLOCK_N, D=D, DV=v.shape[-1], SPARSE_Q_BLOCK=sparse_block[0],
-            SPARSE_KV_BLOCK=sparse_block[1], HAS_FULL_BLOCKS=has_full, HAS_SCORE_MOD=has_score_mod, DENSE=dense,
-            FUSED_DQ=dq_acc is not None, **tiles, FULL_FIRST=WS_BWD_FULL_FIRST, PERSISTENT=persistent, num_warps=4)
+            *_mask_strides(q_blocks[1]), work, Hq, Hkv, Hq // Hkv, Lq, Lkv, float(scale), *mod_args, *grad_args))
 
 
 def decode_rows(q: torch.Tensor, k: torch.Tensor, sparse_block: tuple, mask_heads: int) -> int:
@@ -560,9 +567,10 @@ class CompiledLaunch:
     H100's host 166 -> 139 us per step; with tensors passed as addresses, 100 us on the H200's host;
     benchmarks/NOTES.md 17, 19).
 
-    A compiled kernel is reused only for arguments equal in every int, of the same kinds otherwise, and with
-    tensors of the same dtype and address modulo 256: at least as fine as what Triton specializes on (ints
-    equal to 1 or divisible by 16, 16-byte aligned pointers), so it was compiled for these very properties.
+    A compiled kernel is reused only for arguments equal in every int, of the same kinds otherwise, with
+    tensors of the same dtype and address modulo 256 and host tensor descriptors of the same dtype, block shape and
+    layout: at least as fine as what Triton specializes on (ints equal to 1 or divisible by 16, 16-byte aligned
+    pointers, a descriptor's type), so it was compiled for these very properties.
     Anything new goes through Triton's own launch first. Written against Triton 3.6's launcher; with another
     Triton, or a kernel whose constexpr parameters are not all after the others, every launch is Triton's."""
 
@@ -582,17 +590,30 @@ class CompiledLaunch:
             return
         # the current device too: Triton loads a compiled kernel per device and launches on the current one
         device, stream = _current_device_and_stream()
-        # per argument: a tensor's dtype and address mod 256, a float's kind, anything else's type and value;
-        # tensors go to the launcher as their addresses (an int skips its data_ptr() call and driver pointer query)
+        # per argument: an int's value, a tensor's dtype and address mod 256, a float's kind, anything else's type
+        # and value; tensors go to the launcher as their addresses (an int skips its data_ptr() call and driver
+        # pointer query). Ints first: most arguments are (strides, lengths)
         key, flat = [device], []
+        add_key, add_arg = key.append, flat.append
         for a in args:
-            if isinstance(a, torch.Tensor):
+            cls = a.__class__
+            if cls is int:
+                add_key(a)
+                add_arg(a)
+            elif isinstance(a, torch.Tensor):
                 ptr = a.data_ptr()
-                key.append((a.dtype, ptr % 256))
-                flat.append(ptr)
+                add_key((a.dtype, ptr & 255))
+                add_arg(ptr)
             else:
-                key.append(float if isinstance(a, float) else (a.__class__, a))
-                flat.append(a)
+                if cls is float:
+                    add_key(float)
+                elif getattr(a, "block_shape", None) is not None:  # a host tensor descriptor (Triton's or Gluon's)
+                    # as Triton specializes one: its dtype, block shape and shared layout (its launcher encodes the
+                    # tensor map from the base, shape and strides at every launch)
+                    add_key((cls, a.base.dtype, tuple(a.block_shape), getattr(a, "layout", None), a.padding))
+                else:  # a bool, None, ...
+                    add_key((cls, a))
+                add_arg(a)
         key = tuple(key)
         ck = self.compiled.get(key)
         if ck is None:
@@ -601,11 +622,32 @@ class CompiledLaunch:
                 self.compiled[key] = ck.result() if hasattr(ck, "result") else ck
             return
         hooks = _triton_knobs.runtime
-        enter = hooks.launch_enter_hook
+        enter, leave = _hook(hooks.launch_enter_hook), _hook(hooks.launch_exit_hook)
         # as JITFunction.run: launch hooks see the launch metadata (with the tensors, as Triton's launch would)
-        meta = None if enter is None else ck.launch_metadata(grid, stream, *args, *self.tail)
+        meta = None if enter is None and leave is None else ck.launch_metadata(grid, stream, *args, *self.tail)
         ck.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, ck.function,
-               ck.packed_metadata, meta, enter, hooks.launch_exit_hook, *flat, *self.tail)
+               ck.packed_metadata, meta, enter, leave, *flat, *self.tail)
+
+
+def _hook(hook):
+    """A launch hook as the launcher takes it: None for none, also for Triton 3.6's empty HookChain (which the
+    launcher would call, after the launch metadata had been built for it, at every launch)."""
+    return None if hook is None or getattr(hook, "calls", True) == [] else hook
+
+_LAUNCHES: dict = {}  # (id(kernel), kwargs' items) -> its CompiledLaunch (which keeps the kernel, and so its id)
+
+
+def compiled_launch(kernel, kwargs: dict) -> CompiledLaunch:
+    """The :class:`CompiledLaunch` of ``kernel`` with these constexprs and options, one per combination for the
+    process (as the kernel modules are kept): ``compiled_launch(kernel, kwargs)(grid, args)`` launches as
+    ``kernel[grid](*args, **kwargs)`` does, without Triton's per-call binding once it has compiled for these
+    arguments' properties (~45 arguments in the warp-specialized forward: benchmarks/NOTES.md 66). Each call site
+    builds ``kwargs`` in one order."""
+    key = (id(kernel), tuple(kwargs.items()))
+    launch = _LAUNCHES.get(key)
+    if launch is None:
+        launch = _LAUNCHES[key] = CompiledLaunch(kernel, dict(kwargs))
+    return launch
 
 
 def _current_device_and_stream() -> tuple:
@@ -928,11 +970,10 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
     pre_block = min(64, max(16, next_pow2(Lq)))
     dkdv_tiles, dq_tiles = config.dkdv_tiles(), config.dq_tiles()
     with interpreter_scope(interpret):
-        module.flex_bwd_preprocess_kernel[(cdiv(Lq, pre_block), B * Hq)](
-            out, grad_out, grad_lse.contiguous() if grad_lse is not None else lse, delta,
-            *out.stride(), *grad_out.stride(), Hq, Lq,
-            BLOCK_M=pre_block, DV=Dv, DV_PAD=head_dim_pad(Dv), HAS_DLSE=grad_lse is not None,
-        )
+        compiled_launch(module.flex_bwd_preprocess_kernel, dict(
+            BLOCK_M=pre_block, DV=Dv, DV_PAD=head_dim_pad(Dv), HAS_DLSE=grad_lse is not None))(
+            (cdiv(Lq, pre_block), B * Hq), (out, grad_out, grad_lse.contiguous() if grad_lse is not None else lse,
+                                            delta, *out.stride(), *grad_out.stride(), Hq, Lq))
         if tune and not pinned:
             key = f"{_tuning_key(module, q, v, sparse_block, has_full, constexprs)}|ds={ds is not None}"
             dkdv_space, dq_space = backward_candidates(q, v, sparse_block)
