@@ -12,7 +12,6 @@ Usage: python benchmarks/host_launch.py [calls]   (from the checkout; TRITON_CAC
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import time
@@ -30,17 +29,6 @@ from flexlite.codegen.kernel import generate_backward  # noqa: E402
 from flexlite.masks import generate_causal_document_mask  # noqa: E402
 from flexlite.runtime import launch  # noqa: E402
 from flexlite.runtime.compile import load_module  # noqa: E402
-
-
-@contextlib.contextmanager
-def triton_launches():
-    """compiled_launch replaced by Triton's own launch (the launchers as they were before it)."""
-    saved = launch.compiled_launch
-    launch.compiled_launch = lambda kernel, kwargs: lambda grid, args: kernel[grid](*args, **kwargs)
-    try:
-        yield
-    finally:
-        launch.compiled_launch = saved
 
 
 class _NoDriverCall(dict):
@@ -88,21 +76,16 @@ def main():
             D ** -0.5, False, True, False),
     }
     rows = []
-    with offline_cuda():
-        saved = launch._current_device_and_stream
-        launch._current_device_and_stream = lambda: (0, 0)
-        try:
-            for name, fn in launchers.items():
-                with triton_launches():
-                    triton_us = per_call(fn, calls)
-                fn()  # the compiled launch made
-                stub_drivers()
-                for _ in range(200):  # every output address modulo 256 seen
-                    fn()
-                rows.append([name, f"{triton_us:.1f}", f"{per_call(fn, calls):.1f}"])
-                print(rows[-1], flush=True)
-        finally:
-            launch._current_device_and_stream = saved
+    for name, fn in launchers.items():
+        with offline_cuda():  # Triton's launches
+            triton_us = per_call(fn, calls)
+        with offline_cuda(compiled_launches=True):
+            fn()  # the compiled launch made
+            stub_drivers()
+            for _ in range(200):  # every output address modulo 256 seen
+                fn()
+            rows.append([name, f"{triton_us:.1f}", f"{per_call(fn, calls):.1f}"])
+        print(rows[-1], flush=True)
     print(tabulate(rows, headers=["launcher (host work, no driver call)", "Triton's launch (us)",
                                   "compiled launch (us)"], tablefmt="github"))
 

@@ -571,7 +571,8 @@ class CompiledLaunch:
     tensors of the same dtype and address modulo 256 and host tensor descriptors of the same dtype, block shape and
     layout: at least as fine as what Triton specializes on (ints equal to 1 or divisible by 16, 16-byte aligned
     pointers, a descriptor's type), so it was compiled for these very properties.
-    Anything new goes through Triton's own launch first. Written against Triton 3.6's launcher; with another
+    Anything new goes through Triton's own launch first; what Triton reads from its knobs at a launch (debug,
+    instrumentation) is then that first launch's. Written against Triton 3.6's launcher; with another
     Triton, or a kernel whose constexpr parameters are not all after the others, every launch is Triton's."""
 
     def __init__(self, kernel, kwargs: dict):
