@@ -15,7 +15,7 @@ from .block_mask import (BlockMask, check_device, check_mod_output, from_torch_b
                          kept_on, q_sides)
 from .codegen.kernel import GeneratedKernel, generate, generate_backward
 from .codegen.lower import FLOAT32_EXACT_INT
-from .codegen.trace import check_arity, trace_mod
+from .codegen.trace import TracedMod, check_arity, trace_mod
 from .runtime.compile import load_module, write_source
 from .runtime import launch as _launch
 from .runtime.guards import autocast_on, opaque_to_compile, work_scope
@@ -161,7 +161,10 @@ def _resolve_backend(kernel_options):
 
 
 def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, return_lse=False,
-              return_aux=None):
+              return_aux=None) -> tuple:
+    """TypeError / ValueError / NotImplementedError for what flex_attention cannot run; else the traces of score_mod
+    and of the block mask's mask_mod (None for none), which the call hands on (each trace's cache check fingerprints
+    what the mod captures: once per call, not once per use)."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}", TypeError)
@@ -198,9 +201,10 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
     _check_device_type(query)  # after the offset checks: meta tensors show what those accept
     _check_flag("enable_gqa", enable_gqa)
     _check_flag("return_lse", return_lse)
+    traced_score_mod = None
     if score_mod is not None:
         check_arity(score_mod, "score_mod")
-        check_mod_output(score_mod, "score_mod", "flex_attention")
+        traced_score_mod = check_mod_output(score_mod, "score_mod", "flex_attention")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         _fail(f"scale must be a Python float or None, got {type(scale).__name__}", TypeError)
     if kernel_options is not None:
@@ -219,11 +223,11 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
                       f"config; it cannot be combined with DECODE=True, AUTOTUNE=True or pinned tiles "
                       f"{list(CONFIG_KEYS)}: drop one or the other")
     _check_aux(return_aux, return_lse, kernel_options)
-    if block_mask is not None:
-        _validate_block_mask(block_mask, query, key)
+    return traced_score_mod, _validate_block_mask(block_mask, query, key) if block_mask is not None else None
 
 
 def _validate_block_mask(block_mask, query, key):
+    """As :func:`_validate`, for the block mask; returns its mask_mod's trace (None without a mask_mod)."""
     if not isinstance(block_mask, BlockMask):
         _fail(f"block_mask must be a BlockMask (from flexlite's create_block_mask, or torch's), got "
               f"{type(block_mask).__name__}", TypeError)
@@ -266,9 +270,10 @@ def _validate_block_mask(block_mask, query, key):
     if block_mask.kv_num_blocks.device != query.device:
         _fail(f"block_mask is on {block_mask.kv_num_blocks.device} but query is on {query.device}; build it "
               f"with device=query.device or call block_mask.to(query.device)")
-    if block_mask.mask_mod is not None:
-        check_arity(block_mask.mask_mod, "mask_mod", "block_mask.mask_mod")
-        check_mod_output(block_mask.mask_mod, "mask_mod", "flex_attention")
+    if block_mask.mask_mod is None:
+        return None
+    check_arity(block_mask.mask_mod, "mask_mod", "block_mask.mask_mod")
+    return check_mod_output(block_mask.mask_mod, "mask_mod", "flex_attention")
 
 
 def check_captured(captured, device: torch.device, caller: str, what: str = "a mod"):
@@ -326,11 +331,13 @@ def _split_partial(kernel: GeneratedKernel, query: torch.Tensor, value: torch.Te
 
 def _generate(score_mod, block_mask, device: torch.device, template: str = "fwd.py.jinja",
               float_index: bool = False, dtype: Optional[torch.dtype] = None,
-              max_scores: bool = False) -> GeneratedKernel:
+              max_scores: bool = False, traced: tuple = (None, None)) -> GeneratedKernel:
     """``dtype`` (the inputs') and ``max_scores``: the warp-specialized forward runs a bounded score_mod against its
     bound (launch.WS_FWD_BOUNDED_SOFTMAX) for bfloat16 inputs without max_scores only (fp16's P would lose the small
-    weights; max_scores need the running row max)."""
+    weights; max_scores need the running row max). ``traced``: the mods' traces where this call has them
+    (:func:`_validate`), used in place of the mods."""
     mask_mod = block_mask.mask_mod if block_mask is not None else None
+    score_mod, mask_mod = traced[0] or score_mod, traced[1] or mask_mod
     return generate(template, score_mod, mask_mod, interpret=device.type != "cuda", float_index=float_index,
                     fold_scales=_launch.FOLD_SCORE_SCALES and template in ("fwd.py.jinja", "fwd_ws.py.jinja"),
                     key_values=_launch.WS_FWD_KEY_VALUES,
@@ -399,9 +406,11 @@ def kernel_path(score_mod: Optional[Callable] = None, block_mask=None, *, device
 _WS_UNCOMPILABLE: set = set()
 
 
-def _forward(query, key, value, score_mod, block_mask, scale, kernel_options, max_scores: bool = False):
+def _forward(query, key, value, score_mod, block_mask, scale, kernel_options, max_scores: bool = False,
+             traced: tuple = (None, None)):
     """(out, lse, row maxima or None): ``max_scores`` (return_aux) takes the Triton forward or the decode kernel,
-    which store them, and the warp-specialized one only where :data:`launch.WS_FWD_MAX_SCORES` allows."""
+    which store them, and the warp-specialized one only where :data:`launch.WS_FWD_MAX_SCORES` allows. ``traced``:
+    as :func:`_generate`'s."""
     B, Hq, Lq, E = query.shape
     Lkv = key.shape[2]
     if B * Hq * Lq == 0 or Lkv == 0:
@@ -416,10 +425,10 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options, ma
     rows = 0 if ws else _decode_rows(query, key, num, sparse, options)
     template = "fwd_ws.py.jinja" if ws else "decode.py.jinja" if rows else "fwd.py.jinja"
     kernel = _generate(score_mod, block_mask, query.device, template, _float_index(template, Lq, Lkv),
-                       dtype=query.dtype, max_scores=max_scores)
+                       dtype=query.dtype, max_scores=max_scores, traced=traced)
     if ws and kernel.source in _WS_UNCOMPILABLE and not options.get("WARP_SPECIALIZE"):
         return _forward(query, key, value, score_mod, block_mask, scale, {**options, "WARP_SPECIALIZE": False},
-                        max_scores)
+                        max_scores, traced)
     check_captured(kernel.captured, query.device, "flex_attention")
     # also when decoding if tiles are pinned, so that bad pins are reported even where decoding ignores them
     if not (rows or ws) or any(k in options for k in CONFIG_KEYS):
@@ -448,7 +457,7 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options, ma
                                           f"WARP_SPECIALIZE unset to run the Triton forward") from e
             _WS_UNCOMPILABLE.add(kernel.source)  # Triton's forward from now on (see the check above)
             return _forward(query, key, value, score_mod, block_mask, scale, {**options, "WARP_SPECIALIZE": False},
-                            max_scores)
+                            max_scores, traced)
     return launch_forward(module, kernel.mod_args(), query, key, value, num, idx, full_num, full_idx,
                           sparse, scale, kernel.has_score_mod, config, pinned=any(k in options for k in CONFIG_KEYS),
                           tune=autotune_enabled(options),
@@ -476,11 +485,13 @@ def _q_block_tensors(block_mask, Lq, Lkv, device):
 
 
 def _captured_requiring_grad(score_mod) -> tuple:
-    """Tensors captured by score_mod that require grad: extra inputs of FlexAttentionFunction, so that
-    autograd hands them their gradients. (mask_mod's captures get none: masks are not differentiable.)"""
+    """Tensors captured by score_mod (a callable or its trace) that require grad: extra inputs of
+    FlexAttentionFunction, so that autograd hands them their gradients. (mask_mod's captures get none: masks are not
+    differentiable.)"""
     if score_mod is None or not torch.is_grad_enabled():
         return ()
-    return tuple(t for t in trace_mod(score_mod, "score_mod").captured.values() if t.requires_grad)
+    traced = score_mod if isinstance(score_mod, TracedMod) else trace_mod(score_mod, "score_mod")
+    return tuple(t for t in traced.captured.values() if t.requires_grad)
 
 
 def _deterministic_captured_grads(kernel_options: dict) -> bool:
@@ -713,15 +724,16 @@ def _decode_rows(query, key, num_blocks, sparse, options) -> int:
 class FlexAttentionFunction(torch.autograd.Function):
     """Block-sparse FlashAttention from generated kernels. Returns (out, lse).
 
-    Inputs after ``kernel_options`` are the tensors captured by score_mod that require grad (see
-    :func:`_captured_requiring_grad`); the backward returns their gradients.
+    Inputs after ``traced`` (the mods' traces, :func:`_validate`'s) are the tensors captured by score_mod that require
+    grad (see :func:`_captured_requiring_grad`); the backward returns their gradients.
     """
 
     @staticmethod
-    def forward(ctx, query, key, value, score_mod, block_mask, scale, kernel_options, max_scores, *captured):
+    def forward(ctx, query, key, value, score_mod, block_mask, scale, kernel_options, max_scores, traced, *captured):
         if block_mask is not None and _launch.WS_BWD_PERSISTENT is None:
             _block_count(block_mask, start_only=True)  # for the backward's grid: counted now, read there unsynced
-        out, lse, row_max = _forward(query, key, value, score_mod, block_mask, scale, kernel_options, max_scores)
+        out, lse, row_max = _forward(query, key, value, score_mod, block_mask, scale, kernel_options, max_scores,
+                                     traced)
         ctx.save_for_backward(query, key, value, out, lse, *captured)
         ctx.score_mod, ctx.block_mask, ctx.scale, ctx.kernel_options = score_mod, block_mask, scale, kernel_options
         ctx.set_materialize_grads(False)  # an unused out or lse arrives as None: no work for it
@@ -738,9 +750,9 @@ class FlexAttentionFunction(torch.autograd.Function):
         with work_scope(query, autocast_on(query)):  # q's GPU current; a backward under autocast: ops as written
             dq, dk, dv, dcaptured = _backward(
                 query, key, value, out, lse, grad_out, grad_lse, ctx.score_mod, ctx.block_mask, ctx.scale,
-                ctx.kernel_options, captured, need_dq=needs[0], need_captured=tuple(needs[8:]))
+                ctx.kernel_options, captured, need_dq=needs[0], need_captured=tuple(needs[9:]))
         return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
-                None, None, None, None, None, *dcaptured)
+                None, None, None, None, None, None, *dcaptured)
 
 
 def _autocast_inputs(query, key, value) -> tuple:
@@ -818,7 +830,8 @@ def flex_attention(
     kernel_options = _resolve_backend(kernel_options)
     if is_torch_block_mask(block_mask):  # built with torch's create_block_mask: the same tensors, as they are
         block_mask = from_torch_block_mask(block_mask)
-    _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, return_lse, return_aux)
+    traced = _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, return_lse,
+                       return_aux)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     if key.shape[0] != query.shape[0]:  # batch-1 key / value shared by the batch: a stride-0 view, no copy; their
@@ -826,18 +839,20 @@ def flex_attention(
     max_scores = return_aux is not None and return_aux.max_scores
     with work_scope(query, autocast):  # q's GPU current; under autocast (the inputs cast above) the ops as written
         out, lse, row_max = _attention(query, key, value, score_mod, block_mask, float(scale), kernel_options,
-                                       max_scores)
+                                       max_scores, traced)
     if return_aux is not None:
         return out, AuxOutput(lse=lse if return_aux.lse else None, max_scores=row_max)
     return (out, lse) if return_lse else out
 
 
-def _attention(query, key, value, score_mod, block_mask, scale: float, kernel_options, max_scores: bool):
-    """(out, lse, row maxima or None), through the autograd Function where a gradient may be asked for."""
-    captured = _captured_requiring_grad(score_mod)
+def _attention(query, key, value, score_mod, block_mask, scale: float, kernel_options, max_scores: bool,
+               traced: tuple):
+    """(out, lse, row maxima or None), through the autograd Function where a gradient may be asked for; ``traced``:
+    the mods' traces (:func:`_validate`)."""
+    captured = _captured_requiring_grad(traced[0])
     if torch.is_grad_enabled() and (captured or query.requires_grad or key.requires_grad or value.requires_grad):
         out, lse, *row_max = FlexAttentionFunction.apply(query, key, value, score_mod, block_mask, scale,
-                                                         kernel_options, max_scores, *captured)
+                                                         kernel_options, max_scores, traced, *captured)
         return out, lse, row_max[0] if row_max else None
     # inference (decoding above all): no autograd node to build, ~10 us less host time per call
-    return _forward(query, key, value, score_mod, block_mask, scale, kernel_options, max_scores)
+    return _forward(query, key, value, score_mod, block_mask, scale, kernel_options, max_scores, traced)

@@ -125,6 +125,32 @@ def test_trace_once_and_retrace_on_rebinding(monkeypatch):
     assert_close(out, attention_reference(q, k, v, score_mod=mod)[0], *TOLERANCES[torch.float32])
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_a_call_fingerprints_each_mod_once(monkeypatch, grad):
+    """A call checks each mod's captures once (validation's trace, handed on to code generation and, with grad, to
+    the autograd inputs), not once per use; the forward is still the reference's."""
+    from flexlite import create_block_mask
+
+    fingerprints = []
+    real = trace_module.capture_fingerprint
+    monkeypatch.setattr(trace_module, "capture_fingerprint", lambda fn: fingerprints.append(fn) or real(fn))
+    bias = torch.randn(LKV, device=DEVICE)
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + bias[kv_idx]
+
+    def mask(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    bm = create_block_mask(mask, None, None, LQ, LKV, device=DEVICE)
+    q, k, v = (t.requires_grad_(grad) for t in rand_qkv(B, H, H, LQ, LKV, D))
+    flex_attention(q, k, v, score_mod=mod, block_mask=bm)  # traced and compiled
+    fingerprints.clear()
+    out = flex_attention(q, k, v, score_mod=mod, block_mask=bm)
+    assert sorted(map(id, fingerprints)) == sorted([id(mod), id(mask)])
+    assert_close(out, attention_reference(q, k, v, score_mod=mod, block_mask=bm)[0], *TOLERANCES[torch.float32])
+
+
 def test_captured_values_and_lengths_reuse_the_kernel():
     bias = torch.randn(256, device=DEVICE)
 
