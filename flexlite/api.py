@@ -15,7 +15,7 @@ from .block_mask import (BlockMask, check_device, check_mod_output, from_torch_b
                          kept_on, q_sides)
 from .codegen.kernel import GeneratedKernel, generate, generate_backward
 from .codegen.lower import FLOAT32_EXACT_INT
-from .codegen.trace import TracedMod, check_arity, trace_mod
+from .codegen.trace import check_arity, trace_mod
 from .runtime.compile import load_module, write_source
 from .runtime import launch as _launch
 from .runtime.guards import autocast_on, opaque_to_compile, work_scope
@@ -490,8 +490,7 @@ def _captured_requiring_grad(score_mod) -> tuple:
     differentiable.)"""
     if score_mod is None or not torch.is_grad_enabled():
         return ()
-    traced = score_mod if isinstance(score_mod, TracedMod) else trace_mod(score_mod, "score_mod")
-    return tuple(t for t in traced.captured.values() if t.requires_grad)
+    return tuple(t for t in trace_mod(score_mod, "score_mod").captured.values() if t.requires_grad)
 
 
 def _deterministic_captured_grads(kernel_options: dict) -> bool:
@@ -556,7 +555,10 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
     deterministic = bool(want) and _deterministic_captured_grads(options)
     scatter = () if deterministic else tuple(want)
     mask_mod = block_mask.mask_mod if block_mask is not None else None
-    kernel = generate_backward(score_mod, mask_mod, interpret=interpret, grad_captured=scatter)
+    # traced once for both kernels' generation (each trace fingerprints the mod's captures)
+    traced = [trace_mod(mod, kind) if mod is not None else None
+              for mod, kind in ((score_mod, "score_mod"), (mask_mod, "mask_mod"))]
+    kernel = generate_backward(*traced, interpret=interpret, grad_captured=scatter)
     check_captured(kernel.captured, query.device, "flex_attention")
     module = load_module(kernel.source, interpret=interpret)
     *kv_blocks, sparse = _block_tensors(block_mask, Lq, Lkv, query.device)
@@ -564,7 +566,7 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
     config = backward_config(query, value, sparse, options, gathers=bool(kernel.captured))
     ws_module = None
     if not (scatter or deterministic) and _warp_specialize_backward(query, key, value, sparse, options):
-        ws_kernel = generate_backward(score_mod, mask_mod, interpret=interpret, template="bwd_ws.py.jinja",
+        ws_kernel = generate_backward(*traced, interpret=interpret, template="bwd_ws.py.jinja",
                                       query_values=_launch.WS_BWD_QUERY_VALUES,
                                       llvm_opt_levels=_launch.WS_BWD_LLVM_OPT_LEVELS)
         if ws_kernel.source not in _WS_UNCOMPILABLE:

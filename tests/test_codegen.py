@@ -128,7 +128,8 @@ def test_trace_once_and_retrace_on_rebinding(monkeypatch):
 @pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
 def test_a_call_fingerprints_each_mod_once(monkeypatch, grad):
     """A call checks each mod's captures once (validation's trace, handed on to code generation and, with grad, to
-    the autograd inputs), not once per use; the forward is still the reference's."""
+    the autograd inputs), not once per use, and so does a backward (one trace for its kernels, the Triton ones and
+    on Hopper the warp-specialized one); the forward is still the reference's."""
     from flexlite import create_block_mask
 
     fingerprints = []
@@ -149,6 +150,10 @@ def test_a_call_fingerprints_each_mod_once(monkeypatch, grad):
     out = flex_attention(q, k, v, score_mod=mod, block_mask=bm)
     assert sorted(map(id, fingerprints)) == sorted([id(mod), id(mask)])
     assert_close(out, attention_reference(q, k, v, score_mod=mod, block_mask=bm)[0], *TOLERANCES[torch.float32])
+    if grad:
+        fingerprints.clear()
+        out.sum().backward()
+        assert sorted(map(id, fingerprints)) == sorted([id(mod), id(mask)])
 
 
 def test_captured_values_and_lengths_reuse_the_kernel():

@@ -102,13 +102,6 @@ def _levels(levels: Optional[dict]) -> tuple:
     return tuple(sorted(levels.items()))
 
 
-def _traced(mod, kind: str) -> Optional[TracedMod]:
-    """``mod``'s trace (None for None): ``mod`` itself where it is one."""
-    if mod is None or isinstance(mod, TracedMod):
-        return mod
-    return trace_mod(mod, kind)
-
-
 def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Callable], *,
              interpret: bool, float_index: bool = False, fold_scales: bool = False,
              key_values: bool = False, separate: bool = False, compact_bias_dims: tuple = (),
@@ -128,7 +121,8 @@ def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Ca
     :class:`flexlite.runtime.compile.llvm_opt_level`). A mod may come as its :class:`TracedMod` where the caller has
     traced it already.
     """
-    sm, mm = _traced(score_mod, "score_mod"), _traced(mask_mod, "mask_mod")
+    sm = trace_mod(score_mod, "score_mod") if score_mod is not None else None
+    mm = trace_mod(mask_mod, "mask_mod") if mask_mod is not None else None
     low_sm = _lowered(sm, "score_mod", "sm_", float_index, fold_scales=fold_scales,
                       separate=separate and template in ("fwd.py.jinja", "fwd_ws.py.jinja"))
     low_mm = _lowered(mm, "mask_mod", "mm_", float_index, key_values=key_values and template == "fwd_ws.py.jinja")
@@ -191,8 +185,9 @@ def generate_backward(score_mod: Optional[Callable], mask_mod: Optional[Callable
     ``"bwd.py.jinja"`` (preprocess, dK/dV and dQ kernels) or ``"bwd_ws.py.jinja"`` (the warp-specialized dK/dV
     kernel; no captured-tensor gradients). ``query_values`` (bwd_ws.py.jinja): mask_mod's values from b, h, q_idx
     and captured tensors alone (its gathers along the queries) computed apart, on a compact query vector.
-    ``llvm_opt_levels`` (bwd_ws.py.jinja): as :func:`generate`'s."""
-    sm, mm = _traced(score_mod, "score_mod"), _traced(mask_mod, "mask_mod")
+    ``llvm_opt_levels`` (bwd_ws.py.jinja): as :func:`generate`'s. The mods may come as their traces, as there."""
+    sm = trace_mod(score_mod, "score_mod") if score_mod is not None else None
+    mm = trace_mod(mask_mod, "mask_mod") if mask_mod is not None else None
     low_sm = _lowered(sm, "score_mod", "sm_")
     low_mm = _lowered(mm, "mask_mod", "mm_", query_values=query_values and template == "bwd_ws.py.jinja")
     score_grad = _score_grad(sm) if sm is not None else None

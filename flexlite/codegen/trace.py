@@ -192,9 +192,12 @@ def _cache_for(fn):
 
 
 def trace_mod(fn: Callable, kind: str) -> TracedMod:
-    """Trace ``fn`` (a score_mod or mask_mod) to a :class:`TracedMod`, cached per function."""
+    """Trace ``fn`` (a score_mod or mask_mod) to a :class:`TracedMod`, cached per function; a TracedMod (a caller's
+    trace of this call's mod, whose captures it has checked) is its own trace."""
     if kind not in ("score_mod", "mask_mod"):
         raise ValueError(f"kind must be 'score_mod' or 'mask_mod', got {kind!r}")
+    if isinstance(fn, TracedMod):
+        return fn
     check_arity(fn, kind)
     fp = capture_fingerprint(fn)
     cache = _cache_for(fn)
