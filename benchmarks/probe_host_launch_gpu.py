@@ -9,7 +9,6 @@ Usage: python benchmarks/probe_host_launch_gpu.py [rounds]"""
 
 import contextlib
 import sys
-import time
 
 import torch
 from tabulate import tabulate
@@ -17,6 +16,7 @@ from tabulate import tabulate
 from flexlite import attention_reference, create_block_mask, flex_attention
 from flexlite.bench import mask_cases
 from flexlite.runtime import launch
+from probe_host_gpu import host_us  # (benchmarks/ is the script's directory)
 
 
 @contextlib.contextmanager
@@ -27,17 +27,6 @@ def triton_launches():
         yield
     finally:
         launch.compiled_launch = saved
-
-
-def host_us(fn, n: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - t) / n * 1e6
-    torch.cuda.synchronize()
-    return host
 
 
 def main():
