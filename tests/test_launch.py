@@ -121,13 +121,14 @@ class _Compiled:
     function, packed_metadata = "fn", "meta"
 
     def __init__(self):
-        self.runs = []
+        self.runs, self.hooks = [], []
 
     def launch_metadata(self, grid, stream, *args):
-        return None
+        return {"grid": grid}
 
     def run(self, g0, g1, g2, stream, function, metadata, launch_meta, enter, exit_, *args):
         self.runs.append(((g0, g1, g2), args))
+        self.hooks.append((launch_meta, enter, exit_))
 
 
 class _JitKernel:
@@ -226,6 +227,34 @@ def test_run_with_fallback_launches_a_remembered_config_directly(monkeypatch):
         assert cfg == TileConfig(64, 32, 4, 2)
     assert kernel.triton_launches == 2
     assert kernel.compiles[-1].runs == [((64, 2, 1), (x.data_ptr(), 200, 64, 32, False))]
+
+
+def test_compiled_launch_builds_launch_metadata_only_for_launch_hooks(monkeypatch):
+    """Triton 3.6's launch hooks are chains, empty unless a profiler adds to them: an empty chain goes to the
+    launcher as None, without launch metadata; a hook that is there sees the launch as under Triton's launch."""
+    from triton import knobs
+
+    from flexlite.runtime import launch as launch_module
+    from flexlite.runtime.launch import CompiledLaunch
+
+    monkeypatch.setattr(launch_module, "_current_device_and_stream", lambda: (0, 0))
+    kernel = _JitKernel()
+    launch = CompiledLaunch(kernel, {"BLOCK": 64})
+    x = torch.zeros(64)
+    launch((1,), (x, 32))
+    launch((2,), (x, 32))
+    compiled = kernel.compiles[0]
+    assert compiled.hooks == [(None, None, None)]
+    chain = knobs.runtime.launch_enter_hook  # (Triton 3.6, which the direct launches need)
+
+    def hook(meta):
+        pass
+    chain.add(hook)
+    try:
+        launch((3,), (x, 32))
+    finally:
+        chain.remove(hook)
+    assert compiled.hooks[-1] == ({"grid": (3,)}, chain, None)
 
 
 def test_compiled_launch_leaves_interpreted_or_unusual_kernels_to_triton():

@@ -635,6 +635,7 @@ def _hook(hook):
     launcher would call, after the launch metadata had been built for it, at every launch)."""
     return None if hook is None or getattr(hook, "calls", True) == [] else hook
 
+
 _LAUNCHES: dict = {}  # (id(kernel), kwargs' items) -> its CompiledLaunch (which keeps the kernel, and so its id)
 
 
