@@ -276,14 +276,16 @@ def test_compiled_launch_leaves_interpreted_or_unusual_kernels_to_triton():
     assert not CompiledLaunch(_JitKernel(), {}).direct  # a constexpr without a value
 
 
-# on a GPU: the warp-specialized kernels (D128, D64) and the Triton ones; the interpreter (no direct launches there):
-# one small case, for the values
-_REPEATED = ([(name, D, ws) for name in ("document", "softcap_causal") for D in (128, 64) for ws in (None, False)]
-             if DEVICE == "cuda" else [("document", 16, None)])
+# on a GPU: the warp-specialized kernels (D128, D64) and the Triton ones, and the warp-specialized forward making its
+# tensor descriptors on the device (strided inputs, [B, L, H, D] in memory); the interpreter (no direct launches
+# there): small cases, for the values
+_REPEATED = ([(name, D, ws, False) for name in ("document", "softcap_causal") for D in (128, 64) for ws in (None, False)]
+             + [("document", 128, True, True)] if DEVICE == "cuda"
+             else [("document", 16, None, False), ("document", 16, None, True)])
 
 
-@pytest.mark.parametrize("name, D, ws", _REPEATED, ids=str)
-def test_repeated_training_calls_launch_directly_and_match_the_reference(monkeypatch, name, D, ws):
+@pytest.mark.parametrize("name, D, ws, strided", _REPEATED, ids=str)
+def test_repeated_training_calls_launch_directly_and_match_the_reference(monkeypatch, name, D, ws, strided):
     """A training loop's calls: one shape, new values each call, forward and backward. On a GPU, from the third call
     on no kernel goes through Triton's launch path (JITFunction.run): each launches its compiled kernel directly
     (launch.compiled_launch), and every call's output and gradients still match the reference."""
@@ -303,7 +305,10 @@ def test_repeated_training_calls_launch_directly_and_match_the_reference(monkeyp
     run = JITFunction.run
     monkeypatch.setattr(JITFunction, "run", lambda self, *a, **kw: triton_runs.append(self) or run(self, *a, **kw))
     for call in range(3):
-        q, k, v = (t.requires_grad_() for t in rand_qkv(B, H, H, L, L, D, dtype=dtype, seed=call))
+        q, k, v = rand_qkv(B, H, H, L, L, D, dtype=dtype, seed=call)
+        if strided:
+            q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
         grad_out = torch.randn(B, H, L, D, dtype=dtype, device=DEVICE)
         triton_runs.clear()
         out = flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm, kernel_options=options)
