@@ -11,7 +11,6 @@ import cProfile
 import gc
 import pstats
 import sys
-import time
 
 import torch
 import triton.testing
@@ -19,20 +18,9 @@ from torch.nn.attention.flex_attention import create_block_mask as torch_create_
 from torch.nn.attention.flex_attention import flex_attention as torch_flex
 
 from flexlite import create_block_mask, flex_attention
-from flexlite.bench import mask_cases
+from flexlite.bench import host_us, mask_cases
 
 OTHERS = ["full", "causal", "sliding_window_1024", "prefix_lm_2048", "alibi_causal", "softcap30_causal"]
-
-
-def host_us(fn, n: int = 100) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - t) / n * 1e6
-    torch.cuda.synchronize()
-    return host
 
 
 def main():

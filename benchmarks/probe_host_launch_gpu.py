@@ -14,9 +14,8 @@ import torch
 from tabulate import tabulate
 
 from flexlite import attention_reference, create_block_mask, flex_attention
-from flexlite.bench import mask_cases
+from flexlite.bench import host_us, mask_cases
 from flexlite.runtime import launch
-from probe_host_gpu import host_us  # (benchmarks/ is the script's directory)
 
 
 @contextlib.contextmanager

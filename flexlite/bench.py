@@ -158,6 +158,22 @@ def time_rounds(fns: dict, rounds: int = 1, grad_to_none=None) -> tuple:
     return times, errors
 
 
+def host_us(fn: Callable, calls: int = 100, sync: Optional[Callable] = None) -> float:
+    """The host's time per call of ``fn`` in us: ``calls`` calls back to back, timed on the host without waiting for
+    the GPU (``sync``, default torch.cuda.synchronize, only before and after), so it is the call's Python and launch
+    work alone where the GPU's queue does not fill up in ``calls`` calls; an eager time close to it is host-bound
+    (NOTES 65, 66)."""
+    sync = torch.cuda.synchronize if sync is None else sync
+    fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) / calls * 1e6
+    sync()
+    return round(host, 1)
+
+
 def graph_ms(fn: Callable) -> float:
     """``fn``'s time replayed from a CUDA graph (triton.testing.do_bench_cudagraph): the GPU's own time, with no
     Python and no launch gaps in it, beside an eager time that a slow or busy host can lengthen."""
@@ -273,13 +289,14 @@ def run(masks: list, shapes: list, passes: tuple = ("fwd",), dtype=torch.bfloat1
                     row[f"{impl}_ms"] = round(ms, 4)
                     row[f"{impl}_tflops"] = round(f / ms / 1e9, 1)
                     row[f"{impl}_ms_rounds"] = [round(t, 4) for t in ms_rounds]
-                if pass_ == "fwd":  # the GPU's own time too (NOTES 61: eager rows that the host may have slowed)
-                    for impl in ("flexlite", "torch_flex"):
+                if pass_ == "fwd":  # the GPU's own time too (NOTES 61: eager rows that the host may have slowed),
+                    for impl in ("flexlite", "torch_flex"):  # and the host's per call (NOTES 66)
                         if f"{impl}_ms" in row:
                             try:
                                 row[f"{impl}_graph_ms"] = graph_ms(impls[impl])
                             except RuntimeError as e:  # a capture that fails: recorded, not fatal
                                 row[f"{impl}_graph_error"] = _first_line(e)
+                            row[f"{impl}_host_us"] = host_us(impls[impl], calls=20)
                 if "torch_flex_ms" in row:
                     row["speedup_vs_torch_flex"] = round(row["torch_flex_ms"] / row["flexlite_ms"], 3)
                     if "flexlite_tuned_ms" in row:
@@ -385,9 +402,10 @@ def run_block_mask(lengths: tuple = (32768, 131072), out_dir: Optional[Path] = R
     return _write_results(rows, out_dir, "-block_mask", BLOCK_MASK_COLUMNS)
 
 
-ATTENTION_COLUMNS = ["mask", "shape", "pass", "flexlite_ms", "flexlite_graph_ms", "torch_flex_ms",
-                     "torch_flex_graph_ms", "speedup_vs_torch_flex", "tuned_speedup_vs_torch_flex", "flexlite_tflops",
-                     "torch_flex_tflops", "sdpa_cudnn_tflops", "sdpa_flash_tflops", "max_err_vs_fp64"]
+ATTENTION_COLUMNS = ["mask", "shape", "pass", "flexlite_ms", "flexlite_graph_ms", "flexlite_host_us",
+                     "torch_flex_ms", "torch_flex_graph_ms", "torch_flex_host_us", "speedup_vs_torch_flex",
+                     "tuned_speedup_vs_torch_flex", "flexlite_tflops", "torch_flex_tflops", "sdpa_cudnn_tflops",
+                     "sdpa_flash_tflops", "max_err_vs_fp64"]
 DECODE_COLUMNS = ["mask", "shape", "flexlite_ms", "sdpa_ms", "torch_flex_ms", "speedup_vs_sdpa",
                   "speedup_vs_torch_flex", "flexlite_graph_ms", "sdpa_graph_ms", "graph_speedup_vs_sdpa",
                   "flexlite_pct_of_copy_bw", "flexlite_graph_pct_of_copy_bw", "max_err_vs_fp64"]

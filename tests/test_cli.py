@@ -138,6 +138,24 @@ def test_bench_times_in_rounds_of_alternating_order(monkeypatch):
             bench.time_rounds({}, bad)
 
 
+def test_bench_host_us_times_the_calls_between_two_syncs(monkeypatch):
+    """bench.host_us: one call before the first sync (a compile is not timed), ``calls`` calls timed between syncs,
+    the time per call in us."""
+    from types import SimpleNamespace
+
+    import flexlite.bench as bench
+    events = []
+    clock = iter([10.0, 10.5])  # perf_counter before and after the timed calls: 0.5 s for 4 calls
+
+    def fake_perf_counter():
+        events.append("clock")
+        return next(clock)
+    monkeypatch.setattr(bench, "time", SimpleNamespace(perf_counter=fake_perf_counter))
+    us = bench.host_us(lambda: events.append("call"), calls=4, sync=lambda: events.append("sync"))
+    assert us == 125000.0
+    assert events == ["call", "sync", "clock", "call", "call", "call", "call", "clock", "sync"]
+
+
 def test_bench_refuses_fewer_than_one_round(capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "--rounds", "0"])
