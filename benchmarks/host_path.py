@@ -1,6 +1,7 @@
 """Host time of one flex_attention call with its kernel launch stubbed out: what validation, dispatch and the guards
-cost per call, where a decoding step (~0.1 ms on the GPU) can be host-bound (NOTES 17, 19, 59). Runs anywhere (CPU
-tensors; the decode kernel's launch replaced by a function returning preallocated outputs).
+cost per call, where a decoding step (~0.1 ms on the GPU) can be host-bound (NOTES 17, 19, 59), and a training
+forward (softcap + a document mask, q / k / v requiring grad; NOTES 66). Runs anywhere (CPU tensors; the kernels'
+launches replaced by functions returning preallocated outputs).
 
 Usage: python benchmarks/host_path.py [calls]   (from a checkout: PYTHONPATH=<checkout> to time that version)"""
 
@@ -32,13 +33,22 @@ def main():
     parts = {"flex_attention": lambda: flexlite.flex_attention(q, k, v, block_mask=bm, enable_gqa=True),
              "_validate": lambda: api._validate(q, k, v, None, bm, None, True, None),
              "_forward": lambda: api._forward(q, k, v, None, bm, 0.125, None)}
+    # a training forward: softcap + a causal document mask, B1 H2 L2048 D128 bf16, q / k / v requiring grad
+    from flexlite.masks import generate_causal_document_mask
+    from flexlite.mods import generate_tanh_softcap
+    softcap = generate_tanh_softcap(30.0)
+    doc = flexlite.create_block_mask(generate_causal_document_mask([256] * 8), None, None, 2048, 2048, device="cpu")
+    tq, tk, tv = (torch.randn(1, 2, 2048, 128, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    t_out, t_lse = torch.zeros(1, 2, 2048, 128, dtype=torch.bfloat16), torch.zeros(1, 2, 2048)
+    api.launch_forward = (lambda *a, **kw: (t_out, t_lse, None)) if triple else (lambda *a, **kw: (t_out, t_lse))
+    parts["training forward"] = lambda: flexlite.flex_attention(tq, tk, tv, score_mod=softcap, block_mask=doc)
     print(f"flexlite at {os.path.dirname(flexlite.__file__)}")
     for name, fn in parts.items():
         fn()
         start = time.perf_counter()
         for _ in range(calls):
             fn()
-        print(f"{name:15s} {(time.perf_counter() - start) / calls * 1e6:6.1f} us per call")
+        print(f"{name:16s} {(time.perf_counter() - start) / calls * 1e6:6.1f} us per call")
 
 
 if __name__ == "__main__":
