@@ -296,7 +296,10 @@ def run(masks: list, shapes: list, passes: tuple = ("fwd",), dtype=torch.bfloat1
                                 row[f"{impl}_graph_ms"] = graph_ms(impls[impl])
                             except RuntimeError as e:  # a capture that fails: recorded, not fatal
                                 row[f"{impl}_graph_error"] = _first_line(e)
-                            row[f"{impl}_host_us"] = host_us(impls[impl], calls=20)
+                            try:
+                                row[f"{impl}_host_us"] = host_us(impls[impl], calls=20)
+                            except RuntimeError as e:  # recorded, not fatal, as above
+                                row[f"{impl}_host_error"] = _first_line(e)
                 if "torch_flex_ms" in row:
                     row["speedup_vs_torch_flex"] = round(row["torch_flex_ms"] / row["flexlite_ms"], 3)
                     if "flexlite_tuned_ms" in row:
