@@ -71,7 +71,7 @@ def _compiled_lang_helpers() -> list:
 @contextlib.contextmanager
 def offline_cuda(capability: int = 90, compiled_launches: bool = False):
     """Kernel launches inside compile for ``sm_<capability>`` and return the compiled kernel without running: each
-    through Triton's launch (launch.compiled_launch would launch a kernel it has seen directly), or with
+    through Triton's launch (launch.COMPILED_LAUNCHES off: a compiled launch would run a kernel it has seen), or with
     ``compiled_launches`` through flexlite's, on device 0 and stream 0 (the caller stubs their driver calls)."""
     compiled = []
     run = JITFunction.run
@@ -84,7 +84,7 @@ def offline_cuda(capability: int = 90, compiled_launches: bool = False):
         return kernel
 
     saved = (launch.tma_ok, launch._ensure_allocator, launch.interpreter_scope, launch._device_facts,
-             launch.compiled_launch, launch._current_device_and_stream)
+             launch.COMPILED_LAUNCHES, launch._current_device_and_stream)
     active = triton.runtime.driver._active  # None until a driver is asked for (reset_active would create one)
     triton.runtime.driver.set_active(_OfflineDriver(GPUTarget("cuda", capability, 32)))
     JITFunction.run = compile_only
@@ -92,10 +92,9 @@ def offline_cuda(capability: int = 90, compiled_launches: bool = False):
     launch._ensure_allocator = lambda: None
     launch.interpreter_scope = lambda interpret: contextlib.nullcontext()
     launch._device_facts = lambda device: (132, capability // 10)  # (persistent grids: as on an H100 / H200)
+    launch.COMPILED_LAUNCHES = compiled_launches
     if compiled_launches:
         launch._current_device_and_stream = lambda: (0, 0)
-    else:
-        launch.compiled_launch = lambda kernel, kwargs: lambda grid, args: kernel[grid](*args, **kwargs)
     os.environ["TRITON_INTERPRET"] = "0"
     for mod, name, _, jit in helpers:
         setattr(mod, name, jit)
@@ -110,7 +109,7 @@ def offline_cuda(capability: int = 90, compiled_launches: bool = False):
             os.environ["TRITON_INTERPRET"] = interpret
         JITFunction.run = run
         (launch.tma_ok, launch._ensure_allocator, launch.interpreter_scope, launch._device_facts,
-         launch.compiled_launch, launch._current_device_and_stream) = saved
+         launch.COMPILED_LAUNCHES, launch._current_device_and_stream) = saved
         triton.runtime.driver._active = active
 
 

@@ -257,6 +257,20 @@ def test_compiled_launch_builds_launch_metadata_only_for_launch_hooks(monkeypatc
     assert compiled.hooks[-1] == ({"grid": (3,)}, chain, None)
 
 
+def test_compiled_launches_off_sends_every_launch_through_triton(monkeypatch):
+    from flexlite.runtime import launch as launch_module
+    from flexlite.runtime.launch import CompiledLaunch
+
+    monkeypatch.setattr(launch_module, "_current_device_and_stream", lambda: (0, 0))
+    monkeypatch.setattr(launch_module, "COMPILED_LAUNCHES", False)
+    kernel = _JitKernel()
+    launch = CompiledLaunch(kernel, {"BLOCK": 64})
+    x = torch.zeros(64)
+    for _ in range(3):
+        launch((1,), (x, 32))
+    assert kernel.triton_launches == 3 and all(c.runs == [] for c in kernel.compiles)
+
+
 def test_compiled_launch_leaves_interpreted_or_unusual_kernels_to_triton():
     from flexlite.runtime.launch import CompiledLaunch
 

@@ -560,6 +560,12 @@ def decode_splits(programs: int, tiles: int, sms: int, waves: int) -> int:
     return max(range(max(1, (3 * want) // 4), want + 1), key=lambda s: (round(fill(s), 2), s))
 
 
+# launches of a kernel seen before through its compiled kernel (CompiledLaunch, compiled_launch: without Triton's
+# per-call binding; a forward call's host time about a quarter shorter, NOTES 66); False: every launch through
+# Triton's own (JITFunction.run)
+COMPILED_LAUNCHES = True
+
+
 class CompiledLaunch:
     """``kernel[grid](*args, **kwargs)`` for repeated launches with one ``kwargs`` (constexprs and options),
     through the compiled kernel that Triton returned for the same arguments, without JITFunction.run's
@@ -586,7 +592,7 @@ class CompiledLaunch:
         self.compiled: dict = {}
 
     def __call__(self, grid: tuple, args: tuple):
-        if not self.direct:
+        if not (self.direct and COMPILED_LAUNCHES):
             self.kernel[grid](*args, **self.kwargs)
             return
         # the current device too: Triton loads a compiled kernel per device and launches on the current one
