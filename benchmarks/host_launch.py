@@ -32,11 +32,14 @@ from flexlite.runtime.compile import load_module  # noqa: E402
 
 
 class _NoDriverCall(dict):
-    """A compiled launch's kernels, each kept with a no-op driver call."""
+    """A compiled launch's kernels, each kept with a no-op driver call, its host descriptors' tensor maps each
+    expanded once per address, shape and strides as on a GPU (without the encoding, which needs the driver)."""
 
-    def __setitem__(self, key, ck):
-        super().__setitem__(key, SimpleNamespace(run=lambda *a: None, function=None, packed_metadata=None,
-                                                 launch_metadata=lambda *a: None))
+    def __setitem__(self, key, direct):
+        noop = lambda *a: None  # noqa: E731
+        direct.ck = SimpleNamespace(run=noop, function=None, packed_metadata=None, launch_metadata=noop)
+        direct.raw, direct.metas, direct.coop, direct.pdl = noop, [None] * 8, False, False
+        super().__setitem__(key, direct)
 
 
 def stub_drivers():

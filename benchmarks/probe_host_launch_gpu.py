@@ -1,5 +1,6 @@
 """GPU probe: host time per call with the kernels launched through Triton's launch path (JITFunction.run) against
-flexlite's compiled launches (launch.COMPILED_LAUNCHES off and on), in one process, rounds alternating (the GPU
+flexlite's compiled launches (launch.COMPILED_LAUNCHES off and on; on, with launch.CACHED_TENSOR_MAPS off and on: NOTES
+67), in one process, rounds alternating (the GPU
 host's CPU speed moves from minute to minute: NOTES 65). The harness's document mask at a small shape (B1 H16 S2048, bf16, q / k / v
 requiring grad), so that the GPU finishes before the host's next call: host time = calls back to back without waiting
 for the GPU. Rows: the forward alone, and a training step (forward and backward). Checks one step against the
@@ -39,11 +40,12 @@ def main():
         err = (out.double() - ref).abs().max().item()
         assert err < 0.05, f"D{D}: max abs error {err} against the reference"
         for r in range(rounds):
-            for mode in ("triton", "compiled"):
-                launch.COMPILED_LAUNCHES = mode == "compiled"
+            for mode in ("triton", "compiled", "compiled, maps kept"):
+                launch.COMPILED_LAUNCHES = mode != "triton"
+                launch.CACHED_TENSOR_MAPS = mode == "compiled, maps kept"
                 rows.append([f"D{D}", r, mode, f"{host_us(forward, 200):.0f}", f"{host_us(step, 100):.0f}"])
                 print(rows[-1], flush=True)
-    launch.COMPILED_LAUNCHES = True
+    launch.COMPILED_LAUNCHES = launch.CACHED_TENSOR_MAPS = True
     print(tabulate(rows, headers=["head dim", "round", "launches", "forward (us a call)", "training step (us)"],
                    tablefmt="github"))
 

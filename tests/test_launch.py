@@ -193,6 +193,103 @@ def test_compiled_launch_keys_host_descriptors_by_what_triton_specializes(monkey
     assert kernel.triton_launches == 5
 
 
+class _DescLauncher:
+    """Stands in for Triton 3.6's CudaLauncher of a kernel with host descriptors: ``launch`` is driver.py's own
+    wrapper that expands each descriptor (make_tensordesc_arg) around the compiled launcher, here a recorder."""
+
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid = launch_pdl = False
+
+    def __init__(self, signature, metas):
+        from triton.backends.nvidia.driver import wrap_handle_tensordesc
+        self.received = []
+        self.launch = wrap_handle_tensordesc(lambda *args: self.received.append(args), signature, metas)
+
+    def __call__(self, g0, g1, g2, stream, function, *args):  # as CudaLauncher.__call__ with no scratch
+        self.launch(g0, g1, g2, stream, function, False, False, None, None, *args)
+
+
+class _DescKernel(_JitKernel):
+    """A kernel stand-in (DESC, N runtime, BLOCK constexpr) whose compiled kernels launch through _DescLauncher."""
+
+    params = [_Param("DESC", False), _Param("N", False), _Param("BLOCK", True)]
+    signature = {"DESC": "tensordesc<bf16[64, 32]>", "N": "i32", "BLOCK": "constexpr"}
+
+    def __init__(self, metas):
+        super().__init__()
+        self.metas = metas
+
+    def __getitem__(self, grid):
+        from types import SimpleNamespace
+
+        def launch(*args, **kwargs):
+            self.triton_launches += 1
+            self.compiles.append(SimpleNamespace(
+                run=_DescLauncher(self.signature, self.metas), function="fn", packed_metadata="meta",
+                metadata=SimpleNamespace(tensordesc_meta=self.metas), triton_args=args,
+                launch_metadata=lambda grid, stream, *args: {"grid": grid, "desc": type(args[0]).__name__}))
+            return self.compiles[-1]
+        return launch
+
+
+@pytest.mark.parametrize("variant", ["maps kept", "scratch memory", "CACHED_TENSOR_MAPS off"])
+def test_rows_descriptors_reach_the_launcher_as_tritons_wrapper_expands_them(monkeypatch, variant):
+    """A RowsDescriptor goes to Triton's launch as Gluon's TensorDescriptor of the tensor's rows; launched directly,
+    the compiled launcher gets what Triton's own descriptor wrapper would hand it (same arguments, in the same
+    places), with each tensor map encoded once per address, shape and strides, and again for another. A kernel that
+    needs scratch memory, or any with launch.CACHED_TENSOR_MAPS off, launches through Triton's launcher (the wrapper
+    encoding at every launch)."""
+    from triton.backends.nvidia import driver
+
+    from flexlite.runtime import launch as launch_module
+    from flexlite.runtime.launch import CompiledLaunch, RowsDescriptor, _ws_smem_layout
+
+    monkeypatch.setattr(launch_module, "_current_device_and_stream", lambda: (0, 7))
+    encoded = []
+
+    def encode(desc, meta):  # stands in for the driver's cuTensorMapEncodeTiled
+        encoded.append((desc.base.data_ptr(), tuple(desc.shape)))
+        return [("map", desc.base.data_ptr(), tuple(desc.shape), tuple(desc.strides), tuple(desc.block_shape),
+                 meta), *desc.shape, *desc.strides]
+    monkeypatch.setattr(driver, "make_tensordesc_arg", encode)
+    kernel = _DescKernel([{"swizzle": 3}])
+    layout = _ws_smem_layout(64, 32, torch.bfloat16)
+    x, y = torch.randn(2, 4, 64, 32).bfloat16(), torch.randn(2, 2, 128, 32).bfloat16()
+    monkeypatch.setattr(_DescLauncher, "global_scratch_size", 256 if variant == "scratch memory" else 0)
+    monkeypatch.setattr(launch_module, "CACHED_TENSOR_MAPS", variant != "CACHED_TENSOR_MAPS off")
+    launch = CompiledLaunch(kernel, {"BLOCK": 64})
+    launch((1,), (RowsDescriptor(x, (64, 32), layout), 8))  # Triton's launch: a TensorDescriptor of x's rows
+    made = kernel.compiles[0].triton_args[0]
+    assert (made.base.data_ptr(), list(made.shape), list(made.strides), list(made.block_shape), made.layout) == (
+        x.data_ptr(), [512, 32], [32, 1], [64, 32], layout)
+    run, ours = kernel.compiles[0].run, []
+    for t in (x, x, y, x):
+        before = len(encoded)
+        launch((3, 2), (RowsDescriptor(t, (64, 32), layout), 8))
+        ours.append(encoded[before:])
+        want = len(run.received)
+        run(3, 2, 1, 7, "fn", "meta", None, None, None, RowsDescriptor(t, (64, 32), layout).make(), 8, 64)
+        assert run.received[want] == run.received[want - 1]  # Triton's wrapper and the direct launch agree
+    assert kernel.triton_launches == 1
+    assert run.received[0][:13] == (3, 2, 1, 7, "fn", False, False, None, None, "meta", None, None, None)
+    assert run.received[0][13:] == (("map", x.data_ptr(), (512, 32), (32, 1), (64, 32), {"swizzle": 3}),
+                                    512, 32, 32, 1, 8, 64)
+    assert ours == ([[(x.data_ptr(), (512, 32))], [], [(y.data_ptr(), (512, 32))], []] if variant == "maps kept"
+                    else [[(t.data_ptr(), (512, 32))] for t in (x, x, y, x)])
+    from triton import knobs
+    chain = knobs.runtime.launch_enter_hook
+
+    def hook(meta):
+        pass
+    chain.add(hook)  # a launch hook: the made descriptors through Triton's launcher, for its launch metadata
+    try:
+        launch((3, 2), (RowsDescriptor(y, (64, 32), layout), 8))
+    finally:
+        chain.remove(hook)
+    assert run.received[-1][10] == {"grid": (3, 2), "desc": "TensorDescriptor"} and run.received[-1][11] is chain
+    assert run.received[-1][13:] == run.received[4][13:]  # (y's first direct launch)
+
+
 def test_compiled_launch_is_one_per_kernel_and_kwargs(monkeypatch):
     from flexlite.runtime import launch as launch_module
     from flexlite.runtime.launch import compiled_launch

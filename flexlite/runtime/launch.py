@@ -7,7 +7,7 @@ import dataclasses
 import functools
 import math
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -392,8 +392,7 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
     tiles = WS_TILES[D]
     host_desc = ws_host_descriptors(q, k, v, sparse_block)
     if host_desc:  # over [Z * H * LEN, D] views: a head's tiles never cross into the next head's rows
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-        descs = [TensorDescriptor.from_tensor(t.view(-1, D), [rows, D], _ws_smem_layout(rows, D, q.dtype))
+        descs = [RowsDescriptor(t, (rows, D), _ws_smem_layout(rows, D, q.dtype))
                  for t, rows in ((q, WS_BLOCK_M // 2), (k, tiles["BLOCK_N"]), (v, tiles["BLOCK_N"]),
                                  (out, WS_BLOCK_M // 2))]
     else:
@@ -503,16 +502,15 @@ def _launch_dkdv_ws(module, mod_args: list, grad_args: list, q, k, v, grad_out, 
     """Run ``module.flex_bwd_ws_dkdv_kernel`` (the inputs must pass :func:`ws_backward_unmet`) into dk, dv, and
     with ``dq_acc`` (a zeroed fp32 tensor shaped as q) add dQ into it as well; ``persistent``: a program per SM
     (:data:`WS_BWD_PERSISTENT`) instead of one per key block."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     B, Hq, Lq, D = q.shape
     Hkv, Lkv = k.shape[1], k.shape[2]
     tiles = WS_BWD_TILES[D]
     half = WS_BWD_BLOCK_N // 2
-    descs = [TensorDescriptor.from_tensor(t.view(-1, D), [rows, D], _ws_smem_layout(rows, D, q.dtype))
+    descs = [RowsDescriptor(t, (rows, D), _ws_smem_layout(rows, D, q.dtype))
              for t, rows in ((q, tiles["BLOCK_M"]), (k, half), (v, half), (grad_out.contiguous(), tiles["BLOCK_M"]))]
     if dq_acc is not None:  # a warpgroup's dQ tile: half the columns of BLOCK_M rows
-        descs.append(TensorDescriptor.from_tensor(dq_acc.view(-1, D), [tiles["BLOCK_M"], D // 2],
-                                                  _ws_smem_layout(tiles["BLOCK_M"], D // 2, torch.float32)))
+        descs.append(RowsDescriptor(dq_acc, (tiles["BLOCK_M"], D // 2),
+                                    _ws_smem_layout(tiles["BLOCK_M"], D // 2, torch.float32)))
     else:
         descs.append(descs[0])  # unused
     work = Lkv // WS_BWD_BLOCK_N * B * Hkv  # key blocks, each a work item (bws_work)
@@ -564,6 +562,32 @@ def decode_splits(programs: int, tiles: int, sms: int, waves: int) -> int:
 # per-call binding; a forward call's host time about a quarter shorter, NOTES 66); False: every launch through
 # Triton's own (JITFunction.run)
 COMPILED_LAUNCHES = True
+# a direct launch passes each RowsDescriptor as the tensor map Triton's launcher would encode from it, kept per
+# address, shape and strides (NOTES 67); False: the descriptor made and its tensor map encoded at every launch
+CACHED_TENSOR_MAPS = True
+
+
+class RowsDescriptor(NamedTuple):
+    """A host tensor descriptor (Gluon's) over a contiguous tensor's rows, ``tensor.view(-1, tensor.shape[-1])``,
+    with this block shape and shared layout: a kernel argument to :class:`CompiledLaunch`, which makes Gluon's
+    TensorDescriptor of it where Triton launches, and where it launches directly passes the tensor map that Triton's
+    launcher would encode from that descriptor, encoded once per address, shape and strides (building the descriptor
+    and encoding its tensor map at every call was a fifth of a forward call's host time: NOTES 67)."""
+
+    tensor: torch.Tensor
+    block_shape: tuple
+    layout: object
+
+    def make(self):
+        """Gluon's TensorDescriptor of it."""
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+        return TensorDescriptor.from_tensor(self.tensor.view(-1, self.tensor.shape[-1]), list(self.block_shape),
+                                            self.layout)
+
+
+def _made(args) -> list:
+    """``args`` with each :class:`RowsDescriptor` made into its TensorDescriptor (what Triton's launch takes)."""
+    return [a.make() if a.__class__ is RowsDescriptor else a for a in args]
 
 
 class CompiledLaunch:
@@ -576,7 +600,8 @@ class CompiledLaunch:
     A compiled kernel is reused only for arguments equal in every int, of the same kinds otherwise, with
     tensors of the same dtype and address modulo 256 and host tensor descriptors of the same dtype, block shape and
     layout: at least as fine as what Triton specializes on (ints equal to 1 or divisible by 16, 16-byte aligned
-    pointers, a descriptor's type), so it was compiled for these very properties.
+    pointers, a descriptor's type), so it was compiled for these very properties. :class:`RowsDescriptor` arguments
+    go to Triton's launcher as the tensor maps it would encode from them (:class:`_Direct`).
     Anything new goes through Triton's own launch first; what Triton reads from its knobs at a launch (debug,
     instrumentation) is then that first launch's. Written against Triton 3.6's launcher; with another
     Triton, or a kernel whose constexpr parameters are not all after the others, every launch is Triton's."""
@@ -589,23 +614,27 @@ class CompiledLaunch:
         self.direct = bool(params) and triton.__version__.startswith("3.6.") and all(
             p.is_constexpr == (i >= len(runtime)) for i, p in enumerate(params)) and all(
             p.name in kwargs for p in params if p.is_constexpr)
-        self.compiled: dict = {}
+        self.compiled: dict = {}  # the arguments' properties -> _Direct
 
     def __call__(self, grid: tuple, args: tuple):
         if not (self.direct and COMPILED_LAUNCHES):
-            self.kernel[grid](*args, **self.kwargs)
+            self.kernel[grid](*_made(args), **self.kwargs)
             return
         # the current device too: Triton loads a compiled kernel per device and launches on the current one
         device, stream = _current_device_and_stream()
         # per argument: an int's value, a tensor's dtype and address mod 256, a float's kind, anything else's type
         # and value; tensors go to the launcher as their addresses (an int skips its data_ptr() call and driver
         # pointer query). Ints first: most arguments are (strides, lengths)
-        key, flat = [device], []
+        key, flat, rows = [device], [], []
         add_key, add_arg = key.append, flat.append
         for a in args:
             cls = a.__class__
             if cls is int:
                 add_key(a)
+                add_arg(a)
+            elif cls is RowsDescriptor:  # as Triton specializes a host descriptor: dtype, block shape, layout
+                add_key((cls, a.tensor.dtype, a.block_shape, a.layout))
+                rows.append(len(flat))
                 add_arg(a)
             elif isinstance(a, torch.Tensor):
                 ptr = a.data_ptr()
@@ -622,18 +651,62 @@ class CompiledLaunch:
                     add_key((cls, a))
                 add_arg(a)
         key = tuple(key)
-        ck = self.compiled.get(key)
-        if ck is None:
-            ck = self.kernel[grid](*args, **self.kwargs)
+        direct = self.compiled.get(key)
+        if direct is None:
+            ck = self.kernel[grid](*_made(args), **self.kwargs)
             if len(self.compiled) < 64:
-                self.compiled[key] = ck.result() if hasattr(ck, "result") else ck
+                self.compiled[key] = _Direct(ck.result() if hasattr(ck, "result") else ck)
             return
+        ck = direct.ck
         hooks = _triton_knobs.runtime
         enter, leave = _hook(hooks.launch_enter_hook), _hook(hooks.launch_exit_hook)
+        grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        if rows and CACHED_TENSOR_MAPS and direct.raw is not None and enter is None and leave is None:
+            for i in reversed(range(len(rows))):  # each descriptor as the tensor map and sizes it expands to
+                at = rows[i]
+                flat[at:at + 1] = direct.tensor_map(i, flat[at])
+            direct.raw(*grid3, stream, ck.function, direct.coop, direct.pdl, None, None, ck.packed_metadata, None,
+                       None, None, *flat, *self.tail)
+            return
+        if rows:
+            flat = _made(flat)
         # as JITFunction.run: launch hooks see the launch metadata (with the tensors, as Triton's launch would)
-        meta = None if enter is None and leave is None else ck.launch_metadata(grid, stream, *args, *self.tail)
-        ck.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, ck.function,
-               ck.packed_metadata, meta, enter, leave, *flat, *self.tail)
+        meta = None if enter is None and leave is None else ck.launch_metadata(grid, stream, *_made(args), *self.tail)
+        ck.run(*grid3, stream, ck.function, ck.packed_metadata, meta, enter, leave, *flat, *self.tail)
+
+
+class _Direct:
+    """A compiled kernel as :class:`CompiledLaunch` launches it directly. With host tensor descriptors, Triton 3.6's
+    launcher (``ck.run``) wraps the compiled launcher in a function that encodes each descriptor's tensor map
+    (cuTensorMapEncodeTiled) and expands it into the map, shape and strides at every launch; ``raw`` is the launcher
+    under that wrapper (None: no wrapper, a kernel that needs scratch memory, or a launcher not as Triton 3.6 builds
+    it), and ``maps`` the expansions made, per descriptor argument, address, shape and strides (a tensor map holds
+    those alone: memory freed and allocated again at an address gets the same map)."""
+
+    MAX_MAPS = 1024  # expansions kept per kernel before they are dropped (a training loop cycles through a few)
+
+    def __init__(self, ck):
+        self.ck, self.raw, self.metas, self.maps = ck, None, None, {}
+        run = getattr(ck, "run", None)
+        inner = getattr(run, "launch", None)
+        code = getattr(inner, "__code__", None)
+        metas = getattr(getattr(ck, "metadata", None), "tensordesc_meta", None)
+        if (code is not None and "launcher" in code.co_freevars and metas and all(metas)
+                and run.global_scratch_size == 0 and run.profile_scratch_size == 0):
+            self.raw = inner.__closure__[code.co_freevars.index("launcher")].cell_contents
+            self.metas, self.coop, self.pdl = list(metas), run.launch_cooperative_grid, run.launch_pdl
+
+    def tensor_map(self, i: int, desc: RowsDescriptor) -> list:
+        """The ``i``-th descriptor argument as Triton's launcher expands it (driver.make_tensordesc_arg)."""
+        t = desc.tensor
+        key = (i, t.data_ptr(), t.shape, t.stride())
+        expanded = self.maps.get(key)
+        if expanded is None:
+            from triton.backends.nvidia.driver import make_tensordesc_arg
+            if len(self.maps) >= self.MAX_MAPS:
+                self.maps.clear()
+            expanded = self.maps[key] = make_tensordesc_arg(desc.make(), self.metas[i])
+        return expanded
 
 
 def _hook(hook):
