@@ -1,12 +1,14 @@
 """Host time of the warp-specialized kernels' launches on a machine without a GPU: Triton's launch (JITFunction.run:
 binding, specialization, cache key) against flexlite's compiled launch (launch.compiled_launch: the compiled kernel
-looked up by the arguments' properties), both without the launcher's own work (encoding the tensor maps, the driver
-call), which is the same for both (NOTES 66).
+looked up by the arguments' properties), both without the driver call (NOTES 66).
 
 The kernels are compiled for sm_90a offline (benchmarks/offline_compile.py), then each launcher is called back to
 back: `launch_forward_ws` whole (its descriptors and outputs included) and the dK / dV kernel's `_launch_dkdv_ws`.
 Triton's launch stops at its warmup return (kernel found, nothing launched); the compiled launch's driver call is
-replaced by a no-op. Times nothing on a GPU: the GPU host's CPU is slower and moves (NOTES 65).
+replaced by a no-op, its host descriptors expanded once per address, shape and strides as on a GPU but without the
+encoding (which needs the driver; NOTES 67). CPU tensors get a new address at almost every allocation, so the
+forward's output descriptor is expanded at every call here, where the CUDA caching allocator hands the same block
+back. Times nothing on a GPU: the GPU host's CPU is slower and moves (NOTES 65).
 
 Usage: python benchmarks/host_launch.py [calls]   (from the checkout; TRITON_CACHE_DIR keeps the compiles)"""
 
