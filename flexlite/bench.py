@@ -191,13 +191,19 @@ def _timed(forward: Callable, pass_: str) -> Callable:
 
 
 def _git_commit() -> str:
+    """The commit the results are of: ``FLEXLITE_COMMIT`` where set, else the checkout's HEAD, with ``+dirty`` where
+    tracked files differ from it (a tree copied over a stale .git, as on the device machine, is labelled so rather
+    than as HEAD: NOTES 68)."""
     if os.environ.get("FLEXLITE_COMMIT"):  # set where the checkout has no (or a stale) .git, as on the device
         return os.environ["FLEXLITE_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                 text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("FLEXLITE_COMMIT", "unknown")
+        return "unknown"
+    return f"{head}+dirty" if changed else head
 
 
 def check_against_reference(case: MaskCase, D: int, device, dtype=torch.bfloat16, backward: bool = False,

@@ -115,6 +115,32 @@ def test_bench_markdown_table_leaves_out_columns_no_row_has():
     assert len(table.splitlines()) == 6  # header line, blank, column names, rule, two rows
 
 
+def test_bench_commit_label_says_when_the_tree_is_not_its_commit(tmp_path, monkeypatch):
+    """Results carry HEAD, HEAD+dirty where tracked files differ from it (a tree copied over a stale .git),
+    FLEXLITE_COMMIT where set, and 'unknown' outside a git checkout."""
+    import subprocess
+
+    from flexlite.bench import _git_commit
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
+                              capture_output=True, text=True, check=True).stdout.strip()
+    monkeypatch.delenv("FLEXLITE_COMMIT", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert _git_commit() == "unknown"
+    git("init", "-q")
+    (tmp_path / "kernel.py").write_text("a = 1\n")
+    git("add", "kernel.py")
+    git("commit", "-qm", "first")
+    head = git("rev-parse", "--short", "HEAD")
+    (tmp_path / "probe.sh").write_text("untracked\n")
+    assert _git_commit() == head
+    (tmp_path / "kernel.py").write_text("a = 2\n")
+    assert _git_commit() == f"{head}+dirty"
+    monkeypatch.setenv("FLEXLITE_COMMIT", "abc1234")
+    assert _git_commit() == "abc1234"
+
+
 def test_bench_times_in_rounds_of_alternating_order(monkeypatch):
     """The harness's timings (bench.time_rounds): each implementation once per round, the order reversed every other
     round; one that raises is recorded by its error's first line and not timed again."""
