@@ -215,9 +215,13 @@ class _DescKernel(_JitKernel):
     params = [_Param("DESC", False), _Param("N", False), _Param("BLOCK", True)]
     signature = {"DESC": "tensordesc<bf16[64, 32]>", "N": "i32", "BLOCK": "constexpr"}
 
-    def __init__(self, metas):
+    def __init__(self, metas, second_desc: bool = False):
         super().__init__()
         self.metas = metas
+        if second_desc:  # a second descriptor parameter, after N
+            self.params = self.params[:2] + [_Param("DESC2", False), self.params[2]]
+            self.signature = {"DESC": self.signature["DESC"], "N": "i32", "DESC2": self.signature["DESC"],
+                              "BLOCK": "constexpr"}
 
     def __getitem__(self, grid):
         from types import SimpleNamespace
@@ -288,6 +292,32 @@ def test_rows_descriptors_reach_the_launcher_as_tritons_wrapper_expands_them(mon
         chain.remove(hook)
     assert run.received[-1][10] == {"grid": (3, 2), "desc": "TensorDescriptor"} and run.received[-1][11] is chain
     assert run.received[-1][13:] == run.received[4][13:]  # (y's first direct launch)
+
+
+def test_a_descriptor_not_a_rows_descriptor_sends_the_launch_through_tritons_launcher(monkeypatch):
+    """Expanded maps are passed only where every descriptor argument is a RowsDescriptor: beside another kind of
+    descriptor, Triton's launcher (its wrapper) expands them all, the RowsDescriptor made into Gluon's descriptor."""
+    from types import SimpleNamespace
+
+    from triton.backends.nvidia import driver
+
+    from flexlite.runtime import launch as launch_module
+    from flexlite.runtime.launch import CompiledLaunch, RowsDescriptor, _ws_smem_layout
+
+    monkeypatch.setattr(launch_module, "_current_device_and_stream", lambda: (0, 7))
+    monkeypatch.setattr(driver, "make_tensordesc_arg",
+                        lambda desc, meta: [("map", desc.base.data_ptr()), *desc.shape, *desc.strides])
+    kernel = _DescKernel([{"swizzle": 3}, {"swizzle": 3}], second_desc=True)
+    layout = _ws_smem_layout(64, 32, torch.bfloat16)
+    x, y = torch.randn(256, 32).bfloat16(), torch.randn(128, 32).bfloat16()
+    other = SimpleNamespace(base=y, shape=[128, 32], strides=[32, 1], block_shape=[64, 32], layout=layout,
+                            padding="zero")
+    launch = CompiledLaunch(kernel, {"BLOCK": 64})
+    for _ in range(2):
+        launch((1,), (RowsDescriptor(x, (64, 32), layout), 8, other))
+    assert kernel.triton_launches == 1
+    assert kernel.compiles[0].run.received[-1][13:] == (("map", x.data_ptr()), 256, 32, 32, 1, 8,
+                                                        ("map", y.data_ptr()), 128, 32, 32, 1, 64)
 
 
 def test_compiled_launch_is_one_per_kernel_and_kwargs(monkeypatch):

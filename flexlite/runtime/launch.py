@@ -661,7 +661,8 @@ class CompiledLaunch:
         hooks = _triton_knobs.runtime
         enter, leave = _hook(hooks.launch_enter_hook), _hook(hooks.launch_exit_hook)
         grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-        if rows and CACHED_TENSOR_MAPS and direct.raw is not None and enter is None and leave is None:
+        if (rows and CACHED_TENSOR_MAPS and direct.raw is not None and len(rows) == len(direct.metas)
+                and enter is None and leave is None):  # (every descriptor argument a RowsDescriptor)
             for i in reversed(range(len(rows))):  # each descriptor as the tensor map and sizes it expands to
                 at = rows[i]
                 flat[at:at + 1] = direct.tensor_map(i, flat[at])
