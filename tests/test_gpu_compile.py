@@ -36,10 +36,27 @@ def _offline():
     return module
 
 
-def _facts(kernel, offline) -> dict:
-    """What the tests check of a compiled kernel: its name, PTX markers and ptxas's report."""
+def _count_rows_descriptors() -> dict:
+    """From now on in this (fresh) process: per kernel name, the launch.RowsDescriptor arguments of its last launch."""
+    counts = {}
+    call = launch.CompiledLaunch.__call__
+
+    def counting(self, grid, args):
+        counts[self.kernel.fn.__name__] = sum(a.__class__ is launch.RowsDescriptor for a in args)
+        return call(self, grid, args)
+    launch.CompiledLaunch.__call__ = counting
+    return counts
+
+
+def _facts(kernel, offline, rows_descriptors: dict = None) -> dict:
+    """What the tests check of a compiled kernel: its name, PTX markers and ptxas's report, and with
+    ``rows_descriptors`` (:func:`_count_rows_descriptors`) its host descriptor parameters against the
+    RowsDescriptors its launcher passes."""
     ptx = kernel.asm["ptx"]
-    return dict(name=kernel.name, report=offline.ptxas_report(ptx), shared=kernel.metadata.shared,
+    extra = {} if rows_descriptors is None else dict(
+        descriptor_params=len(getattr(kernel.metadata, "tensordesc_meta", None) or ()),
+        rows_descriptors=rows_descriptors.get(kernel.name))
+    return dict(extra, name=kernel.name, report=offline.ptxas_report(ptx), shared=kernel.metadata.shared,
                 llir_i1_vectors=kernel.asm["llir"].count("x i1>"),
                 ptx={marker: marker in ptx for marker in ("wgmma", "wgmma.mma_async", "cp.async.bulk.tensor",
                                                           "mbarrier", "setmaxnreg", "tensormap.replace",
@@ -131,9 +148,10 @@ def _compile_ws(case: str) -> dict:
     offline = _offline()
     launch.FOLD_SCORE_SCALES = "folded" in case  # (a fresh process per compile)
     launch.WS_FWD_BOUNDED_SOFTMAX = "bound" in case  # (the other softcap cases keep the running max)
+    rows = _count_rows_descriptors()
     kernel = offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads,
                                         max_scores="max_scores" in case)
-    facts = {**_facts(kernel, offline), "loops": offline.sass_loops(kernel),
+    facts = {**_facts(kernel, offline, rows), "loops": offline.sass_loops(kernel),
              "stores": kernel.asm["ptx"].count("st.global")}
     if "max_scores" in case:  # and the same kernel without: what storing the maxima costs
         plain = offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads)
@@ -171,6 +189,9 @@ def test_warp_specialized_forward_compiles_for_sm90(case):
     # descriptors: made on the host for contiguous inputs whose lengths are multiples of the tiles, else per
     # (z, head) on the device (tensormap.replace: the per-program set-up that host descriptors avoid)
     assert ptx["tensormap.replace"] == (Lq % 128 != 0 or Lkv % 128 != 0)
+    # every host descriptor parameter gets a RowsDescriptor, so that a direct launch passes their kept tensor maps
+    # (launch.CACHED_TENSOR_MAPS, NOTES 67): four with host descriptors, none without
+    assert facts["descriptor_params"] == facts["rows_descriptors"] == (0 if ptx["tensormap.replace"] else 4), facts
     assert 0 < facts["report"]["regs"] <= 255 and facts["report"]["HGMMA"] > 0
     # its K / V ring (three stages at D128) and Q / OUT staging fit in what a Hopper block may have (227 KB)
     assert facts["shared"] <= 232448
@@ -261,8 +282,9 @@ BACKWARD_WS = {
 def _compile_backward_ws(case: str) -> dict:
     score_mod, mask, D, heads, options = BACKWARD_WS[case]
     offline = _offline()
+    rows = _count_rows_descriptors()
     kernels = offline.compile_backward_ws(score_mod, _masks()[mask], D, L=L, heads=heads, **options)
-    return {name: _facts(kernel, offline) for name, kernel in kernels.items()}
+    return {name: _facts(kernel, offline, rows) for name, kernel in kernels.items()}
 
 
 @pytest.mark.parametrize("case", list(BACKWARD_WS))
@@ -278,6 +300,8 @@ def test_warp_specialized_backward_compiles_for_sm90(case):
     assert ptx["wgmma.mma_async"] and ptx["cp.async.bulk.tensor"] and ptx["mbarrier"] and ptx["setmaxnreg"]
     assert ptx["cp.reduce.async.bulk.tensor"] == fused_dq
     assert not ptx["tensormap.replace"]  # its descriptors are always made on the host
+    # Q, K, V, dO and the dQ buffer (Q's again where the dQ kernel runs), each a RowsDescriptor (NOTES 67)
+    assert facts["descriptor_params"] == facts["rows_descriptors"] == 5, facts
     # dK / dV stored in 16-byte vectors, a warp writing whole rows (bws_store_rows): not in 4-byte pieces straight from
     # the accumulator's layout, which cost 2-3 tiles' time per key block (NOTES 52)
     assert ptx["st.global.v4"] and not ptx["st.global.b32"]
