@@ -710,3 +710,67 @@ def test_max_scores_take_the_running_max(monkeypatch, max_scores):
         flex_attention(q, k, v, score_mod=generate_tanh_softcap(20.0, approx=True),
                        return_aux=AuxRequest(max_scores=max_scores))
     assert seen == [not max_scores, False]
+
+
+def test_poly_exp2_matches_exp2_where_the_forward_uses_it():
+    """codegen.exp2's polynomial (the lane launch.WS_FWD_POLY_EXP2 moves to the FMA pipes), step for step in fp32:
+    within 1.02e-4 of 2 ** x down to -126, 0 at -127 and below and at -inf (masked scores), NaN kept."""
+    from flexlite.codegen.exp2 import poly_exp2_reference
+
+    x = torch.cat([torch.linspace(-126.0, 0.0, 100_001), -torch.rand(10_000) * 126, torch.tensor([0.0, -0.5, -1.5])])
+    want = torch.exp2(x.double())
+    assert ((poly_exp2_reference(x).double() - want) / want).abs().max() < 1.02e-4
+    edges = torch.tensor([-127.0, -127.2, -300.0, float("-inf"), float("nan")])
+    got = poly_exp2_reference(edges)
+    assert torch.equal(got[:4], torch.zeros(4)) and torch.isnan(got[4])
+
+
+@pytest.mark.parametrize("one_in", [2, 4, 8])
+def test_poly_exp2_asm_computes_one_value_in_n_on_the_fma_pipes(one_in):
+    from flexlite.codegen.exp2 import poly_exp2_asm, poly_exp2_constraints
+
+    asm = poly_exp2_asm(one_in)
+    assert asm.count("ex2.approx.ftz.f32") == one_in - 1 and asm.count("fma.rn.f32") == 3
+    assert f"mul.rn.f32 ${one_in - 1}, p, s;" in asm and f"max.NaN.f32 x, ${2 * one_in - 1}," in asm
+    assert poly_exp2_constraints(one_in).split(",") == ["=r"] * one_in + ["r"] * one_in
+
+
+@pytest.mark.parametrize("bad", [1, 3, 0, "4"])
+def test_poly_exp2_takes_powers_of_two_of_at_least_two(monkeypatch, bad):
+    from flexlite.codegen.exp2 import poly_exp2_asm
+    from flexlite.mods import generate_tanh_softcap
+    from flexlite.runtime import launch
+
+    if isinstance(bad, int):
+        with pytest.raises(ValueError, match="one_in must be a power of two"):
+            poly_exp2_asm(bad)
+    monkeypatch.setattr(launch, "WS_FWD_POLY_EXP2", {64: bad})
+    with pytest.raises(TypeError, match="launch.WS_FWD_POLY_EXP2 must be a dict of head dim -> N"):
+        flexlite.kernel_source(generate_tanh_softcap(30.0, approx=True), device="cuda", kernel="forward_ws",
+                               dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("bounded", [True, False], ids=["softcap against its bound", "running max"])
+def test_the_gluon_forward_takes_p_exponentials_through_ws_exp2_where_asked(monkeypatch, bounded):
+    """launch.WS_FWD_POLY_EXP2 (off by default: the kernel's source is then what it was): head dim -> N renders
+    ws_exp2 (one of every N of P's exponentials by the polynomial), a constexpr N per head dim, and every P exp2
+    through it; the rescale's exp2 and the Triton kernels are untouched."""
+    from flexlite.mods import generate_tanh_softcap
+    from flexlite.runtime import launch
+
+    def source():
+        return flexlite.kernel_source(generate_tanh_softcap(30.0, approx=True), device="cuda", kernel="forward_ws",
+                                      dtype=torch.bfloat16 if bounded else torch.float16)
+    plain = source()
+    assert "ws_exp2" not in plain and "EXP2_ONE_IN" not in plain
+    monkeypatch.setattr(launch, "WS_FWD_POLY_EXP2", {64: 4, 128: 2})
+    poly = source()
+    assert "def ws_exp2(x, ONE_IN: gl.constexpr):" in poly and "pack=4)" in poly and "pack=2)" in poly
+    assert "EXP2_ONE_IN: gl.constexpr = (4 if D == 64 else 2 if D == 128 else 0)" in poly
+    assert "EXP2_ONE_IN: gl.constexpr = (4 if q.shape[1] == 64 else 2 if q.shape[1] == 128 else 0)" in poly
+    # (the running max's P: with and without a score_mod, constexpr branches)
+    assert poly.count("ws_exp2(s ") == (1 if bounded else 2) and "gl.exp2(s" not in poly
+    assert poly.count("EVEN_N, EXP2_ONE_IN)") == 3  # ws_softmax's three calls
+    assert ("alpha = gl.exp2(m_i - m_safe)" in poly) == (not bounded)
+    assert "ws_exp2" not in flexlite.kernel_source(generate_tanh_softcap(30.0, approx=True), device="cuda",
+                                                   kernel="forward", dtype=torch.bfloat16)

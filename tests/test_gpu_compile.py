@@ -138,6 +138,8 @@ FORWARD_WS = {
     "causal, softcap folded, against its bound, D128": (generate_tanh_softcap(30.0, approx=True), "causal", 128, L,
                                                         L, (2, 2)),
     "document, LLVM at O0 against Triton's O3, D128": (None, "document", 128, L, L, (2, 2)),
+    "causal, softcap against its cap, exp2 one in 4 on the FMA pipes, D64": (
+        generate_tanh_softcap(30.0, approx=True), "causal", 64, L, L, (2, 2)),
 }
 
 
@@ -147,12 +149,19 @@ def _compile_ws(case: str) -> dict:
     score_mod, mask, D, Lq, Lkv, heads = FORWARD_WS[case]
     offline = _offline()
     launch.FOLD_SCORE_SCALES = "folded" in case  # (a fresh process per compile)
-    launch.WS_FWD_BOUNDED_SOFTMAX = "bound" in case  # (the other softcap cases keep the running max)
+    # (the other softcap cases keep the running max)
+    launch.WS_FWD_BOUNDED_SOFTMAX = "bound" in case or "FMA pipes" in case
+    if "FMA pipes" in case:  # and the same kernel with every exponential on the SFU, compiled first
+        launch.WS_FWD_POLY_EXP2 = {}
+        sfu = offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads)
+        launch.WS_FWD_POLY_EXP2 = {D: 4}
     rows = _count_rows_descriptors()
     kernel = offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads,
                                         max_scores="max_scores" in case)
     facts = {**_facts(kernel, offline, rows), "loops": offline.sass_loops(kernel),
              "stores": kernel.asm["ptx"].count("st.global")}
+    if "FMA pipes" in case:
+        facts["sfu_loops"] = offline.sass_loops(sfu)
     if "max_scores" in case:  # and the same kernel without: what storing the maxima costs
         plain = offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads)
         facts.update(plain_loops=offline.sass_loops(plain), plain_stores=plain.asm["ptx"].count("st.global"))
@@ -231,6 +240,16 @@ def test_warp_specialized_forward_compiles_for_sm90(case):
         for i in tiles:
             assert loops[i]["MUFU"] == 128 and loops[i]["HGMMA"] == running[i]["HGMMA"] + 8, (loops[i], running[i])
             assert loops[i]["instructions"] < 0.85 * running[i]["instructions"], (loops[i], running[i])
+    if "FMA pipes" in case:
+        # launch.WS_FWD_POLY_EXP2 (off by default, NOTES 70): one of every 4 of P's exponentials by codegen.exp2's
+        # polynomial: each tile loop (64 exponentials per thread at D64, and 64 tanh) has 16 MUFU ops fewer and ~8
+        # instructions more per value moved (L 256: full-tile loops 395 -> 524), without spilling
+        loops, sfu = facts["loops"], facts["sfu_loops"]
+        tiles = [i for i, loop in enumerate(sfu) if loop["MUFU"] >= 128]
+        assert len(loops) == len(sfu) and len(tiles) >= 4, sfu
+        for i in tiles:
+            assert loops[i]["MUFU"] == sfu[i]["MUFU"] - 16 and loops[i]["STL"] == 0, (loops[i], sfu[i])
+            assert 100 <= loops[i]["instructions"] - sfu[i]["instructions"] <= 160, (loops[i], sfu[i])
     # launch.WS_FWD_LLVM_OPT_LEVELS (O0): no vector of compare results for the NVPTX backend to unpack bit by bit
     assert facts["llir_i1_vectors"] == 0
     if "LLVM" in case:

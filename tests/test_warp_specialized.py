@@ -469,6 +469,34 @@ if ON_HOPPER:
             monkeypatch.setattr(launch, "_device_facts", lambda device: (3, facts[1]))
         run_case(name, shape, dtype, kernel_options={"WARP_SPECIALIZE": True})
 
+    @pytest.mark.parametrize("one_in", [2, 4, 8])
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+    @pytest.mark.parametrize("shape, grid", WS_FORWARD_RUNS)
+    @pytest.mark.parametrize("name", ["softcap_causal", "causal", "fully_masked_rows", "document", "full"])
+    def test_exponentials_on_the_fma_pipes_match_the_reference(monkeypatch, name, shape, grid, dtype, one_in):
+        # launch.WS_FWD_POLY_EXP2 (off by default until a GPU has timed it, NOTES 70): one of every one_in of P's
+        # exponentials by codegen.exp2's polynomial, softcap against its bound (bf16) and the running max (fp16)
+        monkeypatch.setattr(launch, "WS_FWD_POLY_EXP2", {64: one_in, 128: one_in})
+        monkeypatch.setattr(launch, "WS_FWD_PERSISTENT", grid == "persistent")
+        if grid == "persistent":
+            facts = launch._device_facts(torch.device(DEVICE))
+            monkeypatch.setattr(launch, "_device_facts", lambda device: (3, facts[1]))
+        from test_flex_attention import run_case
+        run_case(name, shape, dtype, kernel_options={"WARP_SPECIALIZE": True})
+
+    @pytest.mark.parametrize("one_in", [0, 4])
+    def test_exponentials_on_the_fma_pipes_keep_nan(monkeypatch, one_in):
+        # a key row of NaN makes every query that sees it NaN, whichever lane its exponential took (the polynomial's
+        # NaN in, NaN out: codegen.exp2), and no other
+        monkeypatch.setattr(launch, "WS_FWD_POLY_EXP2", {64: one_in, 128: one_in} if one_in else {})
+        q, k, v = rand_qkv(1, 2, 2, 256, 256, 64, dtype=torch.bfloat16, seed=5)
+        k[:, :, 70] = float("nan")
+        bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 256, 256, device=DEVICE)
+        out = flex_attention(q, k, v, block_mask=bm, kernel_options={"WARP_SPECIALIZE": True})
+        ref, _ = attention_reference(q, k, v, block_mask=bm)
+        assert torch.equal(torch.isnan(out), torch.isnan(ref)) and torch.isnan(out[:, :, 70:]).all()
+        assert_close(out[:, :, :70], ref[:, :, :70], *TOLERANCES[torch.bfloat16], name="rows before the NaN key")
+
     @pytest.mark.parametrize("shape, grid", WS_FORWARD_RUNS)
     @pytest.mark.parametrize("name", ["fully_masked_rows", "softcap_causal", "alibi_causal", "document"])
     def test_max_scores_from_the_gluon_forward(monkeypatch, name, shape, grid):

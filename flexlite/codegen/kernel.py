@@ -65,7 +65,7 @@ def _render(template: str, sm_source: str, mm_source: str, sm_params: tuple, mm_
             interpret: bool, sm_name: str, mm_name: str, extra: tuple = (), sm_hoisted: tuple = (),
             sm_hoist_source: str = "", mm_hoisted: tuple = (), mm_hoist_source: str = "",
             sm_scales: tuple = (None, None), sm_separable: bool = False, compact_bias_dims: tuple = (),
-            score_bound: Optional[float] = None, llvm_opt_levels: tuple = ()) -> str:
+            score_bound: Optional[float] = None, llvm_opt_levels: tuple = (), poly_exp2: tuple = ()) -> str:
     sm = LoweredMod("score_mod", sm_source, list(sm_params), [], hoisted=sm_hoisted, hoist_source=sm_hoist_source,
                     in_scale=sm_scales[0], out_scale=sm_scales[1], separable=sm_separable)
     mm = LoweredMod("mask_mod", mm_source, list(mm_params), [], hoisted=mm_hoisted, hoist_source=mm_hoist_source)
@@ -73,7 +73,7 @@ def _render(template: str, sm_source: str, mm_source: str, sm_params: tuple, mm_
                   for name, src, params in extra}
     return render(template, sm, mm, interpret=interpret, score_mod_name=sm_name, mask_mod_name=mm_name,
                   extra_mods=extra_mods, compact_bias_dims=compact_bias_dims, score_bound=score_bound,
-                  llvm_opt_levels=llvm_opt_levels)
+                  llvm_opt_levels=llvm_opt_levels, poly_exp2=poly_exp2)
 
 
 # the largest score bound (base 2) a kernel takes in place of the running row max: P's smallest weight,
@@ -88,6 +88,18 @@ def _score_bound(low: LoweredMod) -> Optional[float]:
     if low.out_scale is None or not 0 < low.out_scale * _LOG2E <= MAX_BOUND:
         return None
     return low.out_scale * _LOG2E
+
+
+def _one_in(poly_exp2: Optional[dict]) -> tuple:
+    """Head dim -> N (launch.WS_FWD_POLY_EXP2) as sorted pairs (the render cache's key), each N a power of two of at
+    least 2."""
+    if not poly_exp2:
+        return ()
+    if not isinstance(poly_exp2, dict) or not all(
+            isinstance(d, int) and isinstance(n, int) and n >= 2 and not n & (n - 1) for d, n in poly_exp2.items()):
+        raise TypeError(f"launch.WS_FWD_POLY_EXP2 must be a dict of head dim -> N, a power of two of at least 2 (one "
+                        f"of every N exponentials on the FMA pipes), e.g. {{64: 4}}; got {poly_exp2!r}")
+    return tuple(sorted(poly_exp2.items()))
 
 
 def _levels(levels: Optional[dict]) -> tuple:
@@ -105,7 +117,8 @@ def _levels(levels: Optional[dict]) -> tuple:
 def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Callable], *,
              interpret: bool, float_index: bool = False, fold_scales: bool = False,
              key_values: bool = False, separate: bool = False, compact_bias_dims: tuple = (),
-             bounded: bool = False, llvm_opt_levels: Optional[dict] = None) -> GeneratedKernel:
+             bounded: bool = False, llvm_opt_levels: Optional[dict] = None,
+             poly_exp2: Optional[dict] = None) -> GeneratedKernel:
     """Kernel source for ``template`` with ``score_mod`` / ``mask_mod`` (None: identity / keep all).
     ``float_index``: lower index arithmetic that ends in float32 from float index vectors (the caller guarantees
     lengths below 2**24; :class:`~flexlite.codegen.lower._Lowerer`). ``fold_scales`` (the forward templates):
@@ -118,8 +131,9 @@ def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Ca
     score_mod's folded output factor bounds it (``cap * tanh`` with cap * log2(e) up to :data:`MAX_BOUND`), the
     softmax runs against that bound instead of the running row max. ``llvm_opt_levels`` (fwd_ws.py.jinja): head
     dim -> the LLVM optimization level its launcher compiles it at (others: Triton's own;
-    :class:`flexlite.runtime.compile.llvm_opt_level`). A mod may come as its :class:`TracedMod` where the caller has
-    traced it already.
+    :class:`flexlite.runtime.compile.llvm_opt_level`). ``poly_exp2`` (fwd_ws.py.jinja): head dim -> N, one of every N
+    of P's exponentials computed by a polynomial on the FMA pipes (:mod:`flexlite.codegen.exp2`). A mod may come as
+    its :class:`TracedMod` where the caller has traced it already.
     """
     sm = trace_mod(score_mod, "score_mod") if score_mod is not None else None
     mm = trace_mod(mask_mod, "mask_mod") if mask_mod is not None else None
@@ -133,7 +147,8 @@ def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Ca
                      compact_bias_dims=tuple(sorted(compact_bias_dims))
                      if low_sm.separable and template == "fwd_ws.py.jinja" else (),
                      score_bound=_score_bound(low_sm) if bounded and template == "fwd_ws.py.jinja" else None,
-                     llvm_opt_levels=_levels(llvm_opt_levels) if template == "fwd_ws.py.jinja" else ())
+                     llvm_opt_levels=_levels(llvm_opt_levels) if template == "fwd_ws.py.jinja" else (),
+                     poly_exp2=_one_in(poly_exp2) if template == "fwd_ws.py.jinja" else ())
     return GeneratedKernel(template, source, low_sm, low_mm, has_score_mod=sm is not None)
 
 

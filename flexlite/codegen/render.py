@@ -12,6 +12,7 @@ from typing import Optional
 
 import jinja2
 
+from .exp2 import poly_exp2_asm, poly_exp2_constraints
 from .lower import LoweredMod
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
@@ -40,7 +41,7 @@ def _param_list(names: list) -> str:
 def render(template: str, score_mod: LoweredMod, mask_mod: LoweredMod, *, interpret: bool,
            score_mod_name: str = "none", mask_mod_name: str = "none", extra_mods: Optional[dict] = None,
            compact_bias_dims: tuple = (), score_bound: Optional[float] = None,
-           llvm_opt_levels: tuple = ()) -> str:
+           llvm_opt_levels: tuple = (), poly_exp2: tuple = ()) -> str:
     """Render ``template`` (e.g. ``"fwd.py.jinja"``) into kernel source text.
 
     ``extra_mods`` (name -> LoweredMod or None), for the backward's derivative functions: each becomes
@@ -49,7 +50,8 @@ def render(template: str, score_mod: LoweredMod, mask_mod: LoweredMod, *, interp
     computed on a compact vector. ``score_bound`` (fwd_ws.py.jinja): a bound of score_mod's output in base 2 that the
     kernel takes instead of the running row max. ``llvm_opt_levels`` (the Gluon templates, fwd_ws.py.jinja and
     bwd_ws.py.jinja): (head dim, LLVM optimization level) pairs, the level the kernel compiles at per head dim (others:
-    Triton's own; compile.llvm_opt_level).
+    Triton's own; compile.llvm_opt_level). ``poly_exp2`` (fwd_ws.py.jinja): (head dim, N) pairs, P's exponentials
+    one in N by a polynomial on the FMA pipes at that head dim (codegen.exp2; nothing rendered without).
     """
     extra = {}
     extra_params = []
@@ -96,6 +98,8 @@ def render(template: str, score_mod: LoweredMod, mask_mod: LoweredMod, *, interp
         compact_bias_dims=compact_bias_dims,
         score_bound=None if score_bound is None else repr(float(score_bound)),
         llvm_opt_levels=repr(dict(llvm_opt_levels)),
+        poly_exp2=poly_exp2,
+        poly_exp2_asm={n: (poly_exp2_asm(n), poly_exp2_constraints(n)) for n in sorted({n for _, n in poly_exp2})},
         extra_params=_param_list(extra_params),
         **extra,
     )

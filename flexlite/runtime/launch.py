@@ -476,6 +476,11 @@ WS_FWD_LLVM_OPT_LEVELS = {64: "O0", 128: "O0"}
 # backward 0.4-2.3 % faster, document's 13 %); at D64 its full-tile loops grow by ~45 instructions at O0 (2-3.4 %
 # slower but for document and softcap; NOTES 65)
 WS_BWD_LLVM_OPT_LEVELS = {128: "O0"}
+# per head dim N: the warp-specialized forward computes one of every N of P's exponentials with a polynomial on the FMA
+# pipes, the others on the SFU (flexlite.codegen.exp2; FA4's way). Off: at D64 the softcap forward is bound by the SFU
+# (two results a score), and offline the tile loops trade SFU work for FMA-pipe work as intended, but no GPU has
+# measured it yet (NOTES 70: probe_against.py "launch.WS_FWD_POLY_EXP2={64: 4}" does)
+WS_FWD_POLY_EXP2: dict = {}
 
 
 def ws_backward_unmet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sparse_block: tuple) -> Optional[str]:
