@@ -36,7 +36,7 @@ AFTER = (
     ("        mbarrier.wait(turn.index(WG), phase=(r0 + j) & 1)  # ping-pong: this warpgroup's turn to issue\n", 8,
      "issue", "i0 + j"),
     ("        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # P V(j-1) may still run\n", 8, "s", "i0 + j"),
-    ("                                        MASKED, HAS_SCORE_MOD, EVEN_N)\n", 8, "sm", "i0 + j"),
+    ("                                        MASKED, HAS_SCORE_MOD, EVEN_N{{ exp2_one_in }})\n", 8, "sm", "i0 + j"),
     ("        o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))\n"
      "        mbarrier.arrive(kv_empty.index(sp), count=1)  # this warpgroup is done with tile j-1\n", 8, "pv",
      "i0 + j"),
