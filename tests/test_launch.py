@@ -243,6 +243,7 @@ def test_rows_descriptors_reach_the_launcher_as_tritons_wrapper_expands_them(mon
     places), with each tensor map encoded once per address, shape and strides, and again for another. A kernel that
     needs scratch memory, or any with launch.CACHED_TENSOR_MAPS off, launches through Triton's launcher (the wrapper
     encoding at every launch)."""
+    from triton import knobs
     from triton.backends.nvidia import driver
 
     from flexlite.runtime import launch as launch_module
@@ -280,7 +281,6 @@ def test_rows_descriptors_reach_the_launcher_as_tritons_wrapper_expands_them(mon
                                     512, 32, 32, 1, 8, 64)
     assert ours == ([[(x.data_ptr(), (512, 32))], [], [(y.data_ptr(), (512, 32))], []] if variant == "maps kept"
                     else [[(t.data_ptr(), (512, 32))] for t in (x, x, y, x)])
-    from triton import knobs
     chain = knobs.runtime.launch_enter_hook
 
     def hook(meta):
