@@ -2,9 +2,11 @@
 grad) on the GPU machine, as other masks' kernels (flexlite's and torch's compiled flex, forward and backward) are
 added to the process, then with Python's collector frozen and off (NOTES 65). Host time: 100 calls back to back,
 timed on the host without waiting for the GPU (the queue does not fill in 100 calls), so it is the Python and launch
-work alone; beside it do_bench's eager median. ``--profile``: after the masks, cProfile of 300 calls (by own time).
+work alone; beside it do_bench's eager median. ``--profile``: after the masks, cProfile of 300 calls (by own time);
+``--profile-step``: of 100 training steps at B1 H16 S2048 (forward and backward, the gradients set to None between
+them), by own and by cumulative time, for where a step's ~1-1.5 ms of host time goes (NOTES 67).
 
-Usage: python benchmarks/probe_host_gpu.py [mask,mask,...] [--profile]
+Usage: python benchmarks/probe_host_gpu.py [mask,mask,...] [--profile] [--profile-step]
 (masks added in order; default: the harness's other six)"""
 
 import cProfile
@@ -56,6 +58,23 @@ def main():
         cProfile.runctx("for _ in range(300): document()", globals(), {"document": document}, "/tmp/probe_host.prof")
         torch.cuda.synchronize()
         pstats.Stats("/tmp/probe_host.prof").sort_stats("tottime").print_stats(25)
+    if "--profile-step" in sys.argv:  # at B1 H16 S2048, whose GPU time stays below the host's (as probe_host_launch_gpu)
+        small = [torch.randn(1, H, 2048, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+        small_mask = create_block_mask(mask_cases(2048, H, "cuda")["document_8_causal"].mask_mod, None, None, 2048,
+                                       2048, device="cuda")
+        grad_out = torch.randn_like(small[0])
+
+        def step():
+            flex_attention(*small, block_mask=small_mask).backward(grad_out)
+            for t in small:
+                t.grad = None
+        step()
+        torch.cuda.synchronize()
+        print(f"training step: host time {host_us(step):.0f} us a call", flush=True)
+        cProfile.runctx("for _ in range(100): step()", globals(), {"step": step}, "/tmp/probe_step.prof")
+        torch.cuda.synchronize()
+        for order in ("tottime", "cumulative"):
+            pstats.Stats("/tmp/probe_step.prof").sort_stats(order).print_stats(30)
     gc.collect()
     gc.freeze()
     report("gc.freeze()")
