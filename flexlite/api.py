@@ -10,6 +10,7 @@ from typing import Callable, Literal, NamedTuple, Optional, TypedDict
 
 import torch
 
+from . import first_calls
 from ._vmap import index_vectors, vmap_bhqkv
 from .block_mask import (BlockMask, check_device, check_mod_output, from_torch_block_mask, is_torch_block_mask,
                          kept_on, q_sides)
@@ -321,12 +322,60 @@ def _float_index(template: str, Lq: int, Lkv: int) -> bool:
     return template in ("fwd.py.jinja", "fwd_ws.py.jinja") and max(Lq, Lkv) <= FLOAT32_EXACT_INT
 
 
-def _split_partial(kernel: GeneratedKernel, query: torch.Tensor, value: torch.Tensor) -> bool:
+def _split_partial(kernel: GeneratedKernel, query: torch.Tensor, value: torch.Tensor,
+                   mask_gathers: Optional[bool] = None) -> bool:
     """Whether the forward walks its partial blocks half a tile at a time: on CUDA at head dims padded to 128, where
     the mask's compares made the 128x64 partial tile spill; measured 2 % faster for causal and prefix-LM masks and
-    slower when a mod reads captured tensors (ALiBi, softcap, document masks: NOTES 37)."""
-    return (query.is_cuda and not kernel.has_score_mod and not kernel.mask_mod.tensors
+    slower when a mod reads captured tensors (ALiBi, softcap, document masks: NOTES 37). ``mask_gathers``:
+    :func:`_mask_gathers` (default: whether the kernel's mask_mod reads captured tensors)."""
+    if mask_gathers is None:
+        mask_gathers = bool(kernel.mask_mod.tensors)
+    return (query.is_cuda and not kernel.has_score_mod and not mask_gathers
             and max(head_dim_pad(query.shape[-1]), head_dim_pad(value.shape[-1])) == 128)
+
+
+def _mask_gathers(kernel: GeneratedKernel, block_mask) -> bool:
+    """Whether the mask_mod the tiles are chosen for reads captured tensors: the kernel's, or for the bits of a new
+    mask_mod's first calls (:class:`first_calls.BitsMask`) the original's, so that those walk as its own kernels do."""
+    return block_mask.gathers if isinstance(block_mask, first_calls.BitsMask) else bool(kernel.mask_mod.tensors)
+
+
+class _FirstCall:
+    """A call's part in :mod:`flexlite.first_calls`. ``key``: the kernels it launches (pass, sources, signature);
+    ``bits``: the :class:`first_calls.BitsMask` to run the call with instead, where its own kernels are not compiled
+    yet and the bits' are (its own then compile in the worker), else None. :meth:`done`, after the call: its kernels
+    are compiled, and the worker compiles the bits' for the next mask_mod if they are not."""
+
+    def __init__(self, key: tuple, run: Callable, bits=None, bits_key: Optional[tuple] = None):
+        self.key, self._run, self._bits, self._bits_key, self.bits = key, run, bits, bits_key, None
+        if (bits_key is not None and first_calls.ready(bits_key) and not _launch.compiling_only()
+                and first_calls.compile_beside(key, lambda: run(None))):
+            self.bits = bits
+            first_calls.count_bits_call()
+
+    def done(self):
+        first_calls.mark_ready(self.key)
+        if self._bits_key is not None and self.bits is None and not _launch.compiling_only():
+            first_calls.compile_beside(self._bits_key, lambda: self._run(self._bits))
+
+
+def _first_call(kind: str, sources: tuple, query, key, value, block_mask, options, gathers: bool,
+                bits_sources: Callable, run: Callable, *extra) -> Optional[_FirstCall]:
+    """The :class:`_FirstCall` of a call (``kind``: "fwd" or "bwd") whose kernels have ``sources``, or None where
+    :func:`first_calls.applies` says no. ``gathers``: whether its mask_mod reads captured tensors;
+    ``bits_sources(bits)``: the sources of the kernels the call would run with block mask ``bits``; ``run(bits)``:
+    the call with ``bits`` (None: with its own block mask), for the worker (which compiles only); ``extra``: what
+    else picks the kernels (:func:`first_calls.signature`)."""
+    if not first_calls.applies(query, block_mask, options):
+        return None
+    sig = first_calls.signature(query, key, value, block_mask, *extra)
+    own = (kind, sources, sig)
+    if first_calls.ready(own) or isinstance(block_mask, first_calls.BitsMask) or _launch.compiling_only():
+        return _FirstCall(own, run)
+    bits = first_calls.bits_mask(block_mask, query.shape[0], query.shape[1], gathers)
+    if bits is None:
+        return _FirstCall(own, run)
+    return _FirstCall(own, run, bits, (kind, bits_sources(bits), sig))
 
 
 def _generate(score_mod, block_mask, device: torch.device, template: str = "fwd.py.jinja",
@@ -431,9 +480,39 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options, ma
         return _forward(query, key, value, score_mod, block_mask, scale, {**options, "WARP_SPECIALIZE": False},
                         max_scores, traced)
     check_captured(kernel.captured, query.device, "flex_attention")
+    mask_gathers = _mask_gathers(kernel, block_mask)
+    first = _first_call(
+        "fwd", (kernel.source,), query, key, value, block_mask, kernel_options, mask_gathers,
+        lambda bits: (_generate(score_mod, bits, query.device, template, _float_index(template, Lq, Lkv),
+                                dtype=query.dtype, max_scores=max_scores, traced=(traced[0], None)).source,),
+        lambda bits: _compile_call(query, key, value, score_mod, bits or block_mask, scale, max_scores,
+                                   (traced[0], None) if bits else traced),
+        max_scores)
+    if first is not None and first.bits is not None:  # a new mask_mod's first calls: its kernel compiles beside
+        return _forward(query, key, value, score_mod, first.bits, scale, kernel_options, max_scores,
+                        (traced[0], None))
+    result = _run_forward(kernel, template, ws, rows, mask_gathers, query, key, value, score_mod, block_mask, scale,
+                          options, max_scores, traced, num, idx, full_num, full_idx, sparse)
+    if first is not None:
+        first.done()
+    return result
+
+
+def _compile_call(query, key, value, score_mod, block_mask, scale, max_scores, traced):
+    """A call's forward and, where its inputs require grad, backward, for the first_calls worker (inside
+    launch.compile_only: the kernels compile, nothing runs)."""
+    out, lse, _ = _forward(query, key, value, score_mod, block_mask, scale, None, max_scores, traced)
+    if query.requires_grad or key.requires_grad or value.requires_grad:
+        _backward(query, key, value, out, lse, out, None, score_mod, block_mask, scale, None, (),
+                  need_dq=query.requires_grad, need_captured=())
+
+
+def _run_forward(kernel, template, ws, rows, mask_gathers, query, key, value, score_mod, block_mask, scale, options,
+                 max_scores, traced, num, idx, full_num, full_idx, sparse):
+    """:func:`_forward`'s launch of ``kernel``."""
     # also when decoding if tiles are pinned, so that bad pins are reported even where decoding ignores them
     if not (rows or ws) or any(k in options for k in CONFIG_KEYS):
-        config = forward_config(query, value, sparse, options, gathers=bool(kernel.mask_mod.tensors))
+        config = forward_config(query, value, sparse, options, gathers=mask_gathers)
     module = load_module(kernel.source, interpret=query.device.type != "cuda")
     if scale <= 0 and not kernel.has_score_mod:
         # without a score_mod the kernels scale after the row max (and after masking with -inf), which needs a
@@ -463,7 +542,7 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options, ma
                           sparse, scale, kernel.has_score_mod, config, pinned=any(k in options for k in CONFIG_KEYS),
                           tune=autotune_enabled(options),
                           use_tma=_use_tma(options), dense=block_mask is None,
-                          split_partial=_split_partial(kernel, query, value), max_scores=max_scores)
+                          split_partial=_split_partial(kernel, query, value, mask_gathers), max_scores=max_scores)
 
 
 def _all_full_q_blocks(Lq: int, Lkv: int, device: torch.device):
@@ -564,7 +643,8 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
     module = load_module(kernel.source, interpret=interpret)
     *kv_blocks, sparse = _block_tensors(block_mask, Lq, Lkv, query.device)
     q_blocks = _q_block_tensors(block_mask, Lq, Lkv, query.device)
-    config = backward_config(query, value, sparse, options, gathers=bool(kernel.captured))
+    config = backward_config(query, value, sparse, options,
+                             gathers=bool(kernel.score_mod.tensors) or _mask_gathers(kernel, block_mask))
     ws_module = None
     if not (scatter or deterministic) and _warp_specialize_backward(query, key, value, sparse, options):
         ws_kernel = generate_backward(*traced, interpret=interpret, template="bwd_ws.py.jinja",
@@ -572,6 +652,17 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
                                       llvm_opt_levels=_launch.WS_BWD_LLVM_OPT_LEVELS)
         if ws_kernel.source not in _WS_UNCOMPILABLE:
             ws_module = load_module(ws_kernel.source, interpret=interpret)
+    first = None if want else _first_call(
+        "bwd", (kernel.source, ws_module and ws_kernel.source), query, key, value, block_mask, kernel_options,
+        _mask_gathers(kernel, block_mask),
+        lambda bits: _backward_sources(traced[0], trace_mod(bits.mask_mod, "mask_mod"), interpret,
+                                       ws_module is not None),
+        lambda bits: _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, bits or block_mask, scale,
+                               kernel_options, captured, need_dq, need_captured),
+        need_dq, grad_lse is not None)
+    if first is not None and first.bits is not None:  # a new mask_mod's first calls: its kernels compile beside
+        return _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, first.bits, scale,
+                         kernel_options, captured, need_dq, need_captured)
     buffers = [torch.zeros(t.shape, dtype=torch.float32, device=query.device) for t in scatter]
     ds = torch.zeros((B, Hq, Lq, Lkv), dtype=torch.float32, device=query.device) if deterministic else None
 
@@ -589,11 +680,23 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
             raise
         _WS_UNCOMPILABLE.add(ws_kernel.source)  # the Triton dK / dV kernel for these mods from now on
         dq, dk, dv = run(None)
+    if first is not None:
+        first.done()
     if deterministic:
         wanted = iter(_captured_grads_from_ds(score_mod, query, key, scale, ds, want))
     else:
         wanted = iter(b.to(t.dtype) for b, t in zip(buffers, want))
     return dq, dk, dv, [next(wanted) if need else None for need in need_captured]
+
+
+def _backward_sources(score_mod, mask_mod, interpret: bool, ws: bool) -> tuple:
+    """The sources of :func:`_backward`'s kernels for these traced mods (no captured-tensor gradients): the Triton
+    kernels', and the warp-specialized one's where ``ws`` (else None)."""
+    kernel = generate_backward(score_mod, mask_mod, interpret=interpret)
+    ws_source = generate_backward(score_mod, mask_mod, interpret=interpret, template="bwd_ws.py.jinja",
+                                  query_values=_launch.WS_BWD_QUERY_VALUES,
+                                  llvm_opt_levels=_launch.WS_BWD_LLVM_OPT_LEVELS).source if ws else None
+    return kernel.source, ws_source
 
 
 def _capturing(t: torch.Tensor) -> bool:

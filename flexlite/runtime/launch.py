@@ -3,9 +3,11 @@ runtime values of its captured-tensor parameters come in from the codegen pipeli
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
+import threading
 from pathlib import Path
 from typing import NamedTuple, Optional
 
@@ -154,6 +156,34 @@ def fallback_configs(config: TileConfig, shrink_m: bool = True):
 
 _WORKING_CONFIG: dict = {}  # (kernel, constexpr key, wanted config) -> config that fits
 
+_THREAD = threading.local()
+
+
+@contextlib.contextmanager
+def compile_only():
+    """Kernel launches in this thread, while inside, compile for their arguments (Triton's warmup: the compiled
+    kernel kept as a launch would keep it) and run nothing; under Triton's interpreter they do nothing (flexlite's
+    first_calls compiles a mod's kernels beside the calls this way)."""
+    _THREAD.compile_only = True
+    try:
+        yield
+    finally:
+        _THREAD.compile_only = False
+
+
+def compiling_only() -> bool:
+    """Whether this thread is inside :func:`compile_only`."""
+    return getattr(_THREAD, "compile_only", False)
+
+
+def _launch(kernel, grid, args, kwargs: dict):
+    """``kernel[grid](*args, **kwargs)``, or in :func:`compile_only` its compile alone."""
+    if not compiling_only():
+        return kernel[grid](*args, **kwargs)
+    if isinstance(kernel, triton.runtime.jit.JITFunction):  # (not the interpreter's)
+        kernel.run(*args, grid=grid, warmup=True, **kwargs)
+    return None
+
 
 def run_with_fallback(kernel, grid, args: tuple, constexprs: dict, config: TileConfig, pinned: bool,
                       shrink_m: bool = True):
@@ -172,15 +202,16 @@ def run_with_fallback(kernel, grid, args: tuple, constexprs: dict, config: TileC
     error = None
     for cfg in fallback_configs(config, shrink_m):
         try:
-            kernel[grid(cfg)](*args, **constexprs, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
-                              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            _launch(kernel, grid(cfg), args, dict(constexprs, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
+                                                  num_warps=cfg.num_warps, num_stages=cfg.num_stages))
         except OutOfResources as e:  # raised while compiling, before anything runs
             if pinned:
                 raise ValueError(f"kernel_options {dataclasses.asdict(config)} do not fit this GPU: {e}; pin "
                                  f"smaller BLOCK_M / BLOCK_N or fewer num_stages") from e
             error = e
             continue
-        _WORKING_CONFIG[key] = cfg
+        if not compiling_only():  # (a kernel's fit is known once it is loaded to run)
+            _WORKING_CONFIG[key] = cfg
         return cfg
     raise error
 
@@ -623,8 +654,8 @@ class CompiledLaunch:
         self.compiled: dict = {}  # the arguments' properties -> _Direct
 
     def __call__(self, grid: tuple, args: tuple):
-        if not (self.direct and COMPILED_LAUNCHES):
-            self.kernel[grid](*_made(args), **self.kwargs)
+        if not (self.direct and COMPILED_LAUNCHES) or compiling_only():
+            _launch(self.kernel, grid, _made(args), self.kwargs)
             return
         # the current device too: Triton loads a compiled kernel per device and launches on the current one
         device, stream = _current_device_and_stream()

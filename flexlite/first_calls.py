@@ -1,0 +1,219 @@
+"""A new mask_mod's first calls while its own kernels compile.
+
+flex_attention compiles kernels for each new pair of mods and each new shape: 1.8-5 s on an H100's host, most of it
+ptxas (benchmarks/NOTES.md 67, 69). A mask_mod need not make its first calls wait for that. Its block mask's partial
+blocks are evaluated once in torch (the mask_mod vmapped over each partial block's positions, as the fp64 reference
+evaluates it) into bits, one per position; a mask_mod that reads those bits (:func:`bits_mask_mod`) has one source for
+every mask, so its kernels, once compiled for a score_mod and shape, serve every later mask_mod. While they run the
+first calls, a worker thread compiles the mod's own kernels (``launch.compile_only``: Triton's warmup, nothing
+launched); calls take those once they are compiled.
+
+The kernels of the bits are the mod's own but for how a partial block's mask is read: the same templates, tiles and
+walk (the tiles chosen for the original mask_mod: :attr:`BitsMask.gathers`), so outputs and gradients are the same as
+the mod's own kernels give.
+
+Where it applies (:func:`applies`): CUDA (``ENABLED``; the interpreter compiles nothing), a block mask with a
+mask_mod, no kernel_options (nor FLEXLITE_AUTOTUNE), no CUDA graph being captured. The bits' kernels are known compiled for a score_mod and
+shape once a call has run them, or once the worker has compiled them: the first mask_mod at a shape compiles its own
+kernels in the call (as without this) and the worker then compiles the bits' kernels, so that the next mask_mod's
+first call does not wait. :func:`wait` waits for the worker (before timing, or capturing a CUDA graph).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import threading
+from typing import Callable, Optional
+
+import torch
+
+from .block_mask import BlockMask, _ordered_to_dense, kept_on
+from .runtime import launch
+from .runtime.autotune import autotune_enabled
+
+# whether a new mask_mod's first calls run the bits' kernels while its own compile beside them: False never, True
+# on CUDA, "always" on every device too (the interpreter compiles nothing: for tests)
+ENABLED: "bool | str" = True
+# bits kept per block mask at most (bytes): beyond, the mod's own kernels compile in the call
+MAX_BITS_BYTES = 256 << 20
+_CHUNK_BLOCKS = 1024  # partial blocks evaluated at a time (16M positions at 128 x 128)
+
+_lock = threading.Lock()
+_ready: set = set()  # kernel keys (pass, sources, signature) compiled in this process
+_pending: dict = {}  # kernel key -> Future of the worker compiling it
+_failed: set = set()  # kernel keys whose compile in the worker raised: compiled in the call from then on
+_worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
+_bits_calls = [0]
+
+
+def applies(query: torch.Tensor, block_mask, options: dict) -> bool:
+    """Whether this call may take the bits' kernels: see the module's docstring."""
+    if not ENABLED or block_mask is None or block_mask.mask_mod is None or options or autotune_enabled({}):
+        return False
+    if query.is_cuda:
+        return not torch.cuda.is_current_stream_capturing()
+    return ENABLED == "always"
+
+
+def signature(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask, *extra) -> tuple:
+    """What besides the sources decides which compiled kernels a call launches: the inputs' device, dtype, shapes
+    and strides, the block mask's block size and tensors' shapes (every int Triton specializes on derives from these)."""
+    blocks = tuple(None if t is None else tuple(t.shape) for t in (block_mask.kv_num_blocks, block_mask.kv_indices,
+                                                                    block_mask.full_kv_indices))
+    return (query.device, query.dtype, tuple(query.shape), tuple(key.shape), tuple(value.shape), query.stride(),
+            key.stride(), value.stride(), tuple(block_mask.BLOCK_SIZE), blocks) + extra
+
+
+def ready(key: tuple) -> bool:
+    return key in _ready
+
+
+def mark_ready(key: tuple) -> None:
+    _ready.add(key)
+
+
+def compile_beside(key: tuple, compile_: Callable[[], None]) -> bool:
+    """Run ``compile_`` (launches that compile only) in the worker thread unless ``key`` is compiled, being compiled
+    or failed; ``key`` is ready once it returns. False where its compile failed before: the call compiles its own."""
+    global _worker
+    with _lock:
+        if key in _failed:
+            return False
+        if key in _ready or key in _pending:
+            return True
+        if _worker is None:
+            _worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flexlite-compile")
+        _pending[key] = _worker.submit(_compile, key, compile_, torch.cuda.current_device()
+                                       if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
+    return True
+
+
+def _compile(key: tuple, compile_: Callable[[], None], device: Optional[int]) -> None:
+    try:
+        if device is not None:
+            torch.cuda.set_device(device)
+        with launch.compile_only():
+            compile_()
+        _ready.add(key)
+    except BaseException:  # noqa: BLE001 - the call that needs these kernels compiles them itself and raises there
+        _failed.add(key)
+    finally:
+        with _lock:
+            _pending.pop(key, None)
+
+
+def pending(key: tuple) -> bool:
+    return key in _pending
+
+
+def ran_bits() -> int:
+    """How many calls in this process ran the bits' kernels (forward and backward each count)."""
+    return _bits_calls[0]
+
+
+def count_bits_call() -> None:
+    _bits_calls[0] += 1
+
+
+def wait(timeout: Optional[float] = None) -> None:
+    """Wait until the worker has compiled every kernel asked of it so far (``timeout`` seconds at most: a
+    TimeoutError after)."""
+    with _lock:
+        futures = list(_pending.values())
+    done, not_done = concurrent.futures.wait(futures, timeout=timeout)
+    if not_done:
+        raise TimeoutError(f"flexlite.first_calls.wait: {len(not_done)} kernel compiles still running after "
+                           f"{timeout} s")
+
+
+class BitsMask(BlockMask):
+    """A block mask with its partial blocks' mask as bits: the same blocks, and a mask_mod reading the bits
+    (:func:`bits_mask_mod`). ``original``: the block mask it stands for; ``gathers``: whether the original's
+    mask_mod reads captured tensors (the tiles are chosen for it, so that the bits' kernels walk as its own do)."""
+
+    original: BlockMask
+    gathers: bool
+
+
+def bits_mask(block_mask: BlockMask, B: int, H: int, gathers: bool) -> Optional[BitsMask]:
+    """``block_mask`` with its partial blocks' mask as bits for a call of batch ``B`` and ``H`` query heads, kept on
+    it; None where the bits would pass :data:`MAX_BITS_BYTES` or torch cannot vmap the mask_mod (the mod's own kernels
+    then compile in the call, which reports what is wrong with the mod)."""
+    ids = tuple(id(getattr(block_mask, name)) for name in BlockMask._TENSOR_ATTRS)
+    return kept_on(block_mask, "_first_call_bits", (ids, id(block_mask.mask_mod), B, H, block_mask.seq_lengths,
+                                                     gathers),
+                   lambda: _make_bits_mask(block_mask, B, H, gathers))
+
+
+def _pad16(n: int) -> int:
+    return max(16, -(-n // 16) * 16)
+
+
+def _make_bits_mask(block_mask: BlockMask, B: int, H: int, gathers: bool) -> Optional[BitsMask]:
+    num, idx = block_mask.kv_num_blocks, block_mask.kv_indices
+    Bm, Hm, n_q = num.shape
+    n_kv = -(-block_mask.seq_lengths[1] // block_mask.BLOCK_SIZE[1])
+    bq, bkv = block_mask.BLOCK_SIZE
+    words_per_row = -(-bkv // 32)
+    partial = _ordered_to_dense(num, idx, n_kv)
+    coords = partial.nonzero()  # (P, 4): b, h, q block, kv block
+    P = coords.shape[0]
+    # every size a multiple of 16 and a broadcast batch or head a stride-0 view: what Triton specializes the
+    # kernels on is the same for every mask (the bits' kernels compile once per score_mod and shape)
+    slot_shape = (_pad16(Bm) if Bm > 1 else 1, _pad16(Hm) if Hm > 1 else 1, _pad16(n_q), _pad16(n_kv))
+    if 4 * (_pad16(P) * bq * words_per_row + slot_shape[0] * slot_shape[1] * slot_shape[2] * slot_shape[3]) \
+            > MAX_BITS_BYTES:
+        return None
+    device = num.device
+    slot = torch.zeros(slot_shape, dtype=torch.int32, device=device)
+    slot[coords[:, 0], coords[:, 1], coords[:, 2], coords[:, 3]] = torch.arange(P, dtype=torch.int32, device=device)
+    slot = slot.expand(_pad16(B) if Bm == 1 else slot_shape[0], _pad16(H) if Hm == 1 else slot_shape[1],
+                       *slot_shape[2:])
+    words = torch.zeros((_pad16(P), bq, words_per_row), dtype=torch.int32, device=device)
+    for start in range(0, P, _CHUNK_BLOCKS):
+        chunk = coords[start:start + _CHUNK_BLOCKS]
+        chunk_words = _block_words(block_mask, chunk, words_per_row)
+        if chunk_words is None:
+            return None
+        words[start:start + chunk.shape[0]] = chunk_words
+    bits = copy.copy(block_mask)
+    bits.__class__ = BitsMask
+    bits.mask_mod = bits_mask_mod(slot, words, bq, bkv)
+    bits.original, bits.gathers = block_mask, gathers
+    return bits
+
+
+def _block_words(block_mask: BlockMask, coords: torch.Tensor, words_per_row: int) -> Optional[torch.Tensor]:
+    """The mask of each partial block at ``coords`` (b, h, q block, kv block) as int32 words [P, bq, words_per_row],
+    bit j of word w of row r the position (q block * bq + r, kv block * bkv + 32 w + j); positions past the lengths
+    0 (the kernels mask them apart); None where torch cannot vmap the mask_mod."""
+    bq, bkv = block_mask.BLOCK_SIZE
+    Lq, Lkv = block_mask.seq_lengths
+    device = coords.device
+    coords = coords.to(torch.int32)
+    q = coords[:, 2:3] * bq + torch.arange(bq, dtype=torch.int32, device=device)  # [P, bq]
+    kv = coords[:, 3:4] * bkv + torch.arange(bkv, dtype=torch.int32, device=device)  # [P, bkv]
+    fn = torch.vmap(block_mask.mask_mod, in_dims=(None, None, None, 0))
+    fn = torch.vmap(fn, in_dims=(None, None, 0, None))
+    fn = torch.vmap(fn, in_dims=(0, 0, 0, 0))
+    try:
+        mask = fn(coords[:, 0], coords[:, 1], q.clamp(max=Lq - 1), kv.clamp(max=Lkv - 1))
+    except Exception:  # noqa: BLE001 - a mod torch cannot vmap: its own kernels, whose errors say what to change
+        return None
+    P = coords.shape[0]
+    mask = torch.as_tensor(mask, device=device).bool().broadcast_to((P, bq, bkv))
+    mask = mask & (q < Lq)[:, :, None] & (kv < Lkv)[:, None, :]
+    padded = torch.zeros((P, bq, words_per_row * 32), dtype=torch.int64, device=device)
+    padded[..., :bkv] = mask
+    words = (padded.view(P, bq, words_per_row, 32) << torch.arange(32, device=device)).sum(-1)
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)  # (two's complement)
+
+
+def bits_mask_mod(slot: torch.Tensor, words: torch.Tensor, bq: int, bkv: int) -> Callable:
+    """The mask_mod of the bits: position (q_idx, kv_idx) of batch b and head h is bit ``kv_idx % 32`` of word
+    ``(kv_idx % bkv) // 32`` of row ``q_idx % bq`` of the partial block numbered ``slot[b, h, q block, kv block]``."""
+    def first_call_bits(b, h, q_idx, kv_idx):
+        word = words[slot[b, h, q_idx // bq, kv_idx // bkv], q_idx % bq, (kv_idx % bkv) // 32]
+        return ((word >> (kv_idx % 32)) & 1) == 1
+    return first_call_bits

@@ -1,0 +1,245 @@
+"""flexlite.first_calls: a new mask_mod's first calls run kernels that read its partial blocks' mask as bits (compiled
+once for every mask_mod) while a worker thread compiles the mod's own kernels (launch.compile_only), which later
+calls take. On CPU (the interpreter compiles nothing) the tests turn it on with ENABLED = "always"; on a GPU
+(FLEXLITE_TEST_DEVICE=cuda) it is on by default."""
+
+import threading
+
+import pytest
+import torch
+from triton.runtime.jit import JITFunction
+
+from flexlite import api, create_block_mask, create_mask, first_calls, flex_attention
+from flexlite.masks import causal_mask, generate_doc_mask_mod, generate_prefix_lm_mask, generate_sliding_window
+from flexlite.runtime import launch
+
+from helpers import DEVICE, rand_qkv
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """first_calls on for this device, knowing no compiled kernels."""
+    monkeypatch.setattr(first_calls, "ENABLED", "always")
+    for name, empty in (("_ready", set()), ("_pending", {}), ("_failed", set())):
+        monkeypatch.setattr(first_calls, name, empty)
+    yield
+    first_calls.wait()
+
+
+def _per_head(b, h, q_idx, kv_idx):  # a mask of its own in every (b, h)
+    return ((q_idx + b) % (h + 2)) != (kv_idx % 3)
+
+
+def _document():
+    ids = torch.tensor([0] * 40 + [1] * 50 + [2] * 21, dtype=torch.int32, device=DEVICE)  # 111 positions
+    return generate_doc_mask_mod(causal_mask, ids)
+
+
+MASKS = {  # name -> (mask_mod, B and H of the mask, length, BLOCK_SIZE)
+    "causal": (causal_mask, (None, None), 200, 64),
+    "sliding_window": (generate_sliding_window(70), (None, None), 256, 128),
+    "prefix_lm": (generate_prefix_lm_mask(50), (None, 2), 63, (32, 64)),
+    "document": (_document(), (None, None), 111, 32),
+    "per_head": (_per_head, (2, 3), 96, 32),
+}
+
+
+def _block_mask(name):
+    mod, (B, H), L, block = MASKS[name]
+    return create_block_mask(mod, B, H, L, L, device=DEVICE, BLOCK_SIZE=block)
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+def test_the_bits_are_the_mask_on_every_partial_block(name):
+    mod, (Bm, Hm), L, _ = MASKS[name]
+    bm = _block_mask(name)
+    B, H = Bm or 2, Hm or 3  # a mask of batch or heads None broadcasts to the call's
+    bits = first_calls.bits_mask(bm, B, H, gathers=False)
+    assert isinstance(bits, first_calls.BitsMask) and bits.original is bm
+    # the same blocks, another mask_mod
+    assert all(getattr(bits, n) is getattr(bm, n) for n in bm._TENSOR_ATTRS) and bits.mask_mod is not bm.mask_mod
+    got = create_mask(bits.mask_mod, B, H, L, L, device=DEVICE)
+    want = create_mask(mod, Bm or 1, Hm or 1, L, L, device=DEVICE).expand(B, H, L, L)
+    bq, bkv = bm.BLOCK_SIZE
+    partial = bm.dense_blocks(full=False).expand(B, H, -1, -1)
+    partial = partial.repeat_interleave(bq, 2).repeat_interleave(bkv, 3)[..., :L, :L]
+    assert partial.any()
+    assert torch.equal(got[partial], want[partial])
+    # kept on the block mask per call shape
+    assert first_calls.bits_mask(bm, B, H, gathers=False) is bits
+    assert first_calls.bits_mask(bm, B, H, gathers=True) is not bits
+
+
+def _specialization(bits) -> list:
+    """How Triton specializes the bits' captured tensors' sizes and strides (kernel arguments): == 1, % 16 == 0."""
+    tensors = [c.cell_contents for c in bits.mask_mod.__closure__ if isinstance(c.cell_contents, torch.Tensor)]
+    return [(n == 1, n % 16 == 0) for t in tensors for n in (*t.shape, *t.stride())]
+
+
+@pytest.mark.parametrize("B, H, Bm, Hm", [(1, 1, None, None), (2, 3, None, None), (4, 2, 4, 2), (3, 5, None, 5)])
+def test_every_mask_mod_gives_the_bits_kernels_the_same_specialization(B, H, Bm, Hm):
+    # the bits' sizes padded to multiples of 16 and a broadcast batch or head a stride-0 view: what Triton
+    # specializes a kernel on is the same for every mask_mod at a shape, so one compile serves them all
+    L = 200
+    mods = [causal_mask, generate_sliding_window(9), generate_prefix_lm_mask(150), _per_head]
+    specs = [_specialization(first_calls.bits_mask(create_block_mask(mod, Bm, Hm, L, L, device=DEVICE,
+                                                                     BLOCK_SIZE=64), B, H, gathers=False))
+             for mod in mods]
+    assert all(spec == specs[0] for spec in specs), specs
+
+
+@pytest.mark.parametrize("name", ["document", "sliding_window"])
+def test_the_bits_kernels_give_the_mods_own_results(name, monkeypatch):
+    # the same templates, tiles and walk (chosen for the original mask_mod: document's gathers), only the partial
+    # blocks' mask read from the bits: outputs and gradients the same to the bit
+    monkeypatch.setattr(first_calls, "ENABLED", False)
+    bm = _block_mask(name)
+    L = MASKS[name][2]
+    results = []
+    for mask in (bm, first_calls.bits_mask(bm, 1, 2, gathers=name == "document")):
+        q, k, v = (t.requires_grad_() for t in rand_qkv(1, 2, 2, L, L, 64, seed=3))
+        out, lse = flex_attention(q, k, v, block_mask=mask, return_lse=True)
+        (out * torch.linspace(-1, 1, 64, device=DEVICE)).sum().backward()
+        results.append((out, lse, q.grad, k.grad, v.grad))
+    for own, bits in zip(*results):
+        assert not own.isnan().any() and torch.equal(own, bits)
+
+
+def _record(monkeypatch, name, at):
+    """The kinds of block mask the main thread's calls of api.<name> get (argument ``at``), in order."""
+    seen, real = [], getattr(api, name)
+
+    def spy(*args, **kwargs):
+        if threading.current_thread() is threading.main_thread():  # (not the worker's compile-only calls)
+            seen.append(type(args[at]).__name__)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(api, name, spy)
+    return seen
+
+
+def test_a_new_mask_mods_first_calls_run_the_bits_while_its_own_kernels_compile(fresh, monkeypatch):
+    forwards, backwards = _record(monkeypatch, "_forward", 4), _record(monkeypatch, "_backward", 8)
+    L = 200
+    q, k, v = (t.requires_grad_() for t in rand_qkv(1, 2, 2, L, L, 64, seed=5))
+
+    def forward(mask, kinds):
+        forwards.clear()
+        out = flex_attention(q, k, v, block_mask=mask)
+        assert forwards == kinds
+        first_calls.wait()
+        return out
+
+    def backward(out, kinds):
+        backwards.clear()
+        out.sum().backward()
+        assert backwards == kinds
+        first_calls.wait()
+        grads = [t.grad for t in (q, k, v)]
+        for t in (q, k, v):
+            t.grad = None
+        return [out.detach()] + grads
+
+    causal = create_block_mask(causal_mask, None, None, L, L, device=DEVICE, BLOCK_SIZE=64)
+    window = create_block_mask(generate_sliding_window(70), None, None, L, L, device=DEVICE, BLOCK_SIZE=64)
+    bits_calls = first_calls.ran_bits()
+    # the first mask_mod at a shape runs its own forward; the worker then compiles the bits' forward and backward
+    out = forward(causal, ["BlockMask"])
+    # its own backward is not compiled yet, the bits' is: the bits, its own compiled beside
+    causal_first = backward(out, ["BlockMask", "BitsMask"])
+    # the next mask_mod's first call: the bits, and the worker compiles its own forward and backward
+    window_first = backward(forward(window, ["BlockMask", "BitsMask"]), ["BlockMask"])
+    # later calls: their own kernels, the same results to the bit
+    for mask, first in ((causal, causal_first), (window, window_first)):
+        later = backward(forward(mask, ["BlockMask"]), ["BlockMask"])
+        for a, b in zip(first, later):
+            assert not a.isnan().any() and torch.equal(a, b)
+    assert not first_calls._failed and not first_calls._pending
+    assert first_calls.ran_bits() == bits_calls + 2  # causal's first backward, the window's first forward
+
+
+def test_a_worker_compile_that_fails_leaves_the_calls_to_compile_their_own(fresh, monkeypatch):
+    forwards = _record(monkeypatch, "_forward", 4)
+    L = 128
+    q, k, v = rand_qkv(1, 2, 2, L, L, 64, seed=6)
+    flex_attention(q, k, v, block_mask=create_block_mask(causal_mask, None, None, L, L, device=DEVICE, BLOCK_SIZE=64))
+    first_calls.wait()
+    monkeypatch.setattr(api, "_compile_call", lambda *args: 1 / 0)
+    window = create_block_mask(generate_sliding_window(20), None, None, L, L, device=DEVICE, BLOCK_SIZE=64)
+    forwards.clear()
+    first = flex_attention(q, k, v, block_mask=window)  # the bits, and a worker that raises
+    first_calls.wait()
+    assert forwards == ["BlockMask", "BitsMask"] and len(first_calls._failed) == 1
+    forwards.clear()
+    assert torch.equal(flex_attention(q, k, v, block_mask=window), first)  # its own, in the call
+    assert forwards == ["BlockMask"]
+
+
+@pytest.mark.parametrize("why", ["kernel_options", "off", "no mask_mod", "autotune", "cpu by default"])
+def test_where_first_calls_do_not_apply(why, monkeypatch):
+    monkeypatch.setattr(first_calls, "ENABLED", "always")
+    q = torch.zeros(1, 1, 8, 8, device=DEVICE)
+    bm = create_block_mask(causal_mask, None, None, 8, 8, device=DEVICE)
+    assert first_calls.applies(q, bm, None)
+    options = None
+    if why == "kernel_options":
+        options = {"BLOCK_M": 64}
+    elif why == "off":
+        monkeypatch.setattr(first_calls, "ENABLED", False)
+    elif why == "no mask_mod":
+        bm = None
+    elif why == "autotune":
+        monkeypatch.setenv("FLEXLITE_AUTOTUNE", "1")
+    else:
+        monkeypatch.setattr(first_calls, "ENABLED", True)
+        q = q.cpu()
+    assert not first_calls.applies(q, bm, options)
+
+
+def test_masks_whose_bits_cannot_be_made_compile_their_own(fresh, monkeypatch):
+    bm = _block_mask("causal")
+    monkeypatch.setattr(first_calls, "MAX_BITS_BYTES", 1024)
+    assert first_calls.bits_mask(bm, 1, 1, gathers=False) is None  # past the bytes allowed
+    monkeypatch.setattr(first_calls, "MAX_BITS_BYTES", 1 << 30)
+    bm.mask_mod = lambda b, h, q_idx, kv_idx: torch.tensor(q_idx.item() >= 0)  # torch cannot vmap .item()
+    assert first_calls.bits_mask(bm, 1, 1, gathers=False) is None
+
+
+class _Kernel(JITFunction):
+    """A compiled kernel's stand-in: records its runs."""
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, *args, grid, warmup, **kwargs):
+        self.runs.append((args, grid, warmup, kwargs))
+
+
+def test_compile_only_launches_compile_and_run_nothing():
+    kernel = _Kernel()
+    compiled = launch.CompiledLaunch(kernel, {"BLOCK": 64})
+    with launch.compile_only():
+        assert launch.compiling_only()
+        compiled((2, 1), (torch.zeros(4), 3))
+        launch._launch(object(), (1,), (), {})  # the interpreter's kernels: nothing at all
+    assert not launch.compiling_only() and not compiled.compiled
+    (args, grid, warmup, kwargs), = kernel.runs
+    assert grid == (2, 1) and warmup is True and kwargs == {"BLOCK": 64} and args[1] == 3
+    # another thread's launches are not compile-only
+    seen = []
+    with launch.compile_only():
+        thread = threading.Thread(target=lambda: seen.append(launch.compiling_only()))
+        thread.start()
+        thread.join()
+    assert seen == [False]
+
+
+def test_wait_for_the_worker(fresh):
+    release = threading.Event()
+    first_calls.compile_beside(("test", 1), release.wait)
+    first_calls.compile_beside(("test", 1), release.wait)  # asked twice: compiled once
+    assert first_calls.pending(("test", 1)) and len(first_calls._pending) == 1
+    with pytest.raises(TimeoutError, match="still running"):
+        first_calls.wait(timeout=0.05)
+    release.set()
+    first_calls.wait()
+    assert first_calls.ready(("test", 1)) and not first_calls.pending(("test", 1))
