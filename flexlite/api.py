@@ -485,7 +485,7 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options, ma
         "fwd", (kernel.source,), query, key, value, block_mask, kernel_options, mask_gathers,
         lambda bits: (_generate(score_mod, bits, query.device, template, _float_index(template, Lq, Lkv),
                                 dtype=query.dtype, max_scores=max_scores, traced=(traced[0], None)).source,),
-        lambda bits: _compile_call(query, key, value, score_mod, bits or block_mask, scale, max_scores,
+        lambda bits: _compile_call(query, key, value, bits or block_mask, scale, max_scores,
                                    (traced[0], None) if bits else traced),
         max_scores)
     if first is not None and first.bits is not None:  # a new mask_mod's first calls: its kernel compiles beside
@@ -498,12 +498,13 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options, ma
     return result
 
 
-def _compile_call(query, key, value, score_mod, block_mask, scale, max_scores, traced):
+def _compile_call(query, key, value, block_mask, scale, max_scores, traced):
     """A call's forward and, where its inputs require grad, backward, for the first_calls worker (inside
-    launch.compile_only: the kernels compile, nothing runs)."""
-    out, lse, _ = _forward(query, key, value, score_mod, block_mask, scale, None, max_scores, traced)
+    launch.compile_only: the kernels compile, nothing runs). ``traced``: the mods' traces (score_mod's, and
+    block_mask's mask_mod's or None), made on the calling thread (the worker may not trace)."""
+    out, lse, _ = _forward(query, key, value, traced[0], block_mask, scale, None, max_scores, traced)
     if query.requires_grad or key.requires_grad or value.requires_grad:
-        _backward(query, key, value, out, lse, out, None, score_mod, block_mask, scale, None, (),
+        _backward(query, key, value, out, lse, out, None, traced[0], block_mask, scale, None, (),
                   need_dq=query.requires_grad, need_captured=())
 
 
@@ -657,7 +658,7 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
         _mask_gathers(kernel, block_mask),
         lambda bits: _backward_sources(traced[0], trace_mod(bits.mask_mod, "mask_mod"), interpret,
                                        ws_module is not None),
-        lambda bits: _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, bits or block_mask, scale,
+        lambda bits: _backward(query, key, value, out, lse, grad_out, grad_lse, traced[0], bits or block_mask, scale,
                                kernel_options, captured, need_dq, need_captured),
         need_dq, grad_lse is not None)
     if first is not None and first.bits is not None:  # a new mask_mod's first calls: its kernels compile beside

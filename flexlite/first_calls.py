@@ -29,6 +29,7 @@ from typing import Callable, Optional
 import torch
 
 from .block_mask import BlockMask, _ordered_to_dense, kept_on
+from .codegen.trace import tracing_refused
 from .runtime import launch
 from .runtime.autotune import autotune_enabled
 
@@ -93,7 +94,7 @@ def _compile(key: tuple, compile_: Callable[[], None], device: Optional[int]) ->
     try:
         if device is not None:
             torch.cuda.set_device(device)
-        with launch.compile_only():
+        with launch.compile_only(), tracing_refused():  # (the calls' traces are made on their thread)
             compile_()
         _ready.add(key)
     except BaseException:  # noqa: BLE001 - the call that needs these kernels compiles them itself and raises there

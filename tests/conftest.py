@@ -30,6 +30,16 @@ def poison_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty", empty)
 
 
+@pytest.fixture(autouse=True)
+def first_calls_worker_done():
+    """What a test asked flexlite.first_calls' worker to compile is compiled before the next test starts (on a GPU,
+    where it is on by default): no test sees another's compile-only calls in its spies."""
+    yield
+    from flexlite import first_calls
+
+    first_calls.wait()
+
+
 # GPU runs can test decode settings that are off by default (e.g. '{"use_tma": true, "use_pdl": true}')
 if os.environ.get("FLEXLITE_TEST_DECODE_TILES"):
     import json

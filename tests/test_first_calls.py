@@ -244,3 +244,17 @@ def test_wait_for_the_worker(fresh):
     release.set()
     first_calls.wait()
     assert first_calls.ready(("test", 1)) and not first_calls.pending(("test", 1))
+
+
+def test_the_worker_compiles_from_the_calling_threads_traces(fresh):
+    # torch.fx patches torch.nn.Module's methods process-wide while it traces: a trace in the worker would break a
+    # torch.compile running in the caller's thread, so the worker refuses to trace and its job fails instead
+    def fresh_mask(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+    bm = create_block_mask(causal_mask, None, None, 64, 64, device=DEVICE)
+    bm.mask_mod = fresh_mask  # never traced
+    q, k, v = rand_qkv(1, 1, 1, 64, 64, 16, seed=4)
+    assert first_calls.compile_beside(("test", 2), lambda: api._forward(q, k, v, None, bm, 0.25, None))
+    first_calls.wait()
+    assert ("test", 2) in first_calls._failed and not first_calls.ready(("test", 2))
+    assert not first_calls.compile_beside(("test", 2), lambda: None)  # failed: left to the call

@@ -16,7 +16,9 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import operator
+import contextlib
 import re
+import threading
 import types
 import weakref
 from typing import Callable, Optional
@@ -209,7 +211,25 @@ def trace_mod(fn: Callable, kind: str) -> TracedMod:
     return traced
 
 
+_NO_TRACING = threading.local()
+
+
+@contextlib.contextmanager
+def tracing_refused():
+    """While inside, :func:`trace_mod` in this thread raises where it would trace: torch.fx patches
+    torch.nn.Module's methods process-wide while it traces, which would break a torch.compile (or another trace)
+    running in another thread (flexlite.first_calls' worker compiles from traces made on the calling thread)."""
+    _NO_TRACING.on = True
+    try:
+        yield
+    finally:
+        _NO_TRACING.on = False
+
+
 def _trace(fn: Callable, kind: str) -> TracedMod:
+    if getattr(_NO_TRACING, "on", False):
+        raise RuntimeError(f"{mod_name(fn)!r} would be traced in a thread that may not trace (flexlite.first_calls' "
+                           f"worker): its trace must come from the calling thread")
     name = re.sub(r"[^\w(), .<>-]", "_", mod_name(fn))  # it goes into generated source comments
     arg_names = SCORE_MOD_ARGS if kind == "score_mod" else MASK_MOD_ARGS
     # trace through a wrapper with fixed parameter names, so *args mods and odd names work too
