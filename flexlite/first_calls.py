@@ -1,22 +1,22 @@
 """A new mask_mod's first calls while its own kernels compile.
 
 flex_attention compiles kernels for each new pair of mods and each new shape: 1.8-5 s on an H100's host, most of it
-ptxas (benchmarks/NOTES.md 67, 69). A mask_mod need not make its first calls wait for that. Its block mask's partial
-blocks are evaluated once in torch (the mask_mod vmapped over each partial block's positions, as the fp64 reference
-evaluates it) into bits, one per position; a mask_mod that reads those bits (:func:`bits_mask_mod`) has one source for
-every mask, so its kernels, once compiled for a score_mod and shape, serve every later mask_mod. While they run the
-first calls, a worker thread compiles the mod's own kernels (``launch.compile_only``: Triton's warmup, nothing
-launched); calls take those once they are compiled.
+ptxas (benchmarks/NOTES.md 67, 69). A mask_mod need not make its first calls wait for that. Its block mask is
+evaluated once in torch into bits, one per position (:func:`bits_mask`: the mask_mod vmapped over each partial block,
+as the fp64 reference evaluates it; full blocks all ones, empty ones all zeros), and a mask_mod that reads those bits
+(:func:`bits_mask_mod`) has one source for every mask: its kernels, once compiled for a score_mod and shape, serve
+every later mask_mod. While they run the first calls, a worker thread compiles the mod's own kernels
+(``launch.compile_only``: Triton's warmup, nothing launched) from traces made on the calling thread; later calls take
+those (benchmarks/NOTES.md 72).
 
-The kernels of the bits are the mod's own but for how a partial block's mask is read: the same templates, tiles and
-walk (the tiles chosen for the original mask_mod: :attr:`BitsMask.gathers`), so outputs and gradients are the same as
-the mod's own kernels give.
+The bits' kernels are the mod's own but for how the mask is read: the same templates, tiles and walk (the tiles chosen
+for the original mask_mod: :attr:`BitsMask.gathers`), so outputs and gradients are those of the mod's own kernels.
 
 Where it applies (:func:`applies`): CUDA (``ENABLED``; the interpreter compiles nothing), a block mask with a
-mask_mod, no kernel_options (nor FLEXLITE_AUTOTUNE), no CUDA graph being captured. The bits' kernels are known compiled for a score_mod and
-shape once a call has run them, or once the worker has compiled them: the first mask_mod at a shape compiles its own
-kernels in the call (as without this) and the worker then compiles the bits' kernels, so that the next mask_mod's
-first call does not wait. :func:`wait` waits for the worker (before timing, or capturing a CUDA graph).
+mask_mod, no kernel_options (nor FLEXLITE_AUTOTUNE), no CUDA graph being captured. A kernel set is known compiled once
+a call has run it or the worker has compiled it: the first mask_mod at a shape compiles its own kernels in the call
+(as without this) and the worker then compiles the bits' kernels, so that the next mask_mod's first call does not
+wait. :func:`wait` waits for the worker (before timing, or capturing a CUDA graph).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Callable, Optional
 import torch
 
 from .block_mask import BlockMask, _ordered_to_dense, kept_on
-from .codegen.trace import tracing_refused
+from .codegen.trace import MASK_MOD_ARGS, trace_mod, tracing_refused
 from .runtime import launch
 from .runtime.autotune import autotune_enabled
 
@@ -59,7 +59,8 @@ def applies(query: torch.Tensor, block_mask, options: dict) -> bool:
 
 def signature(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask, *extra) -> tuple:
     """What besides the sources decides which compiled kernels a call launches: the inputs' device, dtype, shapes
-    and strides, the block mask's block size and tensors' shapes (every int Triton specializes on derives from these)."""
+    and strides, the block mask's block size and tensors' shapes (every int Triton specializes on derives from
+    these), and ``extra``."""
     blocks = tuple(None if t is None else tuple(t.shape) for t in (block_mask.kv_num_blocks, block_mask.kv_indices,
                                                                     block_mask.full_kv_indices))
     return (query.device, query.dtype, tuple(query.shape), tuple(key.shape), tuple(value.shape), query.stride(),
@@ -97,7 +98,7 @@ def _compile(key: tuple, compile_: Callable[[], None], device: Optional[int]) ->
         with launch.compile_only(), tracing_refused():  # (the calls' traces are made on their thread)
             compile_()
         _ready.add(key)
-    except BaseException:  # noqa: BLE001 - the call that needs these kernels compiles them itself and raises there
+    except Exception:  # noqa: BLE001 - the call that needs these kernels compiles them itself and raises there
         _failed.add(key)
     finally:
         with _lock:
@@ -151,27 +152,45 @@ def _pad16(n: int) -> int:
     return max(16, -(-n // 16) * 16)
 
 
+def _uses(mask_mod: Callable) -> tuple:
+    """Whether ``mask_mod`` reads b, and h (from its trace, made on the calling thread)."""
+    graph = trace_mod(mask_mod, "mask_mod").graph_module.graph
+    used = {node.name: bool(node.users) for node in graph.nodes if node.op == "placeholder"}
+    return tuple(used.get(name, True) for name in MASK_MOD_ARGS[:2])
+
+
 def _make_bits_mask(block_mask: BlockMask, B: int, H: int, gathers: bool) -> Optional[BitsMask]:
-    num, idx = block_mask.kv_num_blocks, block_mask.kv_indices
-    Bm, Hm, n_q = num.shape
-    n_kv = -(-block_mask.seq_lengths[1] // block_mask.BLOCK_SIZE[1])
+    """The bits of every position a kernel may ask the mask_mod about, as the kernels' semantics have it
+    (flexlite.reference.reference_mask): the mask_mod's value in a partial block, True in a full block, False
+    elsewhere (a kernel tile may span several blocks of a small BLOCK_SIZE); mask_mod is called with the call's
+    (b, h) where it reads them, also where the block mask broadcasts them."""
+    partial, full = block_mask.dense_blocks(full=False), block_mask.dense_blocks(full=True)
+    Bm, Hm, n_q, n_kv = partial.shape
+    try:
+        uses_b, uses_h = _uses(block_mask.mask_mod)
+    except Exception:  # noqa: BLE001 - an untraceable mod: its own kernels' path reports it
+        return None
+    Be, He = (B if Bm == 1 and uses_b else Bm), (H if Hm == 1 and uses_h else Hm)
+    partial, full = partial.expand(Be, He, n_q, n_kv), full.expand(Be, He, n_q, n_kv)
     bq, bkv = block_mask.BLOCK_SIZE
     words_per_row = -(-bkv // 32)
-    partial = _ordered_to_dense(num, idx, n_kv)
     coords = partial.nonzero()  # (P, 4): b, h, q block, kv block
     P = coords.shape[0]
     # every size a multiple of 16 and a broadcast batch or head a stride-0 view: what Triton specializes the
     # kernels on is the same for every mask (the bits' kernels compile once per score_mod and shape)
-    slot_shape = (_pad16(Bm) if Bm > 1 else 1, _pad16(Hm) if Hm > 1 else 1, _pad16(n_q), _pad16(n_kv))
-    if 4 * (_pad16(P) * bq * words_per_row + slot_shape[0] * slot_shape[1] * slot_shape[2] * slot_shape[3]) \
+    slot_shape = (_pad16(Be) if Be > 1 else 1, _pad16(He) if He > 1 else 1, _pad16(n_q), _pad16(n_kv))
+    if 4 * (_pad16(P + 2) * bq * words_per_row + slot_shape[0] * slot_shape[1] * slot_shape[2] * slot_shape[3]) \
             > MAX_BITS_BYTES:
         return None
-    device = num.device
-    slot = torch.zeros(slot_shape, dtype=torch.int32, device=device)
+    device = partial.device
+    # rows P and P + 1 of the words: a full block's (all ones) and an empty block's (all zeros)
+    slot = torch.full(slot_shape, P + 1, dtype=torch.int32, device=device)
+    slot[:Be, :He, :n_q, :n_kv][full] = P
     slot[coords[:, 0], coords[:, 1], coords[:, 2], coords[:, 3]] = torch.arange(P, dtype=torch.int32, device=device)
-    slot = slot.expand(_pad16(B) if Bm == 1 else slot_shape[0], _pad16(H) if Hm == 1 else slot_shape[1],
+    slot = slot.expand(_pad16(B) if Be == 1 else slot_shape[0], _pad16(H) if He == 1 else slot_shape[1],
                        *slot_shape[2:])
-    words = torch.zeros((_pad16(P), bq, words_per_row), dtype=torch.int32, device=device)
+    words = torch.zeros((_pad16(P + 2), bq, words_per_row), dtype=torch.int32, device=device)
+    words[P] = -1
     for start in range(0, P, _CHUNK_BLOCKS):
         chunk = coords[start:start + _CHUNK_BLOCKS]
         chunk_words = _block_words(block_mask, chunk, words_per_row)
@@ -212,9 +231,11 @@ def _block_words(block_mask: BlockMask, coords: torch.Tensor, words_per_row: int
 
 
 def bits_mask_mod(slot: torch.Tensor, words: torch.Tensor, bq: int, bkv: int) -> Callable:
-    """The mask_mod of the bits: position (q_idx, kv_idx) of batch b and head h is bit ``kv_idx % 32`` of word
-    ``(kv_idx % bkv) // 32`` of row ``q_idx % bq`` of the partial block numbered ``slot[b, h, q block, kv block]``."""
+    """The mask_mod of the bits: position (q_idx, kv_idx) of batch b and head h, at column c = kv_idx % bkv of its
+    block, is bit ``c % 32`` of word ``c // 32`` of row ``q_idx % bq`` of the words numbered
+    ``slot[b, h, q block, kv block]``."""
     def first_call_bits(b, h, q_idx, kv_idx):
-        word = words[slot[b, h, q_idx // bq, kv_idx // bkv], q_idx % bq, (kv_idx % bkv) // 32]
-        return ((word >> (kv_idx % 32)) & 1) == 1
+        column = kv_idx % bkv
+        word = words[slot[b, h, q_idx // bq, kv_idx // bkv], q_idx % bq, column // 32]
+        return ((word >> (column % 32)) & 1) == 1
     return first_call_bits

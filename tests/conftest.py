@@ -47,3 +47,11 @@ if os.environ.get("FLEXLITE_TEST_DECODE_TILES"):
     from flexlite.runtime import launch
 
     launch.DECODE_TILES.update(json.loads(os.environ["FLEXLITE_TEST_DECODE_TILES"]))
+
+
+# first_calls (on by default on CUDA only) on CPU too: FLEXLITE_TEST_FIRST_CALLS=always runs every test's first calls of
+# a new mask_mod through the bits' kernels, as a GPU run does
+if os.environ.get("FLEXLITE_TEST_FIRST_CALLS"):
+    from flexlite import first_calls
+
+    first_calls.ENABLED = {"always": "always", "0": False}.get(os.environ["FLEXLITE_TEST_FIRST_CALLS"], True)

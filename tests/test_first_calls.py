@@ -11,6 +11,7 @@ from triton.runtime.jit import JITFunction
 
 from flexlite import api, create_block_mask, create_mask, first_calls, flex_attention
 from flexlite.masks import causal_mask, generate_doc_mask_mod, generate_prefix_lm_mask, generate_sliding_window
+from flexlite.reference import reference_mask
 from flexlite.runtime import launch
 
 from helpers import DEVICE, rand_qkv
@@ -30,41 +31,44 @@ def _per_head(b, h, q_idx, kv_idx):  # a mask of its own in every (b, h)
     return ((q_idx + b) % (h + 2)) != (kv_idx % 3)
 
 
-def _document():
-    ids = torch.tensor([0] * 40 + [1] * 50 + [2] * 21, dtype=torch.int32, device=DEVICE)  # 111 positions
+def _document(L=111):
+    ids = torch.arange(L, device=DEVICE, dtype=torch.int32) * 3 // L  # three documents
     return generate_doc_mask_mod(causal_mask, ids)
 
 
-MASKS = {  # name -> (mask_mod, B and H of the mask, length, BLOCK_SIZE)
-    "causal": (causal_mask, (None, None), 200, 64),
-    "sliding_window": (generate_sliding_window(70), (None, None), 256, 128),
-    "prefix_lm": (generate_prefix_lm_mask(50), (None, 2), 63, (32, 64)),
-    "document": (_document(), (None, None), 111, 32),
-    "per_head": (_per_head, (2, 3), 96, 32),
+def _reads_b_and_h(b, h, q_idx, kv_idx):  # by a block mask of batch and heads None too: the kernels pass the real ones
+    return ((q_idx + b + 2 * h) % 5) != (kv_idx % 3)
+
+
+MASKS = {  # name -> (mask_mod, B and H of the mask, (Lq, Lkv), BLOCK_SIZE)
+    "causal": (causal_mask, (None, None), (200, 200), 64),
+    "sliding_window": (generate_sliding_window(70), (None, None), (256, 256), 128),
+    "prefix_lm": (generate_prefix_lm_mask(50), (None, 2), (63, 63), (32, 64)),
+    "document": (_document(), (None, None), (111, 111), 32),
+    "per_head": (_per_head, (2, 3), (96, 96), 32),
+    # blocks smaller than a kernel tile (which then asks about full and empty blocks too), lengths that differ
+    "document_16": (_document(200), (None, None), (200, 137), 16),
+    "reads_b_and_h": (_reads_b_and_h, (None, None), (80, 100), (16, 48)),  # 48: two words a row, one half used
 }
 
 
 def _block_mask(name):
-    mod, (B, H), L, block = MASKS[name]
-    return create_block_mask(mod, B, H, L, L, device=DEVICE, BLOCK_SIZE=block)
+    mod, (B, H), (Lq, Lkv), block = MASKS[name]
+    return create_block_mask(mod, B, H, Lq, Lkv, device=DEVICE, BLOCK_SIZE=block)
 
 
 @pytest.mark.parametrize("name", list(MASKS))
-def test_the_bits_are_the_mask_on_every_partial_block(name):
-    mod, (Bm, Hm), L, _ = MASKS[name]
+def test_the_bits_are_the_kernels_mask_wherever_they_may_ask(name):
+    # partial blocks: the mask_mod's values; full blocks: True; empty ones: False (reference_mask's semantics)
+    _, (Bm, Hm), (Lq, Lkv), _ = MASKS[name]
     bm = _block_mask(name)
     B, H = Bm or 2, Hm or 3  # a mask of batch or heads None broadcasts to the call's
     bits = first_calls.bits_mask(bm, B, H, gathers=False)
     assert isinstance(bits, first_calls.BitsMask) and bits.original is bm
     # the same blocks, another mask_mod
     assert all(getattr(bits, n) is getattr(bm, n) for n in bm._TENSOR_ATTRS) and bits.mask_mod is not bm.mask_mod
-    got = create_mask(bits.mask_mod, B, H, L, L, device=DEVICE)
-    want = create_mask(mod, Bm or 1, Hm or 1, L, L, device=DEVICE).expand(B, H, L, L)
-    bq, bkv = bm.BLOCK_SIZE
-    partial = bm.dense_blocks(full=False).expand(B, H, -1, -1)
-    partial = partial.repeat_interleave(bq, 2).repeat_interleave(bkv, 3)[..., :L, :L]
-    assert partial.any()
-    assert torch.equal(got[partial], want[partial])
+    assert bm.dense_blocks(full=False).any()
+    assert torch.equal(create_mask(bits.mask_mod, B, H, Lq, Lkv, device=DEVICE), reference_mask(bm, B, H, DEVICE))
     # kept on the block mask per call shape
     assert first_calls.bits_mask(bm, B, H, gathers=False) is bits
     assert first_calls.bits_mask(bm, B, H, gathers=True) is not bits
@@ -88,16 +92,16 @@ def test_every_mask_mod_gives_the_bits_kernels_the_same_specialization(B, H, Bm,
     assert all(spec == specs[0] for spec in specs), specs
 
 
-@pytest.mark.parametrize("name", ["document", "sliding_window"])
+@pytest.mark.parametrize("name", ["document", "sliding_window", "document_16"])
 def test_the_bits_kernels_give_the_mods_own_results(name, monkeypatch):
     # the same templates, tiles and walk (chosen for the original mask_mod: document's gathers), only the partial
     # blocks' mask read from the bits: outputs and gradients the same to the bit
     monkeypatch.setattr(first_calls, "ENABLED", False)
     bm = _block_mask(name)
-    L = MASKS[name][2]
+    Lq, Lkv = MASKS[name][2]
     results = []
-    for mask in (bm, first_calls.bits_mask(bm, 1, 2, gathers=name == "document")):
-        q, k, v = (t.requires_grad_() for t in rand_qkv(1, 2, 2, L, L, 64, seed=3))
+    for mask in (bm, first_calls.bits_mask(bm, 1, 2, gathers=name.startswith("document"))):
+        q, k, v = (t.requires_grad_() for t in rand_qkv(1, 2, 2, Lq, Lkv, 64, seed=3))
         out, lse = flex_attention(q, k, v, block_mask=mask, return_lse=True)
         (out * torch.linspace(-1, 1, 64, device=DEVICE)).sum().backward()
         results.append((out, lse, q.grad, k.grad, v.grad))
