@@ -28,7 +28,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .block_mask import BlockMask, _ordered_to_dense, kept_on
+from .block_mask import BlockMask, kept_on
 from .codegen.trace import MASK_MOD_ARGS, trace_mod, tracing_refused
 from .runtime import launch
 from .runtime.autotune import autotune_enabled
