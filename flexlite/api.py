@@ -648,9 +648,7 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
                              gathers=bool(kernel.score_mod.tensors) or _mask_gathers(kernel, block_mask))
     ws_module = None
     if not (scatter or deterministic) and _warp_specialize_backward(query, key, value, sparse, options):
-        ws_kernel = generate_backward(*traced, interpret=interpret, template="bwd_ws.py.jinja",
-                                      query_values=_launch.WS_BWD_QUERY_VALUES,
-                                      llvm_opt_levels=_launch.WS_BWD_LLVM_OPT_LEVELS)
+        ws_kernel = _ws_backward_kernel(*traced, interpret=interpret)
         if ws_kernel.source not in _WS_UNCOMPILABLE:
             ws_module = load_module(ws_kernel.source, interpret=interpret)
     first = None if want else _first_call(
@@ -690,14 +688,17 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
     return dq, dk, dv, [next(wanted) if need else None for need in need_captured]
 
 
+def _ws_backward_kernel(score_mod, mask_mod, interpret: bool) -> GeneratedKernel:
+    """The warp-specialized backward kernel (bwd_ws.py.jinja) of these traced mods."""
+    return generate_backward(score_mod, mask_mod, interpret=interpret, template="bwd_ws.py.jinja",
+                             query_values=_launch.WS_BWD_QUERY_VALUES, llvm_opt_levels=_launch.WS_BWD_LLVM_OPT_LEVELS)
+
+
 def _backward_sources(score_mod, mask_mod, interpret: bool, ws: bool) -> tuple:
     """The sources of :func:`_backward`'s kernels for these traced mods (no captured-tensor gradients): the Triton
     kernels', and the warp-specialized one's where ``ws`` (else None)."""
-    kernel = generate_backward(score_mod, mask_mod, interpret=interpret)
-    ws_source = generate_backward(score_mod, mask_mod, interpret=interpret, template="bwd_ws.py.jinja",
-                                  query_values=_launch.WS_BWD_QUERY_VALUES,
-                                  llvm_opt_levels=_launch.WS_BWD_LLVM_OPT_LEVELS).source if ws else None
-    return kernel.source, ws_source
+    return (generate_backward(score_mod, mask_mod, interpret=interpret).source,
+            _ws_backward_kernel(score_mod, mask_mod, interpret).source if ws else None)
 
 
 def _capturing(t: torch.Tensor) -> bool:

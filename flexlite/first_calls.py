@@ -58,13 +58,15 @@ def applies(query: torch.Tensor, block_mask, options: dict) -> bool:
 
 
 def signature(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask, *extra) -> tuple:
-    """What besides the sources decides which compiled kernels a call launches: the inputs' device, dtype, shapes
-    and strides, the block mask's block size and tensors' shapes (every int Triton specializes on derives from
-    these), and ``extra``."""
-    blocks = tuple(None if t is None else tuple(t.shape) for t in (block_mask.kv_num_blocks, block_mask.kv_indices,
-                                                                    block_mask.full_kv_indices))
-    return (query.device, query.dtype, tuple(query.shape), tuple(key.shape), tuple(value.shape), query.stride(),
-            key.stride(), value.stride(), tuple(block_mask.BLOCK_SIZE), blocks) + extra
+    """What besides the sources decides whether a call needs kernels compiled: device, dtype, head dims, heads per kv
+    head, whether the inputs are contiguous, whether the lengths are multiples of 128 (the Gluon kernels' host
+    descriptors) and the queries few enough to decode, the block mask's block size and whether it has full blocks,
+    and ``extra``. Not the lengths themselves, which the kernels do not specialize on: a new length (a decoding step)
+    is no new first call."""
+    Lq, Lkv = query.shape[2], key.shape[2]
+    return (query.device, query.dtype, query.shape[-1], value.shape[-1], query.shape[1] // key.shape[1],
+            query.is_contiguous(), key.is_contiguous(), value.is_contiguous(), Lq % 128 == 0, Lkv % 128 == 0,
+            Lq <= 64, tuple(block_mask.BLOCK_SIZE), block_mask.full_kv_num_blocks is None) + extra
 
 
 def ready(key: tuple) -> bool:

@@ -9,12 +9,12 @@ import pytest
 import torch
 from triton.runtime.jit import JITFunction
 
-from flexlite import api, create_block_mask, create_mask, first_calls, flex_attention
+from flexlite import api, attention_reference, create_block_mask, create_mask, first_calls, flex_attention
 from flexlite.masks import causal_mask, generate_doc_mask_mod, generate_prefix_lm_mask, generate_sliding_window
 from flexlite.reference import reference_mask
 from flexlite.runtime import launch
 
-from helpers import DEVICE, rand_qkv
+from helpers import DEVICE, TOLERANCES, assert_close, rand_qkv
 
 
 @pytest.fixture
@@ -262,3 +262,19 @@ def test_the_worker_compiles_from_the_calling_threads_traces(fresh):
     first_calls.wait()
     assert ("test", 2) in first_calls._failed and not first_calls.ready(("test", 2))
     assert not first_calls.compile_beside(("test", 2), lambda: None)  # failed: left to the call
+
+
+def test_a_new_length_is_no_new_first_call(fresh, monkeypatch):
+    # the kernels take lengths as arguments (one compile serves every length): a new length, a decoding step's for
+    # one, neither runs the bits nor asks the worker for anything
+    forwards = _record(monkeypatch, "_forward", 4)
+    for mod in (causal_mask, generate_sliding_window(30)):
+        for L in (200, 190):
+            q, k, v = rand_qkv(1, 2, 2, L, L, 64, seed=L)
+            bm = create_block_mask(mod, None, None, L, L, device=DEVICE, BLOCK_SIZE=64)
+            out = flex_attention(q, k, v, block_mask=bm)
+            assert_close(out, attention_reference(q, k, v, block_mask=bm)[0], *TOLERANCES[torch.float32])
+            first_calls.wait()
+    # causal: its own at both lengths; the window: the bits at the first length, its own after
+    assert forwards == ["BlockMask", "BlockMask", "BlockMask", "BitsMask", "BlockMask"]
+    assert len(first_calls._ready) == 3  # causal's, the bits', the window's
