@@ -38,7 +38,7 @@ from .runtime.autotune import autotune_enabled
 ENABLED: "bool | str" = True
 # bits kept per block mask at most (bytes): beyond, the mod's own kernels compile in the call
 MAX_BITS_BYTES = 256 << 20
-_CHUNK_BLOCKS = 1024  # partial blocks evaluated at a time (16M positions at 128 x 128)
+_CHUNK_BLOCKS = 256  # partial blocks evaluated at a time (4M positions at 128 x 128: ~100 MB of temporaries)
 
 _lock = threading.Lock()
 _ready: set = set()  # kernel keys (pass, sources, signature) compiled in this process

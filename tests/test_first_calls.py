@@ -58,8 +58,9 @@ def _block_mask(name):
 
 
 @pytest.mark.parametrize("name", list(MASKS))
-def test_the_bits_are_the_kernels_mask_wherever_they_may_ask(name):
+def test_the_bits_are_the_kernels_mask_wherever_they_may_ask(name, monkeypatch):
     # partial blocks: the mask_mod's values; full blocks: True; empty ones: False (reference_mask's semantics)
+    monkeypatch.setattr(first_calls, "_CHUNK_BLOCKS", 3)  # (the partial blocks evaluated in several chunks)
     _, (Bm, Hm), (Lq, Lkv), _ = MASKS[name]
     bm = _block_mask(name)
     B, H = Bm or 2, Hm or 3  # a mask of batch or heads None broadcasts to the call's
