@@ -13,10 +13,10 @@ same tensor needs nothing at all.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import operator
-import contextlib
 import re
 import threading
 import types
