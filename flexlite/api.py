@@ -372,7 +372,10 @@ def _first_call(kind: str, sources: tuple, query, key, value, block_mask, option
     own = (kind, sources, sig)
     if first_calls.ready(own) or isinstance(block_mask, first_calls.BitsMask) or _launch.compiling_only():
         return _FirstCall(own, run)
-    bits = first_calls.bits_mask(block_mask, query.shape[0], query.shape[1], gathers)
+    try:
+        bits = first_calls.bits_mask(block_mask, query.shape[0], query.shape[1], gathers)
+    except Exception:  # noqa: BLE001 - the bits are a shortcut: without them the call compiles its own, as it must
+        bits = None
     if bits is None:
         return _FirstCall(own, run)
     return _FirstCall(own, run, bits, (kind, bits_sources(bits), sig))

@@ -279,3 +279,17 @@ def test_a_new_length_is_no_new_first_call(fresh, monkeypatch):
     # causal: its own at both lengths; the window: the bits at the first length, its own after
     assert forwards == ["BlockMask", "BlockMask", "BlockMask", "BitsMask", "BlockMask"]
     assert len(first_calls._ready) == 3  # causal's, the bits', the window's
+
+
+def test_bits_that_fail_to_build_leave_the_call_its_own_kernels(fresh, monkeypatch):
+    forwards = _record(monkeypatch, "_forward", 4)
+    L = 128
+    q, k, v = rand_qkv(1, 2, 2, L, L, 64, seed=8)
+    flex_attention(q, k, v, block_mask=create_block_mask(causal_mask, None, None, L, L, device=DEVICE, BLOCK_SIZE=64))
+    first_calls.wait()
+    monkeypatch.setattr(first_calls, "_make_bits_mask", lambda *args: 1 / 0)
+    window = create_block_mask(generate_sliding_window(20), None, None, L, L, device=DEVICE, BLOCK_SIZE=64)
+    forwards.clear()
+    out = flex_attention(q, k, v, block_mask=window)
+    assert forwards == ["BlockMask"]
+    assert_close(out, attention_reference(q, k, v, block_mask=window)[0], *TOLERANCES[torch.float32])
