@@ -346,17 +346,20 @@ class _FirstCall:
     yet and the bits' are (its own then compile in the worker), else None. :meth:`done`, after the call: its kernels
     are compiled, and the worker compiles the bits' for the next mask_mod if they are not."""
 
-    def __init__(self, key: tuple, run: Callable, bits=None, bits_key: Optional[tuple] = None):
-        self.key, self._run, self._bits, self._bits_key, self.bits = key, run, bits, bits_key, None
-        if (bits_key is not None and first_calls.ready(bits_key) and not _launch.compiling_only()
+    def __init__(self, key: tuple, run: Callable, bits=None, bits_key: Optional[tuple] = None,
+                 of_bits: bool = False):
+        self.key, self._run, self._bits, self._bits_key, self._of_bits, self.bits = \
+            key, run, bits, bits_key, of_bits, None
+        if (bits_key is not None and first_calls.ready(bits_key, on_disk=True) and not _launch.compiling_only()
                 and first_calls.compile_beside(key, lambda: run(None))):
             self.bits = bits
             first_calls.count_bits_call()
 
     def done(self):
-        first_calls.mark_ready(self.key)
+        # the bits' kernels serve every later mask_mod, in later processes too (from Triton's disk cache)
+        first_calls.mark_ready(self.key, persist=self._of_bits)
         if self._bits_key is not None and self.bits is None and not _launch.compiling_only():
-            first_calls.compile_beside(self._bits_key, lambda: self._run(self._bits))
+            first_calls.compile_beside(self._bits_key, lambda: self._run(self._bits), persist=True)
 
 
 def _first_call(kind: str, sources: tuple, query, key, value, block_mask, options, gathers: bool,
@@ -371,7 +374,7 @@ def _first_call(kind: str, sources: tuple, query, key, value, block_mask, option
     sig = first_calls.signature(query, key, value, block_mask, *extra)
     own = (kind, sources, sig)
     if first_calls.ready(own) or isinstance(block_mask, first_calls.BitsMask) or _launch.compiling_only():
-        return _FirstCall(own, run)
+        return _FirstCall(own, run, of_bits=isinstance(block_mask, first_calls.BitsMask))
     try:
         bits = first_calls.bits_mask(block_mask, query.shape[0], query.shape[1], gathers)
     except Exception:  # noqa: BLE001 - the bits are a shortcut: without them the call compiles its own, as it must

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import hashlib
 import threading
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -32,6 +34,7 @@ from .block_mask import BlockMask, kept_on
 from .codegen.trace import MASK_MOD_ARGS, trace_mod, tracing_refused
 from .runtime import launch
 from .runtime.autotune import autotune_enabled
+from .runtime.compile import cache_dir, source_hash
 
 # whether a new mask_mod's first calls run the bits' kernels while its own compile beside them: False never, True
 # on CUDA, "always" on every device too (the interpreter compiles nothing: for tests)
@@ -69,17 +72,56 @@ def signature(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block
             Lq <= 64, tuple(block_mask.BLOCK_SIZE), block_mask.full_kv_num_blocks is None) + extra
 
 
-def ready(key: tuple) -> bool:
-    return key in _ready
+def ready(key: tuple, on_disk: bool = False) -> bool:
+    """Whether this process has compiled the kernels of ``key``, or with ``on_disk`` an earlier process on this
+    machine has (:func:`mark_ready`'s marker: Triton's disk cache then loads them in a fraction of a second)."""
+    if key in _ready:
+        return True
+    marker = _marker(key) if on_disk else None
+    if marker is not None and marker.exists():
+        _ready.add(key)
+        return True
+    return False
 
 
-def mark_ready(key: tuple) -> None:
+def mark_ready(key: tuple, persist: bool = False) -> None:
+    """``key``'s kernels are compiled; ``persist``: say so to later processes too (a marker file under flexlite's
+    cache directory, for CUDA keys: the bits' kernels, which serve every later mask_mod)."""
     _ready.add(key)
+    marker = _marker(key) if persist else None
+    if marker is not None and not marker.exists():
+        try:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.touch()
+        except OSError:  # a read-only cache: later processes compile in the call, as without the marker
+            pass
 
 
-def compile_beside(key: tuple, compile_: Callable[[], None]) -> bool:
+def _markers_dir() -> Path:
+    return cache_dir() / "first_calls"
+
+
+def _gpu_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
+
+
+def _marker(key: tuple) -> Optional[Path]:
+    """The marker file of a CUDA ``key`` (pass, sources, signature), named by a hash of what makes the compiled
+    kernels the same in another process: the sources (with Triton's version, as flexlite's kernel files are named),
+    the signature, the GPU's name and torch's version. None for other devices."""
+    kind, sources, sig = key
+    device = sig[0]
+    if not isinstance(device, torch.device) or device.type != "cuda":
+        return None
+    text = repr((kind, [source and source_hash(source) for source in sources], [str(x) for x in sig[1:]],
+                 _gpu_name(device), torch.__version__))
+    return _markers_dir() / hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def compile_beside(key: tuple, compile_: Callable[[], None], persist: bool = False) -> bool:
     """Run ``compile_`` (launches that compile only) in the worker thread unless ``key`` is compiled, being compiled
-    or failed; ``key`` is ready once it returns. False where its compile failed before: the call compiles its own."""
+    or failed; ``key`` is ready once it returns (``persist``: :func:`mark_ready`'s). False where its compile failed
+    before: the call compiles its own."""
     global _worker
     with _lock:
         if key in _failed:
@@ -89,17 +131,18 @@ def compile_beside(key: tuple, compile_: Callable[[], None]) -> bool:
         if _worker is None:
             _worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flexlite-compile")
         _pending[key] = _worker.submit(_compile, key, compile_, torch.cuda.current_device()
-                                       if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
+                                       if torch.cuda.is_available() and torch.cuda.is_initialized() else None,
+                                       persist)
     return True
 
 
-def _compile(key: tuple, compile_: Callable[[], None], device: Optional[int]) -> None:
+def _compile(key: tuple, compile_: Callable[[], None], device: Optional[int], persist: bool) -> None:
     try:
         if device is not None:
             torch.cuda.set_device(device)
         with launch.compile_only(), tracing_refused():  # (the calls' traces are made on their thread)
             compile_()
-        _ready.add(key)
+        mark_ready(key, persist)
     except Exception:  # noqa: BLE001 - the call that needs these kernels compiles them itself and raises there
         _failed.add(key)
     finally:

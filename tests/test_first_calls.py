@@ -18,11 +18,12 @@ from helpers import DEVICE, TOLERANCES, assert_close, rand_qkv
 
 
 @pytest.fixture
-def fresh(monkeypatch):
-    """first_calls on for this device, knowing no compiled kernels."""
+def fresh(monkeypatch, tmp_path):
+    """first_calls on for this device, knowing no compiled kernels (nor any an earlier process marked)."""
     monkeypatch.setattr(first_calls, "ENABLED", "always")
     for name, empty in (("_ready", set()), ("_pending", {}), ("_failed", set())):
         monkeypatch.setattr(first_calls, name, empty)
+    monkeypatch.setattr(first_calls, "_markers_dir", lambda: tmp_path)
     yield
     first_calls.wait()
 
@@ -293,3 +294,35 @@ def test_bits_that_fail_to_build_leave_the_call_its_own_kernels(fresh, monkeypat
     out = flex_attention(q, k, v, block_mask=window)
     assert forwards == ["BlockMask"]
     assert_close(out, attention_reference(q, k, v, block_mask=window)[0], *TOLERANCES[torch.float32])
+
+
+def test_the_bits_kernels_are_known_to_later_processes(fresh, monkeypatch, tmp_path):
+    # a marker file per CUDA key of the bits' kernels (Triton's disk cache has them): a later process's first
+    # mask_mod of that kind runs them too, while its own compile
+    monkeypatch.setattr(first_calls, "_gpu_name", lambda device: "a GPU")
+    key = ("fwd", ("source", None), (torch.device("cuda", 0), torch.bfloat16, 64, True))
+    other = ("fwd", ("another source", None), key[2])
+    first_calls.mark_ready(key, persist=True)
+    first_calls.mark_ready(other)  # (a mod's own kernels: not for later processes)
+    assert len(list(tmp_path.iterdir())) == 1
+    first_calls._ready.clear()  # a later process
+    assert not first_calls.ready(key) and first_calls.ready(key, on_disk=True) and first_calls.ready(key)
+    assert not first_calls.ready(other, on_disk=True)
+    monkeypatch.setattr(first_calls, "_gpu_name", lambda device: "another GPU")
+    first_calls._ready.clear()
+    assert not first_calls.ready(key, on_disk=True)  # compiled for another GPU
+    assert first_calls._marker(("fwd", ("source", None), (torch.device("cpu"), torch.float32))) is None
+
+
+def test_the_bits_kernels_are_marked_for_later_processes_and_a_mods_own_are_not(fresh, monkeypatch):
+    marked, real = [], first_calls.mark_ready
+    monkeypatch.setattr(first_calls, "mark_ready",
+                        lambda key, persist=False: marked.append((key[1], persist)) or real(key, persist))
+    L = 128
+    q, k, v = rand_qkv(1, 2, 2, L, L, 64, seed=9)
+    for mod in (causal_mask, generate_sliding_window(20)):  # its own; the bits, its own beside
+        flex_attention(q, k, v, block_mask=create_block_mask(mod, None, None, L, L, device=DEVICE, BLOCK_SIZE=64))
+        first_calls.wait()
+    persisted = {sources for sources, persist in marked if persist}
+    own = {sources for sources, persist in marked if not persist}
+    assert len(persisted) == 1 and len(own) == 2 and not persisted & own, marked
