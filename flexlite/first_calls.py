@@ -14,9 +14,11 @@ for the original mask_mod: :attr:`BitsMask.gathers`), so outputs and gradients a
 
 Where it applies (:func:`applies`): CUDA (``ENABLED``; the interpreter compiles nothing), a block mask with a
 mask_mod, no kernel_options (nor FLEXLITE_AUTOTUNE), no CUDA graph being captured. A kernel set is known compiled once
-a call has run it or the worker has compiled it: the first mask_mod at a shape compiles its own kernels in the call
-(as without this) and the worker then compiles the bits' kernels, so that the next mask_mod's first call does not
-wait. :func:`wait` waits for the worker (before timing, or capturing a CUDA graph).
+a call has run it or the worker has compiled it (:func:`signature`: per kind of input, not per length): the first
+mask_mod of a kind compiles its own kernels in the call (as without this) and the worker then compiles the bits'
+kernels, so that the next mask_mod's first call does not wait. The bits' kernels are marked for later processes
+(:func:`mark_ready`'s ``persist``), whose first mask_mod of that kind takes them from Triton's disk cache.
+:func:`wait` waits for the worker (before timing, or capturing a CUDA graph).
 """
 
 from __future__ import annotations
