@@ -350,6 +350,7 @@ class _FirstCall:
                  of_bits: bool = False):
         self.key, self._run, self._bits, self._bits_key, self._of_bits, self.bits = \
             key, run, bits, bits_key, of_bits, None
+        self.new = not first_calls.ready(key)  # (its kernels to be compiled in this call or beside it)
         if (bits_key is not None and first_calls.ready(bits_key, on_disk=True) and not _launch.compiling_only()
                 and first_calls.compile_beside(key, lambda: run(None))):
             self.bits = bits
@@ -373,6 +374,8 @@ def _first_call(kind: str, sources: tuple, query, key, value, block_mask, option
         return None
     sig = first_calls.signature(query, key, value, block_mask, *extra)
     own = (kind, sources, sig)
+    if not _launch.compiling_only():
+        first_calls.wait_for(own)  # (the worker compiling this call's kernels already: a backward's, say)
     if first_calls.ready(own) or isinstance(block_mask, first_calls.BitsMask) or _launch.compiling_only():
         return _FirstCall(own, run, of_bits=isinstance(block_mask, first_calls.BitsMask))
     try:
@@ -499,9 +502,29 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options, ma
                         (traced[0], None))
     result = _run_forward(kernel, template, ws, rows, mask_gathers, query, key, value, score_mod, block_mask, scale,
                           options, max_scores, traced, num, idx, full_num, full_idx, sparse)
+    if first is not None and first.new and not _launch.compiling_only():
+        _compile_backward_beside(query, key, value, result, score_mod, block_mask, scale, traced, sparse)
     if first is not None:
         first.done()
     return result
+
+
+def _compile_backward_beside(query, key, value, result, score_mod, block_mask, scale, traced, sparse):
+    """After a forward that compiled its kernels (a new mod's first call), its backward's compile in the first_calls
+    worker, where the inputs require grad: the first backward then waits for what is left of it instead of compiling
+    from the start (NOTES 66, 72). Not where captured tensors require grad (their backward kernels add gradients)."""
+    if not (query.requires_grad or key.requires_grad or value.requires_grad) or _captured_requiring_grad(traced[0]):
+        return
+    interpret = query.device.type != "cuda"
+    mods = [trace_mod(mod, kind) if mod is not None else None
+            for mod, kind in ((traced[0] or score_mod, "score_mod"), (traced[1] or block_mask.mask_mod, "mask_mod"))]
+    kernel, ws_kernel = _backward_kernels(mods, query, key, value, sparse, {}, interpret)
+    out, lse, _ = result
+    bwd_key = ("bwd", (kernel.source, ws_kernel and ws_kernel.source),
+               first_calls.signature(query, key, value, block_mask, query.requires_grad, False))
+    first_calls.compile_beside(bwd_key, lambda: _backward(query, key, value, out, lse, out, None, mods[0], block_mask,
+                                                           scale, None, (), need_dq=query.requires_grad,
+                                                           need_captured=()))
 
 
 def _compile_call(query, key, value, block_mask, scale, max_scores, traced):
@@ -645,23 +668,20 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
     # traced once for both kernels' generation (each trace fingerprints the mod's captures)
     traced = [trace_mod(mod, kind) if mod is not None else None
               for mod, kind in ((score_mod, "score_mod"), (mask_mod, "mask_mod"))]
-    kernel = generate_backward(*traced, interpret=interpret, grad_captured=scatter)
+    *kv_blocks, sparse = _block_tensors(block_mask, Lq, Lkv, query.device)
+    kernel, ws_kernel = _backward_kernels(traced, query, key, value, sparse, options, interpret, scatter,
+                                          deterministic)
     check_captured(kernel.captured, query.device, "flex_attention")
     module = load_module(kernel.source, interpret=interpret)
-    *kv_blocks, sparse = _block_tensors(block_mask, Lq, Lkv, query.device)
     q_blocks = _q_block_tensors(block_mask, Lq, Lkv, query.device)
     config = backward_config(query, value, sparse, options,
                              gathers=bool(kernel.score_mod.tensors) or _mask_gathers(kernel, block_mask))
-    ws_module = None
-    if not (scatter or deterministic) and _warp_specialize_backward(query, key, value, sparse, options):
-        ws_kernel = _ws_backward_kernel(*traced, interpret=interpret)
-        if ws_kernel.source not in _WS_UNCOMPILABLE:
-            ws_module = load_module(ws_kernel.source, interpret=interpret)
+    ws_module = None if ws_kernel is None else load_module(ws_kernel.source, interpret=interpret)
     first = None if want else _first_call(
-        "bwd", (kernel.source, ws_module and ws_kernel.source), query, key, value, block_mask, kernel_options,
+        "bwd", (kernel.source, ws_kernel and ws_kernel.source), query, key, value, block_mask, kernel_options,
         _mask_gathers(kernel, block_mask),
-        lambda bits: _backward_sources(traced[0], trace_mod(bits.mask_mod, "mask_mod"), interpret,
-                                       ws_module is not None),
+        lambda bits: tuple(k and k.source for k in _backward_kernels(
+            (traced[0], trace_mod(bits.mask_mod, "mask_mod")), query, key, value, sparse, options, interpret)),
         lambda bits: _backward(query, key, value, out, lse, grad_out, grad_lse, traced[0], bits or block_mask, scale,
                                kernel_options, captured, need_dq, need_captured),
         need_dq, grad_lse is not None)
@@ -694,17 +714,23 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
     return dq, dk, dv, [next(wanted) if need else None for need in need_captured]
 
 
+def _backward_kernels(traced, query, key, value, sparse, options: dict, interpret: bool, scatter: tuple = (),
+                      deterministic: bool = False) -> tuple:
+    """(the Triton kernels, the warp-specialized dK / dV kernel or None) that :func:`_backward` runs for these traced
+    mods (``scatter``: the captured tensors whose gradients the kernels add up)."""
+    kernel = generate_backward(*traced, interpret=interpret, grad_captured=scatter)
+    ws_kernel = None
+    if not (scatter or deterministic) and _warp_specialize_backward(query, key, value, sparse, options):
+        ws_kernel = _ws_backward_kernel(*traced, interpret=interpret)
+        if ws_kernel.source in _WS_UNCOMPILABLE:
+            ws_kernel = None
+    return kernel, ws_kernel
+
+
 def _ws_backward_kernel(score_mod, mask_mod, interpret: bool) -> GeneratedKernel:
     """The warp-specialized backward kernel (bwd_ws.py.jinja) of these traced mods."""
     return generate_backward(score_mod, mask_mod, interpret=interpret, template="bwd_ws.py.jinja",
                              query_values=_launch.WS_BWD_QUERY_VALUES, llvm_opt_levels=_launch.WS_BWD_LLVM_OPT_LEVELS)
-
-
-def _backward_sources(score_mod, mask_mod, interpret: bool, ws: bool) -> tuple:
-    """The sources of :func:`_backward`'s kernels for these traced mods (no captured-tensor gradients): the Triton
-    kernels', and the warp-specialized one's where ``ws`` (else None)."""
-    return (generate_backward(score_mod, mask_mod, interpret=interpret).source,
-            _ws_backward_kernel(score_mod, mask_mod, interpret).source if ws else None)
 
 
 def _capturing(t: torch.Tensor) -> bool:

@@ -156,6 +156,13 @@ def pending(key: tuple) -> bool:
     return key in _pending
 
 
+def wait_for(key: tuple) -> None:
+    """Wait until the worker has compiled ``key`` if it is compiling it (or has it queued)."""
+    future = _pending.get(key)
+    if future is not None:
+        future.result()
+
+
 def ran_bits() -> int:
     """How many calls in this process ran the bits' kernels (forward and backward each count)."""
     return _bits_calls[0]

@@ -149,10 +149,16 @@ def test_a_new_mask_mods_first_calls_run_the_bits_while_its_own_kernels_compile(
     causal = create_block_mask(causal_mask, None, None, L, L, device=DEVICE, BLOCK_SIZE=64)
     window = create_block_mask(generate_sliding_window(70), None, None, L, L, device=DEVICE, BLOCK_SIZE=64)
     bits_calls = first_calls.ran_bits()
-    # the first mask_mod at a shape runs its own forward; the worker then compiles the bits' forward and backward
+    jobs, real = [], first_calls.compile_beside
+    monkeypatch.setattr(first_calls, "compile_beside",
+                        lambda key, *args, **kw: jobs.append(key) or real(key, *args, **kw))
+    # the first mask_mod at a shape runs its own forward; the worker then compiles its backward (first: the call's
+    # backward comes next, NOTES 66) and the bits' forward and backward
     out = forward(causal, ["BlockMask"])
-    # its own backward is not compiled yet, the bits' is: the bits, its own compiled beside
-    causal_first = backward(out, ["BlockMask", "BitsMask"])
+    assert [job[0] for job in jobs] == ["bwd", "fwd"]
+    ready = len(first_calls._ready)
+    causal_first = backward(out, ["BlockMask"])  # its own, compiled beside the forward
+    assert len(first_calls._ready) == ready  # (the key the worker compiled is the backward's)
     # the next mask_mod's first call: the bits, and the worker compiles its own forward and backward
     window_first = backward(forward(window, ["BlockMask", "BitsMask"]), ["BlockMask"])
     # later calls: their own kernels, the same results to the bit
@@ -161,7 +167,7 @@ def test_a_new_mask_mods_first_calls_run_the_bits_while_its_own_kernels_compile(
         for a, b in zip(first, later):
             assert not a.isnan().any() and torch.equal(a, b)
     assert not first_calls._failed and not first_calls._pending
-    assert first_calls.ran_bits() == bits_calls + 2  # causal's first backward, the window's first forward
+    assert first_calls.ran_bits() == bits_calls + 1  # the window's first forward
 
 
 def test_a_worker_compile_that_fails_leaves_the_calls_to_compile_their_own(fresh, monkeypatch):
