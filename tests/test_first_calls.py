@@ -170,15 +170,22 @@ def test_a_new_mask_mods_first_calls_run_the_bits_while_its_own_kernels_compile(
     assert first_calls.ran_bits() == bits_calls + 1  # the window's first forward
 
 
-def test_a_worker_compile_that_fails_leaves_the_calls_to_compile_their_own(fresh, monkeypatch):
+def _second_mask_mod(monkeypatch, seed: int):
+    """After a first mask_mod's call at length 128 (the worker then compiled the bits' kernels): the recorder of
+    api._forward's block masks, q, k, v, and a second mask_mod's block mask."""
     forwards = _record(monkeypatch, "_forward", 4)
     L = 128
-    q, k, v = rand_qkv(1, 2, 2, L, L, 64, seed=6)
+    q, k, v = rand_qkv(1, 2, 2, L, L, 64, seed=seed)
     flex_attention(q, k, v, block_mask=create_block_mask(causal_mask, None, None, L, L, device=DEVICE, BLOCK_SIZE=64))
     first_calls.wait()
-    monkeypatch.setattr(api, "_compile_call", lambda *args: 1 / 0)
-    window = create_block_mask(generate_sliding_window(20), None, None, L, L, device=DEVICE, BLOCK_SIZE=64)
     forwards.clear()
+    return forwards, (q, k, v), create_block_mask(generate_sliding_window(20), None, None, L, L, device=DEVICE,
+                                                  BLOCK_SIZE=64)
+
+
+def test_a_worker_compile_that_fails_leaves_the_calls_to_compile_their_own(fresh, monkeypatch):
+    forwards, (q, k, v), window = _second_mask_mod(monkeypatch, seed=6)
+    monkeypatch.setattr(api, "_compile_call", lambda *args: 1 / 0)
     first = flex_attention(q, k, v, block_mask=window)  # the bits, and a worker that raises
     first_calls.wait()
     assert forwards == ["BlockMask", "BitsMask"] and len(first_calls._failed) == 1
@@ -289,14 +296,8 @@ def test_a_new_length_is_no_new_first_call(fresh, monkeypatch):
 
 
 def test_bits_that_fail_to_build_leave_the_call_its_own_kernels(fresh, monkeypatch):
-    forwards = _record(monkeypatch, "_forward", 4)
-    L = 128
-    q, k, v = rand_qkv(1, 2, 2, L, L, 64, seed=8)
-    flex_attention(q, k, v, block_mask=create_block_mask(causal_mask, None, None, L, L, device=DEVICE, BLOCK_SIZE=64))
-    first_calls.wait()
+    forwards, (q, k, v), window = _second_mask_mod(monkeypatch, seed=8)
     monkeypatch.setattr(first_calls, "_make_bits_mask", lambda *args: 1 / 0)
-    window = create_block_mask(generate_sliding_window(20), None, None, L, L, device=DEVICE, BLOCK_SIZE=64)
-    forwards.clear()
     out = flex_attention(q, k, v, block_mask=window)
     assert forwards == ["BlockMask"]
     assert_close(out, attention_reference(q, k, v, block_mask=window)[0], *TOLERANCES[torch.float32])
