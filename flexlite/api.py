@@ -346,19 +346,19 @@ class _FirstCall:
     yet and the bits' are (its own then compile in the worker), else None. :meth:`done`, after the call: its kernels
     are compiled, and the worker compiles the bits' for the next mask_mod if they are not."""
 
-    def __init__(self, key: tuple, run: Callable, bits=None, bits_key: Optional[tuple] = None,
+    def __init__(self, key: tuple, run: Callable, new: bool, bits=None, bits_key: Optional[tuple] = None,
                  of_bits: bool = False):
         self.key, self._run, self._bits, self._bits_key, self._of_bits, self.bits = \
             key, run, bits, bits_key, of_bits, None
-        self.new = not first_calls.ready(key)  # (its kernels to be compiled in this call or beside it)
+        self.new = new  # (its kernels to be compiled in this call or beside it)
         if (bits_key is not None and first_calls.ready(bits_key, on_disk=True) and not _launch.compiling_only()
                 and first_calls.compile_beside(key, lambda: run(None))):
             self.bits = bits
             first_calls.count_bits_call()
 
     def done(self):
-        # the bits' kernels serve every later mask_mod, in later processes too (from Triton's disk cache)
-        first_calls.mark_ready(self.key, persist=self._of_bits)
+        if self.new:  # the bits' kernels serve every later mask_mod, in later processes too (Triton's disk cache)
+            first_calls.mark_ready(self.key, persist=self._of_bits)
         if self._bits_key is not None and self.bits is None and not _launch.compiling_only():
             first_calls.compile_beside(self._bits_key, lambda: self._run(self._bits), persist=True)
 
@@ -374,17 +374,20 @@ def _first_call(kind: str, sources: tuple, query, key, value, block_mask, option
         return None
     sig = first_calls.signature(query, key, value, block_mask, *extra)
     own = (kind, sources, sig)
+    if first_calls.ready(own):  # (a call of known kernels: one set lookup)
+        return _FirstCall(own, run, False)
     if not _launch.compiling_only():
         first_calls.wait_for(own)  # (the worker compiling this call's kernels already: a backward's, say)
-    if first_calls.ready(own) or isinstance(block_mask, first_calls.BitsMask) or _launch.compiling_only():
-        return _FirstCall(own, run, of_bits=isinstance(block_mask, first_calls.BitsMask))
+    new = not first_calls.ready(own)
+    if not new or isinstance(block_mask, first_calls.BitsMask) or _launch.compiling_only():
+        return _FirstCall(own, run, new, of_bits=isinstance(block_mask, first_calls.BitsMask))
     try:
         bits = first_calls.bits_mask(block_mask, query.shape[0], query.shape[1], gathers)
     except Exception:  # noqa: BLE001 - the bits are a shortcut: without them the call compiles its own, as it must
         bits = None
     if bits is None:
-        return _FirstCall(own, run)
-    return _FirstCall(own, run, bits, (kind, bits_sources(bits), sig))
+        return _FirstCall(own, run, True)
+    return _FirstCall(own, run, True, bits, (kind, bits_sources(bits), sig))
 
 
 def _generate(score_mod, block_mask, device: torch.device, template: str = "fwd.py.jinja",
@@ -500,26 +503,30 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options, ma
     if first is not None and first.bits is not None:  # a new mask_mod's first calls: its kernel compiles beside
         return _forward(query, key, value, score_mod, first.bits, scale, kernel_options, max_scores,
                         (traced[0], None))
+    if first is not None and first.new and not _launch.compiling_only():
+        _compile_backward_beside(query, key, value, score_mod, block_mask, scale, traced, sparse)
     result = _run_forward(kernel, template, ws, rows, mask_gathers, query, key, value, score_mod, block_mask, scale,
                           options, max_scores, traced, num, idx, full_num, full_idx, sparse)
-    if first is not None and first.new and not _launch.compiling_only():
-        _compile_backward_beside(query, key, value, result, score_mod, block_mask, scale, traced, sparse)
     if first is not None:
         first.done()
     return result
 
 
-def _compile_backward_beside(query, key, value, result, score_mod, block_mask, scale, traced, sparse):
-    """After a forward that compiled its kernels (a new mod's first call), its backward's compile in the first_calls
-    worker, where the inputs require grad: the first backward then waits for what is left of it instead of compiling
-    from the start (NOTES 66, 72). Not where captured tensors require grad (their backward kernels add gradients)."""
+def _compile_backward_beside(query, key, value, score_mod, block_mask, scale, traced, sparse):
+    """Before a forward that compiles its kernels (a new mod's first call), its backward's compile in the first_calls
+    worker, where the inputs require grad: the two compile at once (most of Triton's compile runs outside the GIL),
+    and the first backward waits for what is left of its own instead of compiling from the start (NOTES 66, 72). The
+    backward compiles for stand-ins of the forward's out and LSE (the same dtypes, shapes and strides). Not where
+    captured tensors require grad (their backward kernels add gradients)."""
     if not (query.requires_grad or key.requires_grad or value.requires_grad) or _captured_requiring_grad(traced[0]):
         return
     interpret = query.device.type != "cuda"
     mods = [trace_mod(mod, kind) if mod is not None else None
             for mod, kind in ((traced[0] or score_mod, "score_mod"), (traced[1] or block_mask.mask_mod, "mask_mod"))]
     kernel, ws_kernel = _backward_kernels(mods, query, key, value, sparse, {}, interpret)
-    out, lse, _ = result
+    B, Hq, Lq, _ = query.shape
+    out = query.new_empty((B, Hq, Lq, value.shape[-1]))
+    lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=query.device)
     bwd_key = ("bwd", (kernel.source, ws_kernel and ws_kernel.source),
                first_calls.signature(query, key, value, block_mask, query.requires_grad, False))
     first_calls.compile_beside(bwd_key, lambda: _backward(query, key, value, out, lse, out, None, mods[0], block_mask,

@@ -2,8 +2,8 @@
 exponentials with (launch.WS_FWD_POLY_EXP2), the others on the SFU (``ex2.approx.ftz.f32``, as ``gl.exp2``).
 
 At D64 the softcap forward asks the SFU for two results per score (tanh, exp2) against one score's worth of matmul
-per SFU result: the SFU bounds it (benchmarks/NOTES.md 70). FA4 moves part of the exponentials to the FMA pipes
-this way. The polynomial: x clamped below at -127 (NaN kept), rounded to an integer j by adding 1.5 * 2**23 (j
+per SFU result (benchmarks/NOTES.md 70). FA4 moves part of the exponentials to the FMA pipes this way; on an H100 it
+made that forward no faster (NOTES 71), so the setting is off. The polynomial: x clamped below at -127 (NaN kept), rounded to an integer j by adding 1.5 * 2**23 (j
 lands in the low mantissa bits), 2 ** (x - j) by a degree-3 polynomial, times 2 ** j built in the exponent bits.
 """
 

@@ -508,9 +508,8 @@ WS_FWD_LLVM_OPT_LEVELS = {64: "O0", 128: "O0"}
 # slower but for document and softcap; NOTES 65)
 WS_BWD_LLVM_OPT_LEVELS = {128: "O0"}
 # per head dim N: the warp-specialized forward computes one of every N of P's exponentials with a polynomial on the FMA
-# pipes, the others on the SFU (flexlite.codegen.exp2; FA4's way). Off: at D64 the softcap forward is bound by the SFU
-# (two results a score), and offline the tile loops trade SFU work for FMA-pipe work as intended, but no GPU has
-# measured it yet (NOTES 70: probe_against.py "launch.WS_FWD_POLY_EXP2={64: 4}" does)
+# pipes, the others on the SFU (flexlite.codegen.exp2; FA4's way). Off: on an H100 the softcap forward at D64 was no
+# faster at N = 4 and 6.5 % slower at N = 2, plain causal 4.9-13.5 % slower (NOTES 70, 71)
 WS_FWD_POLY_EXP2: dict = {}
 
 
