@@ -699,12 +699,14 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
     ds = torch.zeros((B, Hq, Lq, Lkv), dtype=torch.float32, device=query.device) if deterministic else None
 
     def run(ws_module):
-        return launch_backward(
-            module, kernel.mod_args(), kernel.grad_args(buffers), query, key, value, out, lse, grad_out, grad_lse,
-            tuple(kv_blocks), q_blocks, sparse, scale, kernel.has_score_mod, config, need_dq=need_dq, ds=ds,
-            scatter_captured_grads=bool(scatter), pinned=any(k in options for k in BACKWARD_CONFIG_KEYS),
-            tune=autotune_enabled(options), dense=block_mask is None, use_tma=_use_tma(options), ws_module=ws_module,
-            ws_persistent=ws_module is not None and _ws_backward_persistent(block_mask, Lq, Lkv))
+        for persistent in _ws_backward_grids(block_mask, Lq, Lkv) if ws_module is not None else (False,):
+            grads = launch_backward(
+                module, kernel.mod_args(), kernel.grad_args(buffers), query, key, value, out, lse, grad_out, grad_lse,
+                tuple(kv_blocks), q_blocks, sparse, scale, kernel.has_score_mod, config, need_dq=need_dq, ds=ds,
+                scatter_captured_grads=bool(scatter), pinned=any(k in options for k in BACKWARD_CONFIG_KEYS),
+                tune=autotune_enabled(options), dense=block_mask is None, use_tma=_use_tma(options),
+                ws_module=ws_module, ws_persistent=persistent)
+        return grads
     try:
         dq, dk, dv = run(ws_module)
     except Exception as e:  # noqa: BLE001 - only compiler failures of the warp-specialized kernel are handled
@@ -810,6 +812,17 @@ def _ws_backward_persistent(block_mask, Lq: int, Lkv: int) -> bool:
         return _launch.WS_BWD_PERSISTENT
     walk = _mean_walk(block_mask, Lq, Lkv)
     return walk is not None and walk[1] <= _launch.WS_BWD_PERSISTENT_MAX_WALK
+
+
+def _ws_backward_grids(block_mask, Lq: int, Lkv: int) -> tuple:
+    """The grids the warp-specialized backward launches with: the call's (:func:`_ws_backward_persistent`), or for
+    the bits of a new mask_mod's first calls compiled in the first_calls worker (launch.compile_only) both, the
+    persistent one and a program per key block: the bits' kernels serve every later mask_mod, short walks and long,
+    whose first backward would otherwise compile the other in the call (a GPU probe, NOTES 73: 3 s)."""
+    if (_launch.WS_BWD_PERSISTENT is None and isinstance(block_mask, first_calls.BitsMask)
+            and _launch.compiling_only()):
+        return (False, True)
+    return (_ws_backward_persistent(block_mask, Lq, Lkv),)
 
 
 def _warp_specialize(query, key, value, block_mask, num_blocks, sparse, options) -> bool:

@@ -43,6 +43,9 @@ from .runtime.compile import cache_dir, source_hash
 ENABLED: "bool | str" = True
 # bits kept per block mask at most (bytes): beyond, the mod's own kernels compile in the call
 MAX_BITS_BYTES = 256 << 20
+# what a marker file promises, in its name: 2 since the bits' backward compiles both grids of the warp-specialized
+# backward (benchmarks/NOTES.md 73), where 1's compiled the first mask_mod's
+_MARKER_VERSION = 2
 _CHUNK_BLOCKS = 256  # partial blocks evaluated at a time (4M positions at 128 x 128: ~100 MB of temporaries)
 
 _lock = threading.Lock()
@@ -110,13 +113,14 @@ def _gpu_name(device: torch.device) -> str:
 def _marker(key: tuple) -> Optional[Path]:
     """The marker file of a CUDA ``key`` (pass, sources, signature), named by a hash of what makes the compiled
     kernels the same in another process: the sources (with Triton's version, as flexlite's kernel files are named),
-    the signature, the GPU's name and torch's version. None for other devices."""
+    the signature, the GPU's name, torch's version and what the marker promises (:data:`_MARKER_VERSION`). None for
+    other devices."""
     kind, sources, sig = key
     device = sig[0]
     if not isinstance(device, torch.device) or device.type != "cuda":
         return None
     text = repr((kind, [source and source_hash(source) for source in sources], [str(x) for x in sig[1:]],
-                 _gpu_name(device), torch.__version__))
+                 _gpu_name(device), torch.__version__, _MARKER_VERSION))
     return _markers_dir() / hashlib.sha256(text.encode()).hexdigest()[:24]
 
 

@@ -333,3 +333,45 @@ def test_the_bits_kernels_are_marked_for_later_processes_and_a_mods_own_are_not(
     persisted = {sources for sources, persist in marked if persist}
     own = {sources for sources, persist in marked if not persist}
     assert len(persisted) == 1 and len(own) == 2 and not persisted & own, marked
+
+
+def test_the_bits_backward_compiles_both_grids_of_the_warp_specialized_backward(fresh, monkeypatch):
+    # the warp-specialized backward picks its grid by the block mask's mean walk (api._ws_backward_persistent): the
+    # bits' kernels, compiled for the first mask_mod, serve later ones of either walk, so the worker compiles both
+    bm = _block_mask("causal")
+    bits = first_calls.bits_mask(bm, 1, 2, gathers=False)
+    monkeypatch.setattr(api, "_mean_walk", lambda *args: (100.0, 100.0))  # (a short walk: the persistent grid)
+    assert api._ws_backward_grids(bits, 200, 200) == (True,)  # a call that runs
+    assert api._ws_backward_grids(bm, 200, 200) == (True,)
+    with launch.compile_only():
+        assert api._ws_backward_grids(bits, 200, 200) == (False, True)  # the worker compiling the bits
+        assert api._ws_backward_grids(bm, 200, 200) == (True,)  # a mod's own: its walk's
+        monkeypatch.setattr(launch, "WS_BWD_PERSISTENT", False)  # set: the one grid
+        assert api._ws_backward_grids(bits, 200, 200) == (False,)
+
+
+@pytest.mark.skipif(not (DEVICE == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                    reason="the warp-specialized backward runs on Hopper GPUs")
+def test_a_second_mask_mods_first_backward_compiles_nothing_whatever_its_walk(fresh, monkeypatch):
+    # causal walks long (the backward's grid: a program per key block), the window short (persistent); the window's
+    # first forward and backward, right after each other, run the bits' kernels and compile nothing in the call
+    monkeypatch.setattr(launch, "WS_BWD_PERSISTENT_MAX_WALK", 256)  # kv blocks walk 320 queries (causal), 224 (window)
+    compiled, real = [], JITFunction._do_compile
+
+    def spy(self, *args, **kwargs):
+        if not threading.current_thread().name.startswith("flexlite-compile"):
+            compiled.append(self.fn.__name__)
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(JITFunction, "_do_compile", spy)
+    from test_backward import check_backward
+
+    L = 512
+    q, k, v = rand_qkv(1, 2, 2, L, L, 64, dtype=torch.bfloat16, seed=10)
+    for mod in (causal_mask, generate_sliding_window(100)):
+        bm = create_block_mask(mod, None, None, L, L, device=DEVICE)
+        assert api._ws_backward_persistent(bm, L, L) == (mod is not causal_mask)
+        bits_calls, compiled[:] = first_calls.ran_bits(), []
+        check_backward(q, k, v, block_mask=bm, name="first calls")  # (the forward, then the backward at once)
+        if mod is not causal_mask:
+            assert first_calls.ran_bits() == bits_calls + 2 and compiled == []
+        first_calls.wait()

@@ -437,6 +437,16 @@ def test_max_scores_take_the_gluon_forward_only_where_allowed(monkeypatch, allow
     assert [c["max_scores"] for c in calls] == [True] * allowed + [False]
 
 
+def _counted(real, record):
+    """``real`` recording each launch (``record(args, kwargs)``) but the first_calls worker's, which only compile
+    (launch.compile_only): a count of the launches that ran."""
+    def launch_(*args, **kwargs):
+        if not launch.compiling_only():
+            record(args, kwargs)
+        return real(*args, **kwargs)
+    return launch_
+
+
 if ON_HOPPER:
     # (B, Hq, Hkv, Lq, Lkv, D)
     WS_SHAPES = [
@@ -772,7 +782,7 @@ if ON_HOPPER:
                 facts = launch._device_facts(torch.device(DEVICE))
                 monkeypatch.setattr(launch, "_device_facts", lambda device: (3, facts[1]))
         monkeypatch.setattr(launch, "torch", _PoisonedTorch("torch"))
-        monkeypatch.setattr(launch, "_launch_dkdv_ws", lambda *args, **kwargs: ran.append(1) or real(*args, **kwargs))
+        monkeypatch.setattr(launch, "_launch_dkdv_ws", _counted(real, lambda args, kwargs: ran.append(1)))
         monkeypatch.setattr(api, "_warp_specialize_backward", lambda *args, **kwargs: True)
         yield ran
 
@@ -884,7 +894,7 @@ if ON_HOPPER:
 
         fused, real = [], launch._launch_dkdv_ws
         monkeypatch.setattr(launch, "_launch_dkdv_ws",
-                            lambda *args, **kwargs: fused.append(kwargs["dq_acc"] is not None) or real(*args, **kwargs))
+                            _counted(real, lambda args, kwargs: fused.append(kwargs["dq_acc"] is not None)))
         monkeypatch.setattr(api, "_warp_specialize_backward", lambda *args, **kwargs: True)
         q, k, v = rand_qkv(1, 2, 2, 256, 256, 128, dtype=torch.bfloat16, seed=5)
         bm = create_block_mask(CATALOG["causal"](1, 2, 256, 256, DEVICE).mask_mod, None, None, 256, 256,

@@ -1,0 +1,152 @@
+"""First training steps of new mods on a GPU, each process with its own caches (NOTES 73).
+
+1. ``cold on`` / ``cold off``: a fresh process with empty flexlite and Triton caches, ``first_calls.ENABLED`` True /
+   False; a training step (forward, ``out.sum().backward()``) of
+   a. causal (the process's first mask_mod: its own kernels compile in the call; with first_calls on its backward
+      compiles in the worker beside the forward's compile),
+   b. a sliding window of 512 (with first_calls on: the bits' kernels, its own compiling in the worker),
+   c. causal with a new score_mod (a distance bias: its own kernels compile; the backward beside).
+   The worker is waited for between steps (not counted).
+2. ``later``: a fresh process on the caches ``cold on`` left: a new mask_mod (prefix-LM 777 | causal) and a step;
+   its first calls should take the bits' kernels from Triton's disk cache (the markers).
+3. ``graph``: a fresh process on the same caches: a new mask_mod's call (the worker then compiles its own kernels),
+   and at once a CUDA graph captured of a call with a known mask (causal), replayed and compared with an eager call;
+   prints whether the worker was compiling while the capture ran and whether its compile failed.
+
+Usage: python benchmarks/probe_first_step.py [--out DIR] [--only cold_on,later]   (CUDA; temporary caches;
+FIRST_STEP_PROFILE=1: cProfile of each create_block_mask, forward and backward, to DIR/first_step-<mode>.txt)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from tabulate import tabulate
+
+CHILD = r"""
+import json, os, sys, time, torch
+mode = sys.argv[1]
+torch.ones(1, device="cuda").matmul(torch.ones(1, 1, device="cuda"))  # CUDA and cuBLAS up before any timing
+torch.cuda.synchronize()
+from flexlite import create_block_mask, first_calls, flex_attention
+first_calls.ENABLED = mode != "cold off"
+L, D = 4096, 128
+def inputs():
+    return [torch.randn(1, 16, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+q, k, v = inputs()
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+def window(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < 512)
+def prefix(b, h, q_idx, kv_idx):
+    return (kv_idx < 777) | (q_idx >= kv_idx)
+def bias(score, b, h, q_idx, kv_idx):
+    return score - 0.01 * (q_idx - kv_idx)
+PROFILE = os.environ.get("FIRST_STEP_PROFILE") == "1"
+def profiled(name, fn):
+    if not PROFILE:
+        return fn()
+    import cProfile, pstats
+    prof = cProfile.Profile()
+    try:
+        return prof.runcall(fn)
+    finally:
+        print(f"===== {mode}: {name}", file=sys.stderr)
+        pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(40)
+def step(mask, score_mod=None):
+    bits0 = first_calls.ran_bits()
+    t0 = time.perf_counter()
+    bm = profiled(f"{mask.__name__} create_block_mask", lambda: create_block_mask(mask, None, None, L, L, device="cuda"))
+    torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    out = profiled(f"{mask.__name__} forward", lambda: flex_attention(q, k, v, score_mod=score_mod, block_mask=bm))
+    torch.cuda.synchronize()
+    t2 = time.perf_counter()
+    profiled(f"{mask.__name__} backward", lambda: out.sum().backward())
+    torch.cuda.synchronize()
+    t3 = time.perf_counter()
+    first_calls.wait()
+    t4 = time.perf_counter()
+    return {"mask_s": round(t1 - t0, 3), "fwd_s": round(t2 - t1, 3), "bwd_s": round(t3 - t2, 3),
+            "step_s": round(t3 - t0, 3), "worker_after_s": round(t4 - t3, 3), "bits_calls": first_calls.ran_bits() - bits0}
+rows = {}
+if mode.startswith("cold"):
+    rows["a causal (first mask_mod)"] = step(causal)
+    rows["b sliding window 512"] = step(window)
+    rows["c causal + new score_mod"] = step(causal, bias)
+elif mode == "later":
+    rows["new mask_mod, later process"] = step(prefix)
+else:  # graph
+    known = create_block_mask(causal, None, None, L, L, device="cuda")
+    q2, k2, v2 = [t.detach() for t in inputs()]
+    flex_attention(q2, k2, v2, block_mask=known)  # known kernels (from the disk caches)
+    torch.cuda.synchronize()
+    first_calls.wait()
+    new = create_block_mask(lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < 333), None, None, L, L,
+                            device="cuda")
+    flex_attention(q2, k2, v2, block_mask=new)  # bits; the worker compiles its own now
+    compiling_at_start = bool(first_calls._pending)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        flex_attention(q2, k2, v2, block_mask=known)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    err = None
+    try:
+        with torch.cuda.graph(graph):
+            out = flex_attention(q2, k2, v2, block_mask=known)
+        graph.replay()
+        torch.cuda.synchronize()
+        same = bool(torch.equal(out, flex_attention(q2, k2, v2, block_mask=known)))
+    except Exception as e:  # what a user would see
+        err, same = f"{type(e).__name__}: {str(e)[:200]}", None
+    compiling_at_end = bool(first_calls._pending)
+    try:
+        first_calls.wait()
+        worker_error = None
+    except Exception as e:
+        worker_error = f"{type(e).__name__}: {str(e)[:200]}"
+    rows["graph capture while the worker compiles"] = {
+        "worker_compiling_at_capture_start": compiling_at_start, "worker_compiling_at_capture_end": compiling_at_end,
+        "capture_error": err, "replay_equals_eager": same, "worker_failed_keys": len(first_calls._failed),
+        "worker_error": worker_error}
+print(json.dumps(rows))
+"""
+
+
+ONLY = [m.replace("_", " ") for m in sys.argv[sys.argv.index("--only") + 1].split(",")] if "--only" in sys.argv else []
+
+
+def main():
+    out_dir = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else None
+    table, results = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        modes = [m for m in ("cold off", "cold on", "later", "graph") if not ONLY or m in ONLY]
+        for mode in modes:
+            caches = "off" if mode == "cold off" else "on"
+            env = dict(os.environ, FLEXLITE_CACHE_DIR=os.path.join(tmp, caches, "flexlite"),
+                       TRITON_CACHE_DIR=os.path.join(tmp, caches, "triton"))
+            proc = subprocess.run([sys.executable, "-c", CHILD, mode], env=env, capture_output=True, text=True)
+            if out_dir and proc.stderr:
+                with open(os.path.join(out_dir, f"first_step-{mode.replace(' ', '_')}.txt"), "w") as f:
+                    f.write(proc.stderr)
+            if proc.returncode:
+                print(f"== {mode}: exit {proc.returncode}\n{proc.stderr[-6000:]}", file=sys.stderr)
+                continue
+            rows = json.loads(proc.stdout.strip().splitlines()[-1])
+            results[mode] = rows
+            for name, r in rows.items():
+                table.append([mode, name, *(f"{k}={v}" for k, v in r.items())])
+    text = tabulate(table, tablefmt="github")
+    print(text)
+    if out_dir:
+        with open(os.path.join(out_dir, "first_step.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
