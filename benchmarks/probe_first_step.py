@@ -8,7 +8,8 @@
    c. causal with a new score_mod (a distance bias: its own kernels compile; the backward beside).
    The worker is waited for between steps (not counted).
 2. ``later``: a fresh process on the caches ``cold on`` left: a new mask_mod (prefix-LM 777 | causal) and a step;
-   its first calls should take the bits' kernels from Triton's disk cache (the markers).
+   its first calls should take the bits' kernels from Triton's disk cache (the markers); then a block mask's flags
+   at 8192 x 8192 in torch (a new mask_mod's, while its kernel compiles: NOTES 74) and by the kernel, warm.
 3. ``graph``: a fresh process on the same caches: a new mask_mod's call (the worker then compiles its own kernels),
    and at once a CUDA graph captured of a call with a known mask (causal), replayed and compared with an eager call;
    prints whether the worker was compiling while the capture ran and whether its compile failed.
@@ -79,6 +80,23 @@ if mode.startswith("cold"):
     rows["c causal + new score_mod"] = step(causal, bias)
 elif mode == "later":
     rows["new mask_mod, later process"] = step(prefix)
+    # a new mask_mod's block mask in torch (first_calls.MAX_TORCH_POSITIONS = 2**26 positions: 8192 x 8192) against
+    # the compiled kernel, each warm, and the torch path's extra peak memory
+    import flexlite.block_mask as bmm
+    def timed(fn):
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return round(time.perf_counter() - t0, 4), round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
+    args = (prefix, 1, 1, 8192, 8192, torch.device("cuda", torch.cuda.current_device()), (128, 128))
+    (torch_s, torch_mb), (kernel_s, kernel_mb) = (timed(lambda: bmm._block_flags_vmap(*args, bmm._CUDA_CHUNK_ELEMENTS)),
+                                                  timed(lambda: bmm._block_flags_kernel(*args)))
+    rows["block flags 8192 x 8192, torch / kernel"] = {"torch_s": torch_s, "torch_peak_mb": torch_mb,
+                                                       "kernel_s": kernel_s, "kernel_peak_mb": kernel_mb}
 else:  # graph
     known = create_block_mask(causal, None, None, L, L, device="cuda")
     q2, k2, v2 = [t.detach() for t in inputs()]

@@ -44,6 +44,7 @@ from ._vmap import index_vectors, vmap_bhqkv
 from .codegen.trace import UntraceableModError, check_arity, positional_arity, trace_mod
 from .runtime.guards import on_device, opaque_to_compile
 from .runtime.launch import cdiv
+from .runtime.launch_mask import launch_block_mask
 
 __all__ = ["BlockMask", "create_block_mask", "create_mask", "and_masks", "or_masks", "noop_mask"]
 
@@ -51,6 +52,9 @@ _DEFAULT_SPARSE_BLOCK_SIZE = 128
 # create_block_mask (on CPU) evaluates mask_mod on at most this many positions at once (but always on
 # at least one block), so a long sequence never needs its dense B x H x Q_LEN x KV_LEN mask.
 _CHUNK_ELEMENTS = 2 ** 24
+# on CUDA (a new mask_mod's block mask, evaluated in torch while its kernel compiles: first_calls) chunks this small
+# keep the int64 temporaries of the vmapped mask_mod at ~32 MB each
+_CUDA_CHUNK_ELEMENTS = 2 ** 22
 
 _MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
@@ -677,40 +681,59 @@ def _block_flags(mask_mod: _MaskMod, B: int, H: int, Q_LEN: int, KV_LEN: int, de
                  block_size: tuple[int, int]) -> tuple[Tensor, Tensor]:
     """(any, all): bool [B, H, nQ, nKV], whether mask_mod is True at any / all in-range positions
     of each block. On CUDA a generated Triton kernel evaluates the mask block by block; elsewhere
-    mask_mod is vmapped over chunks of at most _CHUNK_ELEMENTS positions (see :func:`_chunks`)."""
-    if device.type == "cuda":
-        return _block_flags_kernel(mask_mod, B, H, Q_LEN, KV_LEN, device, block_size)
-    return _block_flags_vmap(mask_mod, B, H, Q_LEN, KV_LEN, device, block_size)
+    mask_mod is vmapped over chunks of at most _CHUNK_ELEMENTS positions (see :func:`_chunks`), and on CUDA too while
+    a new mask_mod's kernel compiles beside (:func:`first_calls.block_flags_in_torch`)."""
+    if device.type != "cuda":
+        return _block_flags_vmap(mask_mod, B, H, Q_LEN, KV_LEN, device, block_size)
+    from . import first_calls  # (it imports this module)
+
+    device = check_device("create_block_mask", device)  # "cuda" names the current GPU, as captures do
+    kernel, module = _mask_kernel(mask_mod, device)
+    key = first_calls.block_mask_key(kernel.source, H, Q_LEN, KV_LEN, device, block_size)
+    run = functools.partial(_run_mask_kernel, kernel, module, B, H, Q_LEN, KV_LEN, device, block_size)
+    if first_calls.block_flags_in_torch(key, run, B * H * Q_LEN * KV_LEN):
+        return _block_flags_vmap(mask_mod, B, H, Q_LEN, KV_LEN, device, block_size, _CUDA_CHUNK_ELEMENTS)
+    flags = run()
+    first_calls.mark_ready(key)
+    return flags
+
+
+def _mask_kernel(mask_mod: _MaskMod, device: torch.device) -> tuple:
+    """(the generated block-mask kernel of ``mask_mod``, its loaded module)."""
+    from .api import check_captured  # api imports this module
+    from .codegen.kernel import generate
+    from .runtime.compile import load_module
+
+    interpret = device.type != "cuda"
+    kernel = generate("block_mask.py.jinja", None, mask_mod, interpret=interpret)
+    if kernel.mask_mod.result_dtype not in (None, torch.bool):
+        raise TypeError(f"create_block_mask: mask_mod must return a bool tensor; got {kernel.mask_mod.result_dtype}")
+    check_captured(kernel.captured, device, "create_block_mask", "mask_mod")
+    return kernel, load_module(kernel.source, interpret=interpret)
 
 
 def _block_flags_kernel(mask_mod: _MaskMod, B: int, H: int, Q_LEN: int, KV_LEN: int, device: torch.device,
                         block_size: tuple[int, int]) -> tuple[Tensor, Tensor]:
     """:func:`_block_flags` by the generated block-mask kernel (the same codegen as the attention
     kernels): O(number of blocks) memory. On CPU it runs through Triton's interpreter (tests)."""
-    from .codegen.kernel import generate
-    from .runtime.compile import load_module
-    from .api import check_captured  # api imports this module
-    from .runtime.launch_mask import launch_block_mask
-
     device = check_device("create_block_mask", device)  # "cuda" names the current GPU, as captures do
-    interpret = device.type != "cuda"
-    kernel = generate("block_mask.py.jinja", None, mask_mod, interpret=interpret)
-    if kernel.mask_mod.result_dtype not in (None, torch.bool):
-        raise TypeError(f"create_block_mask: mask_mod must return a bool tensor; got {kernel.mask_mod.result_dtype}")
-    check_captured(kernel.captured, device, "create_block_mask", "mask_mod")
-    module = load_module(kernel.source, interpret=interpret)
+    return _run_mask_kernel(*_mask_kernel(mask_mod, device), B, H, Q_LEN, KV_LEN, device, block_size)
+
+
+def _run_mask_kernel(kernel, module, B: int, H: int, Q_LEN: int, KV_LEN: int, device: torch.device,
+                     block_size: tuple[int, int]) -> tuple[Tensor, Tensor]:
     with on_device(device):
         return launch_block_mask(module, kernel.mod_args(), B, H, Q_LEN, KV_LEN, block_size, device)
 
 
 def _block_flags_vmap(mask_mod: _MaskMod, B: int, H: int, Q_LEN: int, KV_LEN: int, device: torch.device,
-                      block_size: tuple[int, int]) -> tuple[Tensor, Tensor]:
+                      block_size: tuple[int, int], chunk_elements: Optional[int] = None) -> tuple[Tensor, Tensor]:
     bq, bkv = block_size
     n_q, n_kv = cdiv(Q_LEN, bq), cdiv(KV_LEN, bkv)
     any_flags = torch.empty((B, H, n_q, n_kv), dtype=torch.bool, device=device)
     all_flags = torch.empty_like(any_flags)
     mask_fn = vmap_bhqkv(mask_mod)
-    for (b0, b1), (h0, h1), (r0, r1), (c0, c1) in _chunks(B, H, n_q, n_kv, bq, bkv, KV_LEN):
+    for (b0, b1), (h0, h1), (r0, r1), (c0, c1) in _chunks(B, H, n_q, n_kv, bq, bkv, KV_LEN, chunk_elements):
         q0, q1 = r0 * bq, min(r1 * bq, Q_LEN)
         k0, k1 = c0 * bkv, min(c1 * bkv, KV_LEN)
         mask = mask_fn(*index_vectors(b1 - b0, h1 - h0, q1 - q0, k1 - k0, device, q_start=q0, kv_start=k0,
@@ -721,22 +744,24 @@ def _block_flags_vmap(mask_mod: _MaskMod, B: int, H: int, Q_LEN: int, KV_LEN: in
     return any_flags, all_flags
 
 
-def _chunks(B: int, H: int, n_q: int, n_kv: int, bq: int, bkv: int, KV_LEN: int):
-    """(b, h, q block row, kv block column) ranges covering the mask, each of at most _CHUNK_ELEMENTS
-    positions (but at least one block): whole rows for every (b, h) when they fit, else rows of one
-    (b, h), else column pieces of one row."""
+def _chunks(B: int, H: int, n_q: int, n_kv: int, bq: int, bkv: int, KV_LEN: int, chunk: Optional[int] = None):
+    """(b, h, q block row, kv block column) ranges covering the mask, each of at most ``chunk`` positions (default
+    _CHUNK_ELEMENTS; but at least one block): whole rows for every (b, h) when they fit, else rows of one (b, h),
+    else column pieces of one row."""
+    chunk = chunk or _CHUNK_ELEMENTS
+
     def spans(n, step):
         return [(i, min(i + step, n)) for i in range(0, n, step)]
     row = bq * KV_LEN
-    if B * H * row <= _CHUNK_ELEMENTS:
+    if B * H * row <= chunk:
         bh = [((0, B), (0, H))]
-        rows, cols = spans(n_q, _CHUNK_ELEMENTS // (B * H * row)), [(0, n_kv)]
+        rows, cols = spans(n_q, chunk // (B * H * row)), [(0, n_kv)]
     else:
         bh = [((b, b + 1), (h, h + 1)) for b in range(B) for h in range(H)]
-        if row <= _CHUNK_ELEMENTS:
-            rows, cols = spans(n_q, _CHUNK_ELEMENTS // row), [(0, n_kv)]
+        if row <= chunk:
+            rows, cols = spans(n_q, chunk // row), [(0, n_kv)]
         else:
-            rows, cols = spans(n_q, 1), spans(n_kv, max(1, _CHUNK_ELEMENTS // (bq * bkv)))
+            rows, cols = spans(n_q, 1), spans(n_kv, max(1, chunk // (bq * bkv)))
     for b, h in bh:
         for r in rows:
             for c in cols:
@@ -806,7 +831,9 @@ def create_block_mask(
         BlockMask with kv_num_blocks [B, H, nQ], kv_indices [B, H, nQ, nKV] and the full / q-side
         counterparts. The dense mask is never materialised: on CUDA a generated Triton kernel
         evaluates mask_mod block by block (extra memory O(number of blocks)); elsewhere mask_mod is
-        vmapped over chunks of q block rows (about 2**24 positions; O(number of blocks + one chunk)).
+        vmapped over chunks of q block rows (about 2**24 positions; O(number of blocks + one chunk)),
+        and on CUDA too (chunks of 2**22) for a new mask_mod's masks of at most
+        first_calls.MAX_TORCH_POSITIONS positions while its kernel compiles beside.
     """
     caller = "create_block_mask"
     _check_mask_mod(caller, mask_mod)

@@ -19,6 +19,9 @@ mask_mod of a kind compiles its own kernels in the call (as without this) and th
 kernels, so that the next mask_mod's first call does not wait. The bits' kernels are marked for later processes
 (:func:`mark_ready`'s ``persist``), whose first mask_mod of that kind takes them from Triton's disk cache.
 :func:`wait` waits for the worker (before timing, or capturing a CUDA graph).
+
+create_block_mask takes the same way on CUDA (:func:`block_flags_in_torch`): a new mask_mod's block mask is evaluated
+in torch (vmapped over chunks, as on CPU) while the worker compiles its block-mask kernel for the next one.
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ from .runtime.compile import cache_dir, source_hash
 ENABLED: "bool | str" = True
 # bits kept per block mask at most (bytes): beyond, the mod's own kernels compile in the call
 MAX_BITS_BYTES = 256 << 20
+# a new mask_mod's block mask is evaluated in torch (vmapped, as on CPU) while its kernel compiles beside, up to this
+# many positions (B x H x Q_LEN x KV_LEN); beyond, create_block_mask compiles the kernel in the call
+MAX_TORCH_POSITIONS = 2 ** 26
 # what a marker file promises, in its name: 2 since the bits' backward compiles both grids of the warp-specialized
 # backward (benchmarks/NOTES.md 73), where 1's compiled the first mask_mod's
 _MARKER_VERSION = 2
@@ -75,6 +81,29 @@ def signature(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block
     return (query.device, query.dtype, query.shape[-1], value.shape[-1], query.shape[1] // key.shape[1],
             query.is_contiguous(), key.is_contiguous(), value.is_contiguous(), Lq % 128 == 0, Lkv % 128 == 0,
             Lq <= 64, tuple(block_mask.BLOCK_SIZE), block_mask.full_kv_num_blocks is None) + extra
+
+
+def block_mask_key(source: str, H: int, Q_LEN: int, KV_LEN: int, device: torch.device, block_size: tuple) -> tuple:
+    """The key of create_block_mask's kernel: its source and what else Triton compiles it for (the device, the block
+    sizes, whether the lengths are whole blocks, and its integer arguments H, Q_LEN and KV_LEN each as 1, a multiple of
+    16 or neither)."""
+    return ("mask", (source,), (device, tuple(block_size), Q_LEN % block_size[0] == 0, KV_LEN % block_size[1] == 0,
+                                *(1 if n == 1 else 16 if n % 16 == 0 else 0 for n in (H, Q_LEN, KV_LEN))))
+
+
+def block_flags_in_torch(key: tuple, compile_: Callable[[], None], positions: int) -> bool:
+    """Whether create_block_mask evaluates a block mask in torch (mask_mod vmapped over chunks, as on CPU) instead of
+    by the mask_mod's kernel (``key``, :func:`block_mask_key`): where this process has not compiled that kernel and
+    the mask has at most :data:`MAX_TORCH_POSITIONS` positions; the worker then compiles it (``compile_``, the launch
+    inside launch.compile_only) for the next block mask, so that a new mask_mod's block mask waits for no compile
+    either (NOTES 74). Not where ENABLED is False, a CUDA graph is being captured or the worker failed to compile the
+    kernel: the call compiles it."""
+    if not ENABLED or key in _ready or key in _failed or positions > MAX_TORCH_POSITIONS:
+        return False
+    device = key[2][0]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    return compile_beside(key, compile_)
 
 
 def ready(key: tuple, on_disk: bool = False) -> bool:

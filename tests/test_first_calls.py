@@ -156,9 +156,9 @@ def test_a_new_mask_mods_first_calls_run_the_bits_while_its_own_kernels_compile(
     # backward comes next, NOTES 66) and the bits' forward and backward
     out = forward(causal, ["BlockMask"])
     assert [job[0] for job in jobs] == ["bwd", "fwd"]
-    ready = len(first_calls._ready)
+    ready = len(_attention_keys())
     causal_first = backward(out, ["BlockMask"])  # its own, compiled beside the forward
-    assert len(first_calls._ready) == ready  # (the key the worker compiled is the backward's)
+    assert len(_attention_keys()) == ready  # (the key the worker compiled is the backward's)
     # the next mask_mod's first call: the bits, and the worker compiles its own forward and backward
     window_first = backward(forward(window, ["BlockMask", "BitsMask"]), ["BlockMask"])
     # later calls: their own kernels, the same results to the bit
@@ -168,6 +168,11 @@ def test_a_new_mask_mods_first_calls_run_the_bits_while_its_own_kernels_compile(
             assert not a.isnan().any() and torch.equal(a, b)
     assert not first_calls._failed and not first_calls._pending
     assert first_calls.ran_bits() == bits_calls + 1  # the window's first forward
+
+
+def _attention_keys() -> set:
+    """The attention kernels' keys known compiled (not create_block_mask's: on CUDA it has a key per kernel too)."""
+    return {key for key in first_calls._ready if key[0] != "mask"}
 
 
 def _second_mask_mod(monkeypatch, seed: int):
@@ -292,7 +297,7 @@ def test_a_new_length_is_no_new_first_call(fresh, monkeypatch):
             first_calls.wait()
     # causal: its own at both lengths; the window: the bits at the first length, its own after
     assert forwards == ["BlockMask", "BlockMask", "BlockMask", "BitsMask", "BlockMask"]
-    assert len(first_calls._ready) == 3  # causal's, the bits', the window's
+    assert len(_attention_keys()) == 3  # causal's, the bits', the window's
 
 
 def test_bits_that_fail_to_build_leave_the_call_its_own_kernels(fresh, monkeypatch):
@@ -323,8 +328,12 @@ def test_the_bits_kernels_are_known_to_later_processes(fresh, monkeypatch, tmp_p
 
 def test_the_bits_kernels_are_marked_for_later_processes_and_a_mods_own_are_not(fresh, monkeypatch):
     marked, real = [], first_calls.mark_ready
-    monkeypatch.setattr(first_calls, "mark_ready",
-                        lambda key, persist=False: marked.append((key[1], persist)) or real(key, persist))
+
+    def mark_ready(key, persist=False):
+        if key[0] != "mask":  # (create_block_mask's kernels: on CUDA)
+            marked.append((key[1], persist))
+        real(key, persist)
+    monkeypatch.setattr(first_calls, "mark_ready", mark_ready)
     L = 128
     q, k, v = rand_qkv(1, 2, 2, L, L, 64, seed=9)
     for mod in (causal_mask, generate_sliding_window(20)):  # its own; the bits, its own beside
@@ -375,3 +384,57 @@ def test_a_second_mask_mods_first_backward_compiles_nothing_whatever_its_walk(fr
         if mod is not causal_mask:
             assert first_calls.ran_bits() == bits_calls + 2 and compiled == []
         first_calls.wait()
+
+
+def test_a_new_mask_mods_block_mask_is_evaluated_in_torch_while_its_kernel_compiles(fresh, monkeypatch):
+    # (create_block_mask asks this on CUDA only; the decision and the worker's compile-only job, on any device)
+    compiles = []
+
+    def compile_():
+        compiles.append(launch.compiling_only())
+    key = first_calls.block_mask_key("source", 1, 200, 256, torch.device(DEVICE), (128, 128))
+    assert first_calls.block_flags_in_torch(key, compile_, 200 * 256)  # new: in torch, the kernel compiled beside
+    first_calls.wait()
+    assert compiles == [True] and first_calls.ready(key)
+    assert not first_calls.block_flags_in_torch(key, compile_, 200 * 256)  # known: the kernel
+    # what Triton compiles the kernel for: the lengths as whole blocks or not, 1, multiples of 16 or neither
+    assert len({first_calls.block_mask_key("source", h, q, 256, torch.device(DEVICE), (128, 128))
+                for h, q in ((1, 200), (2, 200), (16, 200), (1, 256), (1, 208))}) == 5
+    other = first_calls.block_mask_key("another source", 1, 200, 256, torch.device(DEVICE), (128, 128))
+    too_many = first_calls.MAX_TORCH_POSITIONS + 1
+    assert not first_calls.block_flags_in_torch(other, compile_, too_many)  # too large for torch: the kernel
+    monkeypatch.setattr(first_calls, "ENABLED", False)
+    assert not first_calls.block_flags_in_torch(other, compile_, 200 * 256)
+    monkeypatch.setattr(first_calls, "ENABLED", "always")
+    first_calls.block_flags_in_torch(other, lambda: 1 / 0, 200 * 256)
+    first_calls.wait()
+    assert not first_calls.block_flags_in_torch(other, compile_, 200 * 256)  # its compile failed: the call's
+    assert compiles == [True]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="create_block_mask runs a kernel on CUDA only")
+def test_a_new_mask_mods_create_block_mask_compiles_nothing_in_the_call(fresh, monkeypatch):
+    compiled, real = [], JITFunction._do_compile
+
+    def spy(self, *args, **kwargs):
+        if not threading.current_thread().name.startswith("flexlite-compile"):
+            compiled.append(self.fn.__name__)
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(JITFunction, "_do_compile", spy)
+    import flexlite.block_mask as bm_module
+
+    in_torch, real_vmap = [], bm_module._block_flags_vmap
+    monkeypatch.setattr(bm_module, "_block_flags_vmap", lambda *a: in_torch.append(1) or real_vmap(*a))
+    offset = torch.tensor(7, device=DEVICE)
+
+    def new_mask(b, h, q_idx, kv_idx):  # a mask_mod no test has compiled: its kernel compiles in the worker
+        return ((q_idx + offset) % 11 <= kv_idx % 13) | (q_idx >= kv_idx + 300)
+    for B, H, Lq, Lkv, block in ((1, 1, 1000, 777, 128), (2, 3, 256, 256, (32, 64))):
+        first = create_block_mask(new_mask, B, H, Lq, Lkv, device=DEVICE, BLOCK_SIZE=block)
+        assert compiled == [] and len(in_torch) == 1
+        first_calls.wait()
+        later = create_block_mask(new_mask, B, H, Lq, Lkv, device=DEVICE, BLOCK_SIZE=block)  # the kernel
+        assert len(in_torch) == 1
+        for a, b in zip(first.as_tuple(), later.as_tuple()):  # torch's evaluation, the kernel's: the same blocks
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+        in_torch.clear()
