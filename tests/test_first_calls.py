@@ -237,9 +237,18 @@ class _Kernel(JITFunction):
 
     def run(self, *args, grid, warmup, **kwargs):
         self.runs.append((args, grid, warmup, kwargs))
+        return self  # (as Triton's warmup returns the compiled kernel)
+
+    src, metadata = "the kernel's source", "its metadata"
 
 
-def test_compile_only_launches_compile_and_run_nothing():
+def test_compile_only_launches_compile_and_run_nothing(monkeypatch):
+    import triton
+
+    class Driver:  # Triton's active driver, for its launcher builds
+        launcher_cls = staticmethod(lambda src, metadata: launchers.append((src, metadata)))
+    launchers = []
+    monkeypatch.setattr(triton.runtime.driver, "_active", Driver())
     kernel = _Kernel()
     compiled = launch.CompiledLaunch(kernel, {"BLOCK": 64})
     with launch.compile_only():
@@ -249,6 +258,12 @@ def test_compile_only_launches_compile_and_run_nothing():
     assert not launch.compiling_only() and not compiled.compiled
     (args, grid, warmup, kwargs), = kernel.runs
     assert grid == (2, 1) and warmup is True and kwargs == {"BLOCK": 64} and args[1] == 3
+    # the compiled kernel's C launcher built beside too (its first launch then finds it in Triton's cache)
+    assert launchers == [(kernel.src, kernel.metadata)]
+    monkeypatch.setattr(Driver, "launcher_cls", staticmethod(lambda src, metadata: 1 / 0))
+    with launch.compile_only():
+        compiled((2, 1), (torch.zeros(4), 3))  # a launcher that fails to build: left to the first launch
+    assert len(kernel.runs) == 2
     # another thread's launches are not compile-only
     seen = []
     with launch.compile_only():

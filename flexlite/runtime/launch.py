@@ -181,8 +181,20 @@ def _launch(kernel, grid, args, kwargs: dict):
     if not compiling_only():
         return kernel[grid](*args, **kwargs)
     if isinstance(kernel, triton.runtime.jit.JITFunction):  # (not the interpreter's)
-        kernel.run(*args, grid=grid, warmup=True, **kwargs)
+        _build_launcher(kernel.run(*args, grid=grid, warmup=True, **kwargs))
     return None
+
+
+def _build_launcher(compiled) -> None:
+    """Build Triton's C launcher for a kernel compiled inside :func:`compile_only`. Triton builds one per kernel
+    signature at a kernel's first launch (a C compiler run: a GPU probe's cProfile had one at 0.36 s in a backward,
+    NOTES 73, 74) and caches it on disk; built here, beside, that first launch in the caller's thread finds it there.
+    Host work only (the kernel's module is still loaded at its first launch). A failure leaves the build to that
+    launch, which reports it."""
+    try:
+        triton.runtime.driver.active.launcher_cls(compiled.src, compiled.metadata)
+    except Exception:  # noqa: BLE001 - an optimisation only: the first launch builds it (or raises) as it would
+        pass
 
 
 def run_with_fallback(kernel, grid, args: tuple, constexprs: dict, config: TileConfig, pinned: bool,
