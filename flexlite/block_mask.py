@@ -692,7 +692,10 @@ def _block_flags(mask_mod: _MaskMod, B: int, H: int, Q_LEN: int, KV_LEN: int, de
     key = first_calls.block_mask_key(kernel.source, H, Q_LEN, KV_LEN, device, block_size)
     run = functools.partial(_run_mask_kernel, kernel, module, B, H, Q_LEN, KV_LEN, device, block_size)
     if first_calls.block_flags_in_torch(key, run, B * H * Q_LEN * KV_LEN):
-        return _block_flags_vmap(mask_mod, B, H, Q_LEN, KV_LEN, device, block_size, _CUDA_CHUNK_ELEMENTS)
+        try:
+            return _block_flags_vmap(mask_mod, B, H, Q_LEN, KV_LEN, device, block_size, _CUDA_CHUNK_ELEMENTS)
+        except Exception:  # noqa: BLE001 - a shortcut only: the kernel decides (and raises what it raises) as always
+            first_calls.wait_for(key)
     flags = run()
     first_calls.mark_ready(key)
     return flags

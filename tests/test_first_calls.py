@@ -453,3 +453,11 @@ def test_a_new_mask_mods_create_block_mask_compiles_nothing_in_the_call(fresh, m
         for a, b in zip(first.as_tuple(), later.as_tuple()):  # torch's evaluation, the kernel's: the same blocks
             assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
         in_torch.clear()
+    # where torch's evaluation fails, the kernel decides (what it returns or raises), as without first_calls
+    monkeypatch.setattr(bm_module, "_block_flags_vmap", lambda *a: 1 / 0)
+    fallback = create_block_mask(new_mask, 1, 1, 300, 300, device=DEVICE)
+    first_calls.wait()
+    any_, all_ = real_vmap(new_mask, 1, 1, 300, 300, torch.device(DEVICE), (128, 128))
+    want = bm_module.BlockMask._from_block_flags(any_ & ~all_, all_, (300, 300), (128, 128), new_mask)
+    for a, b in zip(fallback.as_tuple(), want.as_tuple()):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
