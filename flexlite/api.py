@@ -379,7 +379,8 @@ def _first_call(kind: str, sources: tuple, query, key, value, block_mask, option
     if not _launch.compiling_only():
         first_calls.wait_for(own)  # (the worker compiling this call's kernels already: a backward's, say)
     new = not first_calls.ready(own)
-    if not new or isinstance(block_mask, first_calls.BitsMask) or _launch.compiling_only():
+    if (not new or block_mask is None or block_mask.mask_mod is None or isinstance(block_mask, first_calls.BitsMask)
+            or _launch.compiling_only()):  # (no bits without a mask_mod)
         return _FirstCall(own, run, new, of_bits=isinstance(block_mask, first_calls.BitsMask))
     try:
         bits = first_calls.bits_mask(block_mask, query.shape[0], query.shape[1], gathers)
@@ -521,9 +522,13 @@ def _compile_backward_beside(query, key, value, score_mod, block_mask, scale, tr
     if not (query.requires_grad or key.requires_grad or value.requires_grad) or _captured_requiring_grad(traced[0]):
         return
     interpret = query.device.type != "cuda"
+    mask_mod = traced[1] or (block_mask.mask_mod if block_mask is not None else None)
     mods = [trace_mod(mod, kind) if mod is not None else None
-            for mod, kind in ((traced[0] or score_mod, "score_mod"), (traced[1] or block_mask.mask_mod, "mask_mod"))]
-    kernel, ws_kernel = _backward_kernels(mods, query, key, value, sparse, {}, interpret)
+            for mod, kind in ((traced[0] or score_mod, "score_mod"), (mask_mod, "mask_mod"))]
+    try:
+        kernel, ws_kernel = _backward_kernels(mods, query, key, value, sparse, {}, interpret)
+    except Exception:  # noqa: BLE001 - a backward that cannot be generated (an op without a derivative rule) fails
+        return  # when it is called, with its own error; the forward must not
     B, Hq, Lq, _ = query.shape
     out = query.new_empty((B, Hq, Lq, value.shape[-1]))
     lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=query.device)

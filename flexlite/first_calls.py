@@ -12,8 +12,9 @@ those (benchmarks/NOTES.md 72).
 The bits' kernels are the mod's own but for how the mask is read: the same templates, tiles and walk (the tiles chosen
 for the original mask_mod: :attr:`BitsMask.gathers`), so outputs and gradients are those of the mod's own kernels.
 
-Where it applies (:func:`applies`): CUDA (``ENABLED``; the interpreter compiles nothing), a block mask with a
-mask_mod, no kernel_options (nor FLEXLITE_AUTOTUNE), no CUDA graph being captured. A kernel set is known compiled once
+Where it applies (:func:`applies`): CUDA (``ENABLED``; the interpreter compiles nothing), no kernel_options (nor
+FLEXLITE_AUTOTUNE), no CUDA graph being captured; the bits need a block mask with a mask_mod, while any new forward
+whose inputs require grad has its backward compiled beside it (a new score_mod's too). A kernel set is known compiled once
 a call has run it or the worker has compiled it (:func:`signature`: per kind of input, not per length): the first
 mask_mod of a kind compiles its own kernels in the call (as without this) and the worker then compiles the bits'
 kernels, so that the next mask_mod's first call does not wait. The bits' kernels are marked for later processes
@@ -63,8 +64,10 @@ _bits_calls = [0]
 
 
 def applies(query: torch.Tensor, block_mask, options: dict) -> bool:
-    """Whether this call may take the bits' kernels: see the module's docstring."""
-    if not ENABLED or block_mask is None or block_mask.mask_mod is None or options or autotune_enabled({}):
+    """Whether this call takes part: its kernels known compiled or new (a new forward's backward then compiles beside
+    it), and with a block mask that has a mask_mod, the bits' kernels for its first calls. See the module's
+    docstring."""
+    if not ENABLED or options or autotune_enabled({}):
         return False
     if query.is_cuda:
         return not torch.cuda.is_current_stream_capturing()
@@ -78,9 +81,11 @@ def signature(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block
     and ``extra``. Not the lengths themselves, which the kernels do not specialize on: a new length (a decoding step)
     is no new first call."""
     Lq, Lkv = query.shape[2], key.shape[2]
+    blocks = (None, None) if block_mask is None else (tuple(block_mask.BLOCK_SIZE),
+                                                      block_mask.full_kv_num_blocks is None)
     return (query.device, query.dtype, query.shape[-1], value.shape[-1], query.shape[1] // key.shape[1],
             query.is_contiguous(), key.is_contiguous(), value.is_contiguous(), Lq % 128 == 0, Lkv % 128 == 0,
-            Lq <= 64, tuple(block_mask.BLOCK_SIZE), block_mask.full_kv_num_blocks is None) + extra
+            Lq <= 64, *blocks) + extra
 
 
 def block_mask_key(source: str, H: int, Q_LEN: int, KV_LEN: int, device: torch.device, block_size: tuple) -> tuple:

@@ -199,19 +199,17 @@ def test_a_worker_compile_that_fails_leaves_the_calls_to_compile_their_own(fresh
     assert forwards == ["BlockMask"]
 
 
-@pytest.mark.parametrize("why", ["kernel_options", "off", "no mask_mod", "autotune", "cpu by default"])
+@pytest.mark.parametrize("why", ["kernel_options", "off", "autotune", "cpu by default"])
 def test_where_first_calls_do_not_apply(why, monkeypatch):
     monkeypatch.setattr(first_calls, "ENABLED", "always")
     q = torch.zeros(1, 1, 8, 8, device=DEVICE)
     bm = create_block_mask(causal_mask, None, None, 8, 8, device=DEVICE)
-    assert first_calls.applies(q, bm, None)
+    assert first_calls.applies(q, bm, None) and first_calls.applies(q, None, None)  # (without a mask_mod: no bits)
     options = None
     if why == "kernel_options":
         options = {"BLOCK_M": 64}
     elif why == "off":
         monkeypatch.setattr(first_calls, "ENABLED", False)
-    elif why == "no mask_mod":
-        bm = None
     elif why == "autotune":
         monkeypatch.setenv("FLEXLITE_AUTOTUNE", "1")
     else:
@@ -461,3 +459,51 @@ def test_a_new_mask_mods_create_block_mask_compiles_nothing_in_the_call(fresh, m
     want = bm_module.BlockMask._from_block_flags(any_ & ~all_, all_, (300, 300), (128, 128), new_mask)
     for a, b in zip(fallback.as_tuple(), want.as_tuple()):
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+@pytest.mark.parametrize("with_mask", [False, True], ids=["no block mask", "a block mask without mask_mod"])
+def test_a_new_score_mods_backward_compiles_beside_its_first_forward(fresh, monkeypatch, with_mask):
+    # no mask_mod, so no bits; but a first forward whose inputs require grad asks the worker for its backward's
+    # kernels before it compiles its own, and the first backward takes them
+    from test_backward import check_backward
+
+    jobs, real = [], first_calls.compile_beside
+    monkeypatch.setattr(first_calls, "compile_beside",
+                        lambda key, *args, **kw: jobs.append(key) or real(key, *args, **kw))
+    L = 96
+    bm = None
+    if with_mask:
+        bm = create_block_mask(causal_mask, None, None, L, L, device=DEVICE, BLOCK_SIZE=32)
+        bm.mask_mod = None
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score - 0.05 * (q_idx - kv_idx).abs()
+    q, k, v = rand_qkv(1, 2, 2, L, L, 32, seed=11)
+    bits_calls = first_calls.ran_bits()
+    check_backward(q, k, v, score_mod=bias, block_mask=bm, name="first calls of a new score_mod")
+    first_calls.wait()
+    assert [job[0] for job in jobs] == ["bwd"] and jobs[0] in first_calls._ready
+    assert {key[0] for key in _attention_keys()} == {"fwd", "bwd"} and len(_attention_keys()) == 2
+    assert first_calls.ran_bits() == bits_calls and not first_calls._failed
+    check_backward(q, k, v, score_mod=bias, block_mask=bm, name="later calls")  # known: nothing asked of the worker
+    assert len(jobs) == 1 and len(_attention_keys()) == 2
+
+
+@pytest.mark.parametrize("with_mask", [False, True], ids=["no block mask", "causal"])
+def test_a_first_forward_whose_backward_cannot_be_generated_runs(fresh, monkeypatch, with_mask):
+    # the backward beside the forward is generated in the forward's thread: a mod without a derivative rule must not
+    # fail the forward (its backward raises when it is called, as without first_calls)
+    from flexlite.codegen import grad
+    from flexlite.codegen.trace import UntraceableModError
+
+    monkeypatch.delitem(grad.RULES, "erf")
+
+    def erf_mod(score, b, h, q_idx, kv_idx):
+        return torch.erf(score)
+    L = 64
+    bm = create_block_mask(causal_mask, None, None, L, L, device=DEVICE, BLOCK_SIZE=32) if with_mask else None
+    q, k, v = (t.requires_grad_() for t in rand_qkv(1, 1, 1, L, L, 16, seed=12))
+    out = flex_attention(q, k, v, score_mod=erf_mod, block_mask=bm)
+    assert_close(out, attention_reference(q, k, v, score_mod=erf_mod, block_mask=bm)[0], *TOLERANCES[torch.float32])
+    with pytest.raises(UntraceableModError, match="backward pass is not supported for `erf`"):
+        out.sum().backward()
