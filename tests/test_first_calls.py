@@ -372,12 +372,8 @@ def test_the_bits_backward_compiles_both_grids_of_the_warp_specialized_backward(
         assert api._ws_backward_grids(bits, 200, 200) == (False,)
 
 
-@pytest.mark.skipif(not (DEVICE == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
-                    reason="the warp-specialized backward runs on Hopper GPUs")
-def test_a_second_mask_mods_first_backward_compiles_nothing_whatever_its_walk(fresh, monkeypatch):
-    # causal walks long (the backward's grid: a program per key block), the window short (persistent); the window's
-    # first forward and backward, right after each other, run the bits' kernels and compile nothing in the call
-    monkeypatch.setattr(launch, "WS_BWD_PERSISTENT_MAX_WALK", 256)  # kv blocks walk 320 queries (causal), 224 (window)
+def _compiles_in_the_calls(monkeypatch) -> list:
+    """The names of the kernels Triton compiles from now on in any thread but the first_calls worker's."""
     compiled, real = [], JITFunction._do_compile
 
     def spy(self, *args, **kwargs):
@@ -385,6 +381,16 @@ def test_a_second_mask_mods_first_backward_compiles_nothing_whatever_its_walk(fr
             compiled.append(self.fn.__name__)
         return real(self, *args, **kwargs)
     monkeypatch.setattr(JITFunction, "_do_compile", spy)
+    return compiled
+
+
+@pytest.mark.skipif(not (DEVICE == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                    reason="the warp-specialized backward runs on Hopper GPUs")
+def test_a_second_mask_mods_first_backward_compiles_nothing_whatever_its_walk(fresh, monkeypatch):
+    # causal walks long (the backward's grid: a program per key block), the window short (persistent); the window's
+    # first forward and backward, right after each other, run the bits' kernels and compile nothing in the call
+    monkeypatch.setattr(launch, "WS_BWD_PERSISTENT_MAX_WALK", 256)  # kv blocks walk 320 queries (causal), 224 (window)
+    compiled = _compiles_in_the_calls(monkeypatch)
     from test_backward import check_backward
 
     L = 512
@@ -427,13 +433,7 @@ def test_a_new_mask_mods_block_mask_is_evaluated_in_torch_while_its_kernel_compi
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="create_block_mask runs a kernel on CUDA only")
 def test_a_new_mask_mods_create_block_mask_compiles_nothing_in_the_call(fresh, monkeypatch):
-    compiled, real = [], JITFunction._do_compile
-
-    def spy(self, *args, **kwargs):
-        if not threading.current_thread().name.startswith("flexlite-compile"):
-            compiled.append(self.fn.__name__)
-        return real(self, *args, **kwargs)
-    monkeypatch.setattr(JITFunction, "_do_compile", spy)
+    compiled = _compiles_in_the_calls(monkeypatch)
     import flexlite.block_mask as bm_module
 
     in_torch, real_vmap = [], bm_module._block_flags_vmap
