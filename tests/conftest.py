@@ -33,10 +33,15 @@ def poison_empty(monkeypatch):
 @pytest.fixture(autouse=True)
 def first_calls_worker_done():
     """What a test asked flexlite.first_calls' worker to compile is compiled before the next test starts (on a GPU,
-    where it is on by default): no test sees another's compile-only calls in its spies."""
-    yield
+    where it is on by default): no test sees another's compile-only calls in its spies. With
+    FLEXLITE_TEST_FIRST_CALLS=fresh every test starts knowing no compiled kernels, so that each one's first calls are
+    new whatever ran before it in its process (what a GPU run's first test of a kind sees)."""
     from flexlite import first_calls
 
+    if os.environ.get("FLEXLITE_TEST_FIRST_CALLS") == "fresh":
+        first_calls._ready.clear()
+        first_calls._failed.clear()
+    yield
     first_calls.wait()
 
 
@@ -50,8 +55,9 @@ if os.environ.get("FLEXLITE_TEST_DECODE_TILES"):
 
 
 # first_calls (on by default on CUDA only) on CPU too: FLEXLITE_TEST_FIRST_CALLS=always runs every test's first calls of
-# a new mask_mod through the bits' kernels, as a GPU run does
+# a new mask_mod through the bits' kernels, as a GPU run does ("fresh": and every test's first calls are new)
 if os.environ.get("FLEXLITE_TEST_FIRST_CALLS"):
     from flexlite import first_calls
 
-    first_calls.ENABLED = {"always": "always", "0": False}.get(os.environ["FLEXLITE_TEST_FIRST_CALLS"], True)
+    first_calls.ENABLED = {"always": "always", "fresh": "always", "0": False}.get(
+        os.environ["FLEXLITE_TEST_FIRST_CALLS"], True)

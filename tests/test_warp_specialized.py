@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from catalog import CATALOG
-from flexlite import attention_reference, create_block_mask, flex_attention, kernel_source
+from flexlite import attention_reference, create_block_mask, first_calls, flex_attention, kernel_source
 from flexlite.runtime import launch
 from helpers import DEVICE, TOLERANCES, assert_close, assert_grad_close, rand_qkv
 
@@ -293,6 +293,7 @@ def test_a_backward_compiler_failure_falls_back_to_the_triton_kernel_for_good(mo
     monkeypatch.setattr(api, "load_module", lambda source, interpret: types.SimpleNamespace()
                         if "flex_bwd_ws_dkdv_kernel" in source else load_module(source, interpret))
     monkeypatch.setattr(api, "_WS_UNCOMPILABLE", set())
+    monkeypatch.setattr(first_calls, "ENABLED", False)  # (this call's own launches, not the worker's beside it)
     q, k, v = rand_qkv(1, 2, 2, 128, 128, 64, dtype=torch.float16, seed=3)
     for _ in range(2):
         check_backward(q, k, v, name="fallback")
@@ -329,6 +330,7 @@ def test_the_gluon_launch_gets_a_zeroed_fp32_dq_buffer_unless_sums_must_be_repro
     load_module = api.load_module  # the interpreter cannot import a Gluon kernel: a stand-in module
     monkeypatch.setattr(api, "load_module", lambda source, interpret: types.SimpleNamespace()
                         if "flex_bwd_ws_dkdv_kernel" in source else load_module(source, interpret))
+    monkeypatch.setattr(first_calls, "ENABLED", False)  # (this call's own launches, not the worker's beside it)
     q, k, v = rand_qkv(1, 2, 2, 64, 64, 64, dtype=torch.float32, seed=6)
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(deterministic)
