@@ -60,7 +60,8 @@ def profiled(name, fn):
 def step(mask, score_mod=None):
     bits0 = first_calls.ran_bits()
     t0 = time.perf_counter()
-    bm = profiled(f"{mask.__name__} create_block_mask", lambda: create_block_mask(mask, None, None, L, L, device="cuda"))
+    bm = profiled(f"{mask.__name__} create_block_mask",
+                  lambda: create_block_mask(mask, None, None, L, L, device="cuda"))
     torch.cuda.synchronize()
     t1 = time.perf_counter()
     out = profiled(f"{mask.__name__} forward", lambda: flex_attention(q, k, v, score_mod=score_mod, block_mask=bm))
@@ -72,7 +73,8 @@ def step(mask, score_mod=None):
     first_calls.wait()
     t4 = time.perf_counter()
     return {"mask_s": round(t1 - t0, 3), "fwd_s": round(t2 - t1, 3), "bwd_s": round(t3 - t2, 3),
-            "step_s": round(t3 - t0, 3), "worker_after_s": round(t4 - t3, 3), "bits_calls": first_calls.ran_bits() - bits0}
+            "step_s": round(t3 - t0, 3), "worker_after_s": round(t4 - t3, 3),
+            "bits_calls": first_calls.ran_bits() - bits0}
 rows = {}
 if mode.startswith("cold"):
     rows["a causal (first mask_mod)"] = step(causal)

@@ -735,16 +735,12 @@ def _backward_kernels(traced, query, key, value, sparse, options: dict, interpre
     kernel = generate_backward(*traced, interpret=interpret, grad_captured=scatter)
     ws_kernel = None
     if not (scatter or deterministic) and _warp_specialize_backward(query, key, value, sparse, options):
-        ws_kernel = _ws_backward_kernel(*traced, interpret=interpret)
+        ws_kernel = generate_backward(*traced, interpret=interpret, template="bwd_ws.py.jinja",
+                                      query_values=_launch.WS_BWD_QUERY_VALUES,
+                                      llvm_opt_levels=_launch.WS_BWD_LLVM_OPT_LEVELS)
         if ws_kernel.source in _WS_UNCOMPILABLE:
             ws_kernel = None
     return kernel, ws_kernel
-
-
-def _ws_backward_kernel(score_mod, mask_mod, interpret: bool) -> GeneratedKernel:
-    """The warp-specialized backward kernel (bwd_ws.py.jinja) of these traced mods."""
-    return generate_backward(score_mod, mask_mod, interpret=interpret, template="bwd_ws.py.jinja",
-                             query_values=_launch.WS_BWD_QUERY_VALUES, llvm_opt_levels=_launch.WS_BWD_LLVM_OPT_LEVELS)
 
 
 def _capturing(t: torch.Tensor) -> bool:

@@ -14,8 +14,8 @@ for the original mask_mod: :attr:`BitsMask.gathers`), so outputs and gradients a
 
 Where it applies (:func:`applies`): CUDA (``ENABLED``; the interpreter compiles nothing), no kernel_options (nor
 FLEXLITE_AUTOTUNE), no CUDA graph being captured; the bits need a block mask with a mask_mod, while any new forward
-whose inputs require grad has its backward compiled beside it (a new score_mod's too). A kernel set is known compiled once
-a call has run it or the worker has compiled it (:func:`signature`: per kind of input, not per length): the first
+whose inputs require grad has its backward compiled beside it (a new score_mod's too). A kernel set is known compiled
+once a call has run it or the worker has compiled it (:func:`signature`: per kind of input, not per length): the first
 mask_mod of a kind compiles its own kernels in the call (as without this) and the worker then compiles the bits'
 kernels, so that the next mask_mod's first call does not wait. The bits' kernels are marked for later processes
 (:func:`mark_ready`'s ``persist``), whose first mask_mod of that kind takes them from Triton's disk cache.
@@ -188,10 +188,6 @@ def _compile(key: tuple, compile_: Callable[[], None], device: Optional[int], pe
     finally:
         with _lock:
             _pending.pop(key, None)
-
-
-def pending(key: tuple) -> bool:
-    return key in _pending
 
 
 def wait_for(key: tuple) -> None:

@@ -275,12 +275,12 @@ def test_wait_for_the_worker(fresh):
     release = threading.Event()
     first_calls.compile_beside(("test", 1), release.wait)
     first_calls.compile_beside(("test", 1), release.wait)  # asked twice: compiled once
-    assert first_calls.pending(("test", 1)) and len(first_calls._pending) == 1
+    assert ("test", 1) in first_calls._pending and len(first_calls._pending) == 1
     with pytest.raises(TimeoutError, match="still running"):
         first_calls.wait(timeout=0.05)
     release.set()
     first_calls.wait()
-    assert first_calls.ready(("test", 1)) and not first_calls.pending(("test", 1))
+    assert first_calls.ready(("test", 1)) and ("test", 1) not in first_calls._pending
 
 
 def test_the_worker_compiles_from_the_calling_threads_traces(fresh):

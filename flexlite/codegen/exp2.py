@@ -3,8 +3,9 @@ exponentials with (launch.WS_FWD_POLY_EXP2), the others on the SFU (``ex2.approx
 
 At D64 the softcap forward asks the SFU for two results per score (tanh, exp2) against one score's worth of matmul
 per SFU result (benchmarks/NOTES.md 70). FA4 moves part of the exponentials to the FMA pipes this way; on an H100 it
-made that forward no faster (NOTES 71), so the setting is off. The polynomial: x clamped below at -127 (NaN kept), rounded to an integer j by adding 1.5 * 2**23 (j
-lands in the low mantissa bits), 2 ** (x - j) by a degree-3 polynomial, times 2 ** j built in the exponent bits.
+made that forward no faster (NOTES 71), so the setting is off. The polynomial: x clamped below at -127 (NaN kept),
+rounded to an integer j by adding 1.5 * 2**23 (j lands in the low mantissa bits), 2 ** (x - j) by a degree-3
+polynomial, times 2 ** j built in the exponent bits.
 """
 
 from __future__ import annotations
