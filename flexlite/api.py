@@ -344,32 +344,42 @@ class _FirstCall:
     """A call's part in :mod:`flexlite.first_calls`. ``key``: the kernels it launches (pass, sources, signature);
     ``bits``: the :class:`first_calls.BitsMask` to run the call with instead, where its own kernels are not compiled
     yet and the bits' are (its own then compile in the worker), else None. :meth:`done`, after the call: its kernels
-    are compiled, and the worker compiles the bits' for the next mask_mod if they are not."""
+    are compiled, and the worker compiles the bits' for the next mask_mod if they are not (and ``other_bits``', (key,
+    compile) pairs: the bits' kernels that a later mask_mod's walk may choose instead, :func:`_forward`)."""
 
     def __init__(self, key: tuple, run: Callable, new: bool, bits=None, bits_key: Optional[tuple] = None,
-                 of_bits: bool = False):
-        self.key, self._run, self._bits, self._bits_key, self._of_bits, self.bits = \
-            key, run, bits, bits_key, of_bits, None
+                 of_bits: bool = False, other_bits: tuple = ()):
+        self.key, self._run, self._bits, self._bits_key, self._of_bits, self._other_bits, self.bits = \
+            key, run, bits, bits_key, of_bits, other_bits, None
         self.new = new  # (its kernels to be compiled in this call or beside it)
         if (bits_key is not None and first_calls.ready(bits_key, on_disk=True) and not _launch.compiling_only()
                 and first_calls.compile_beside(key, lambda: run(None))):
             self.bits = bits
             first_calls.count_bits_call()
+            self._compile_other_bits()  # (the call runs the bits: done() is not called)
 
     def done(self):
         if self.new:  # the bits' kernels serve every later mask_mod, in later processes too (Triton's disk cache)
             first_calls.mark_ready(self.key, persist=self._of_bits)
         if self._bits_key is not None and self.bits is None and not _launch.compiling_only():
             first_calls.compile_beside(self._bits_key, lambda: self._run(self._bits), persist=True)
+            self._compile_other_bits()
+
+    def _compile_other_bits(self):
+        for key, compile_ in self._other_bits:
+            if not first_calls.ready(key, on_disk=True):
+                first_calls.compile_beside(key, compile_, persist=True)
 
 
 def _first_call(kind: str, sources: tuple, query, key, value, block_mask, options, gathers: bool,
-                bits_sources: Callable, run: Callable, *extra) -> Optional[_FirstCall]:
+                bits_sources: Callable, run: Callable, *extra, other_bits: Optional[Callable] = None
+                ) -> Optional[_FirstCall]:
     """The :class:`_FirstCall` of a call (``kind``: "fwd" or "bwd") whose kernels have ``sources``, or None where
     :func:`first_calls.applies` says no. ``gathers``: whether its mask_mod reads captured tensors;
     ``bits_sources(bits)``: the sources of the kernels the call would run with block mask ``bits``; ``run(bits)``:
     the call with ``bits`` (None: with its own block mask), for the worker (which compiles only); ``extra``: what
-    else picks the kernels (:func:`first_calls.signature`)."""
+    else picks the kernels (:func:`first_calls.signature`); ``other_bits(bits)``: (sources, compile) pairs of the
+    bits' kernels another block mask of this kind of input may take instead (:func:`_forward`)."""
     if not first_calls.applies(query, block_mask, options):
         return None
     sig = first_calls.signature(query, key, value, block_mask, *extra)
@@ -388,7 +398,8 @@ def _first_call(kind: str, sources: tuple, query, key, value, block_mask, option
         bits = None
     if bits is None:
         return _FirstCall(own, run, True)
-    return _FirstCall(own, run, True, bits, (kind, bits_sources(bits), sig))
+    others = tuple(((kind, other, sig), compile_) for other, compile_ in (other_bits(bits) if other_bits else ()))
+    return _FirstCall(own, run, True, bits, (kind, bits_sources(bits), sig), other_bits=others)
 
 
 def _generate(score_mod, block_mask, device: torch.device, template: str = "fwd.py.jinja",
@@ -494,13 +505,23 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options, ma
                         max_scores, traced)
     check_captured(kernel.captured, query.device, "flex_attention")
     mask_gathers = _mask_gathers(kernel, block_mask)
+
+    def bits_sources(bits, template=template):
+        return (_generate(score_mod, bits, query.device, template, _float_index(template, Lq, Lkv), dtype=query.dtype,
+                          max_scores=max_scores, traced=(traced[0], None)).source,)
+
+    def other_bits(bits):  # where the walk picks the forward, a later mask_mod's may pick the other (NOTES 77)
+        if _warp_specialize_fixed(query, key, value, num, sparse, options) is not None:
+            return ()
+        other = "fwd.py.jinja" if ws else "fwd_ws.py.jinja"
+        return ((bits_sources(bits, other), lambda: _compile_call(query, key, value, bits, scale, max_scores,
+                                                                  (traced[0], None), {"WARP_SPECIALIZE": not ws},
+                                                                  backward=False)),)
     first = _first_call(
-        "fwd", (kernel.source,), query, key, value, block_mask, kernel_options, mask_gathers,
-        lambda bits: (_generate(score_mod, bits, query.device, template, _float_index(template, Lq, Lkv),
-                                dtype=query.dtype, max_scores=max_scores, traced=(traced[0], None)).source,),
+        "fwd", (kernel.source,), query, key, value, block_mask, kernel_options, mask_gathers, bits_sources,
         lambda bits: _compile_call(query, key, value, bits or block_mask, scale, max_scores,
                                    (traced[0], None) if bits else traced),
-        max_scores)
+        max_scores, other_bits=other_bits)
     if first is not None and first.bits is not None:  # a new mask_mod's first calls: its kernel compiles beside
         return _forward(query, key, value, score_mod, first.bits, scale, kernel_options, max_scores,
                         (traced[0], None))
@@ -539,12 +560,13 @@ def _compile_backward_beside(query, key, value, score_mod, block_mask, scale, tr
                                                            need_captured=()))
 
 
-def _compile_call(query, key, value, block_mask, scale, max_scores, traced):
-    """A call's forward and, where its inputs require grad, backward, for the first_calls worker (inside
-    launch.compile_only: the kernels compile, nothing runs). ``traced``: the mods' traces (score_mod's, and
-    block_mask's mask_mod's or None), made on the calling thread (the worker may not trace)."""
-    out, lse, _ = _forward(query, key, value, traced[0], block_mask, scale, None, max_scores, traced)
-    if query.requires_grad or key.requires_grad or value.requires_grad:
+def _compile_call(query, key, value, block_mask, scale, max_scores, traced, kernel_options=None, backward=True):
+    """A call's forward (with ``kernel_options``) and, where its inputs require grad and ``backward``, backward, for
+    the first_calls worker (inside launch.compile_only: the kernels compile, nothing runs). ``traced``: the mods'
+    traces (score_mod's, and block_mask's mask_mod's or None), made on the calling thread (the worker may not
+    trace)."""
+    out, lse, _ = _forward(query, key, value, traced[0], block_mask, scale, kernel_options, max_scores, traced)
+    if backward and (query.requires_grad or key.requires_grad or value.requires_grad):
         _backward(query, key, value, out, lse, out, None, traced[0], block_mask, scale, None, (),
                   need_dq=query.requires_grad, need_captured=())
 
@@ -834,6 +856,15 @@ def _warp_specialize(query, key, value, block_mask, num_blocks, sparse, options)
     least ``launch.WS_MIN_WALK_KEYS`` keys on average (shorter walks with per-program descriptors, and D64's, measured
     slower: NOTES 38); not where tiles are pinned,
     autotuning is asked for, or the queries go to the decode kernel (:func:`_decode_rows`)."""
+    fixed = _warp_specialize_fixed(query, key, value, num_blocks, sparse, options)
+    if fixed is not None:
+        return fixed
+    walk = _mean_walk(block_mask, query.shape[2], key.shape[2])
+    return walk is not None and walk[0] >= WS_MIN_WALK_KEYS
+
+
+def _warp_specialize_fixed(query, key, value, num_blocks, sparse, options) -> Optional[bool]:
+    """:func:`_warp_specialize` where the inputs and options decide, None where the block mask's walk does."""
     want = options.get("WARP_SPECIALIZE")
     if want is False:
         return False
@@ -848,10 +879,7 @@ def _warp_specialize(query, key, value, block_mask, num_blocks, sparse, options)
         return False
     if ws_host_descriptors(query, key, value, sparse):
         return True
-    if query.shape[-1] not in WS_DEVICE_DESC_HEAD_DIMS:
-        return False
-    walk = _mean_walk(block_mask, query.shape[2], key.shape[2])
-    return walk is not None and walk[0] >= WS_MIN_WALK_KEYS
+    return None if query.shape[-1] in WS_DEVICE_DESC_HEAD_DIMS else False
 
 
 def _warp_specialize_backward(query, key, value, sparse, options) -> bool:

@@ -405,6 +405,56 @@ def test_a_second_mask_mods_first_backward_compiles_nothing_whatever_its_walk(fr
         first_calls.wait()
 
 
+def test_where_the_walk_picks_the_forward_the_other_forwards_bits_compile_too(fresh, monkeypatch):
+    # lengths not multiples of 128 at D128 on Hopper: the Gluon forward on long walks, the Triton one on short; the
+    # first mask_mod's bits are compiled for its walk's forward and the other's, whichever a later mask_mod's walk
+    # takes (on CPU: the forward's choice made to go by the walk, every walk short; what the worker is asked for)
+    monkeypatch.setattr(api, "_warp_specialize_fixed", lambda *args: args[-1].get("WARP_SPECIALIZE"))
+    monkeypatch.setattr(launch, "WS_MIN_WALK_KEYS", 10 ** 9)
+    jobs, real = [], first_calls.compile_beside
+    monkeypatch.setattr(first_calls, "compile_beside",
+                        lambda key, *args, **kw: jobs.append(key) or real(key, *args, **kw))
+    q, k, v = rand_qkv(1, 2, 2, 200, 200, 32, seed=12)
+    flex_attention(q, k, v, block_mask=create_block_mask(causal_mask, None, None, 200, 200, device=DEVICE))
+    first_calls.wait()
+    forwards = [key for key in jobs if key[0] == "fwd"]
+    assert len(forwards) == 2 and forwards[0][2] == forwards[1][2]  # the bits' two forwards, one kind of input
+    assert ["warp_specialize" in key[1][0] for key in forwards] == [False, True]
+    assert forwards[0] in first_calls._ready  # (the Gluon forward cannot compile for the interpreter)
+    monkeypatch.setattr(api, "_warp_specialize_fixed", lambda *args: False)  # no choice by the walk: no other
+    jobs.clear()
+    flex_attention(q, k, v, block_mask=create_block_mask(generate_sliding_window(9), None, None, 200, 200,
+                                                         device=DEVICE))
+    first_calls.wait()
+    assert len(jobs) == 1 and jobs[0] not in forwards  # its own forward only: the bits' ran its first call
+
+
+@pytest.mark.skipif(not (DEVICE == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+                    reason="the warp-specialized forward runs on Hopper GPUs")
+def test_a_second_mask_mods_first_forward_compiles_nothing_whichever_forward_its_walk_takes(fresh, monkeypatch):
+    # at L 200 (not a multiple of 128: descriptors per program) the walk picks the forward: causal's q blocks walk
+    # 192 keys on average, a prefix of 64 keys' 128; with the line at 150 causal takes the Gluon forward, the prefix
+    # the Triton one, and its first call runs the bits' Triton forward, compiled beside causal's
+    monkeypatch.setattr(launch, "WS_MIN_WALK_KEYS", 150)
+    compiled = _compiles_in_the_calls(monkeypatch)
+    L = 200
+    q, k, v = rand_qkv(1, 2, 2, L, L, 128, dtype=torch.bfloat16, seed=13)
+
+    def prefix(b, h, q_idx, kv_idx):
+        return kv_idx < 64
+    for mod in (causal_mask, prefix):
+        bm = create_block_mask(mod, None, None, L, L, device=DEVICE)
+        num, _, _, _, sparse = api._block_tensors(bm, L, L, q.device)
+        assert api._warp_specialize(q, k, v, bm, num, sparse, {}) == (mod is causal_mask)
+        first_calls.wait()
+        bits_calls, compiled[:] = first_calls.ran_bits(), []
+        out = flex_attention(q, k, v, block_mask=bm)  # (outputs poisoned: conftest)
+        assert_close(out, attention_reference(q, k, v, block_mask=bm), *TOLERANCES[torch.bfloat16], name=mod.__name__)
+        if mod is prefix:
+            assert first_calls.ran_bits() == bits_calls + 1 and compiled == []
+        first_calls.wait()
+
+
 def test_a_new_mask_mods_block_mask_is_evaluated_in_torch_while_its_kernel_compiles(fresh, monkeypatch):
     # (create_block_mask asks this on CUDA only; the decision and the worker's compile-only job, on any device)
     compiles = []
