@@ -560,10 +560,14 @@ _k_bias = torch.randn(512, generator=torch.Generator().manual_seed(13)).to(DEVIC
 SEPARABLE_MODS = {
     # score_mod, whether lower_mod's separate finds it the score plus a bias of a query side and a key side
     "alibi": (lambda s, b, h, q, kv: s + _slopes[h] * (kv - q), True),
-    "bias_first": (lambda s, b, h, q, kv: _k_bias[kv] + s, True),
-    "input_factor_and_sides": (lambda s, b, h, q, kv: s * 0.5 + _q_bias[q] * 3.0 - _k_bias[kv] / 2, True),
+    "bias_first": (lambda s, b, h, q, kv: (kv * 0.01 - q * 0.02) + s, True),
+    "input_factor_and_sides": (lambda s, b, h, q, kv: s * 0.5 + q.float() * 0.3 - (kv // 3).float() / 2, True),
     "minus_a_float_distance": (lambda s, b, h, q, kv: s - _slopes[h] * (q - kv).float() / 7, True),
-    "query_side_only": (lambda s, b, h, q, kv: s + _q_bias[q], True),
+    "query_side_only": (lambda s, b, h, q, kv: s + _slopes[h] * q, True),
+    # terms read from captured tensors may be non-finite at a tile's anchors: not separated
+    "query_side_read": (lambda s, b, h, q, kv: s + _q_bias[q], False),
+    "key_padding_read": (lambda s, b, h, q, kv: _k_bias[kv] + s, False),
+    "head_bias_read": (lambda s, b, h, q, kv: s + _slopes[h] + kv * 0.1, False),
     "two_slopes_and_a_head_term": (lambda s, b, h, q, kv: s + _slopes[h] * kv - _slopes[(h + 1) % H] * q + h * 0.25,
                                    True),
     "relative_table": (lambda s, b, h, q, kv: s + _table[h % 4, (kv - q) % 64], False),
@@ -629,49 +633,58 @@ def test_a_separable_bias_leaves_outputs_lse_max_scores_and_gradients_the_refere
         assert_grad_close(g, w)
 
 
-def test_a_separable_bias_keeps_what_non_finite_rows_give_unseparated(monkeypatch):
-    """A row whose query-side bias is -inf has every score -inf (out 0, LSE -inf), one whose bias is +inf or NaN
-    gets out NaN and that LSE, as without the separation; a fully masked row stays empty whatever its bias."""
-    check_non_finite_row_biases(monkeypatch, D=16, dtype=torch.float32, block_size=32)
+def test_a_bias_read_from_a_captured_tensor_is_not_separated_whatever_it_holds(monkeypatch):
+    """A bias term read from a captured tensor may be non-finite anywhere, at a tile's first query or key too, where
+    a separated bias takes its anchors (bias(q0, kv) + bias(q, k0) - bias(q0, k0): -inf - -inf is NaN): left padding
+    written as a key bias of -inf, rows of -inf, +inf and NaN (the first query's too). Such mods are not separated;
+    out, LSE and max_scores are the reference's (a fully masked row stays empty whatever its bias)."""
+    check_non_finite_biases(monkeypatch, D=16, dtype=torch.float32, block_size=32)
 
 
-def check_non_finite_row_biases(monkeypatch, D: int, dtype: torch.dtype, block_size: int, kernel_options=None):
-    """(test_a_separable_bias_keeps_what_non_finite_rows_give_unseparated; on a Hopper GPU, test_warp_specialized
-    runs it through the warp-specialized forward)"""
+def _assert_same_non_finite(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, name: str):
+    got, want = got.double(), want.double()
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf()), name
+    assert torch.equal(got[want.isinf()], want[want.isinf()]), name
+    assert_close(got[want.isfinite()], want[want.isfinite()], *TOLERANCES[dtype], name=name)
+
+
+def check_non_finite_biases(monkeypatch, D: int, dtype: torch.dtype, block_size: int, kernel_options=None):
+    """(test_a_bias_read_from_a_captured_tensor_is_not_separated_whatever_it_holds; on a Hopper GPU,
+    test_warp_specialized runs it through the warp-specialized forward)"""
     from flexlite import AuxRequest
     from flexlite.runtime import launch
 
     row_bias = torch.randn(80, generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    row_bias[[3, 40]] = float("-inf")
+    row_bias[[0, 3, 40]] = float("-inf")
     row_bias[[7, 50]] = float("inf")
     row_bias[[11, 60]] = float("nan")
     row_bias[[20, 21]] = float("inf")  # rows the mask empties
+    key_pad = torch.zeros(90, device=DEVICE)
+    key_pad[:3] = float("-inf")  # left padding
 
-    def mod(score, b, h, q_idx, kv_idx):
+    def biases(score, b, h, q_idx, kv_idx):
         return score + row_bias[q_idx] + _k_bias[kv_idx]
 
+    def padding(score, b, h, q_idx, kv_idx):
+        return score + key_pad[kv_idx]
+
+    monkeypatch.setattr(launch, "SEPARATE_SCORE_BIAS", True)
     bm = create_block_mask(lambda b, h, q_idx, kv_idx: (q_idx < 20) | (q_idx > 21), None, None, 80, 90,
                            device=DEVICE, BLOCK_SIZE=block_size)
     q, k, v = rand_qkv(1, 2, 2, 80, 90, D, dtype=dtype, seed=6)
-    results = {}
-    for separate in (True, False):
-        monkeypatch.setattr(launch, "SEPARATE_SCORE_BIAS", separate)
-        assert ("row_bias" in flexlite.kernel_source(mod, bm, device=DEVICE)) == separate
+    for mod in (biases, padding):
+        assert "row_bias" not in flexlite.kernel_source(mod, bm, device=DEVICE)
         out, aux = flex_attention(q, k, v, score_mod=mod, block_mask=bm, kernel_options=kernel_options,
                                   return_aux=AuxRequest(lse=True, max_scores=True))
-        results[separate] = (out, aux.lse, aux.max_scores)
-    # (max_scores of the NaN rows: the unseparated kernel's row max skips NaN on a GPU (max.f32), not in the
-    # interpreter; separated, the row's bias makes it NaN, as torch's max would)
-    nan_rows = [11, 60]
-    results[False][2][:, :, nan_rows] = float("nan")
-    assert torch.isnan(results[True][2][:, :, nan_rows]).all()
-    for name, got, want in zip(("out", "lse", "max_scores"), results[True], results[False]):
-        assert torch.equal(torch.isnan(got), torch.isnan(want)), name
-        assert_close(torch.nan_to_num(got, 0.0), torch.nan_to_num(want, 0.0), *TOLERANCES[dtype], name=name)
-    out, lse = results[True][:2]
-    assert torch.equal(out[:, :, [3, 40, 20, 21]], torch.zeros_like(out[:, :, [3, 40, 20, 21]]))
-    assert torch.isnan(out[:, :, [7, 50, 11, 60]]).all()
-    assert (lse[:, :, [3, 40, 20, 21]] == float("-inf")).all() and (lse[:, :, [7, 50]] == float("inf")).all()
+        ref, ref_lse, ref_max = attention_reference(q, k, v, score_mod=mod, block_mask=bm, return_max=True)
+        _assert_same_non_finite(out, ref, dtype, f"{mod.__name__}: out")
+        _assert_same_non_finite(aux.lse, ref_lse, dtype, f"{mod.__name__}: lse")
+        # (a NaN row's max: a GPU's row max (max.f32) skips NaN, the interpreter's and the reference's do not)
+        rows = ~ref_max.isnan()
+        _assert_same_non_finite(aux.max_scores[rows], ref_max[rows], dtype, f"{mod.__name__}: max_scores")
+        if mod is biases:
+            assert torch.equal(out[:, :, [0, 3, 40, 20, 21]], torch.zeros_like(out[:, :, [0, 3, 40, 20, 21]]))
+            assert out[:, :, [7, 50, 11, 60]].isnan().all()
 
 
 @pytest.mark.parametrize("cap, dtype, bounded", [(30.0, torch.bfloat16, True), (41.0, torch.bfloat16, True),

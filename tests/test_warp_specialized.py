@@ -548,7 +548,7 @@ if ON_HOPPER:
     @pytest.mark.parametrize("compact", [True, False], ids=["compact key vector", "column vector"])
     @pytest.mark.parametrize("shape, grid", WS_FORWARD_RUNS)
     @pytest.mark.parametrize("name", ["alibi", "input_factor_and_sides", "two_slopes_and_a_head_term",
-                                      "query_side_only"])
+                                      "query_side_only", "minus_a_float_distance"])
     def test_separable_score_mod_biases(monkeypatch, name, shape, grid, compact):
         # launch.SEPARATE_SCORE_BIAS, WS_FWD_COMPACT_BIAS_HEAD_DIMS: the key side of the bias taken along the tiles'
         # keys (on a compact vector or on the tile's columns), the query side added to LSE and max_scores once per
@@ -614,13 +614,11 @@ if ON_HOPPER:
             errors[bounded] = (out.double() - ref).abs().max().item()
         assert errors[True] <= 1.5 * errors[False] + 2e-3, errors
 
-    @pytest.mark.parametrize("compact", [True, False], ids=["compact key vector", "column vector"])
     @pytest.mark.parametrize("D", [128, 64])
-    def test_separable_bias_with_non_finite_rows(monkeypatch, D, compact):
-        from test_codegen import check_non_finite_row_biases
+    def test_biases_read_from_captured_tensors_with_non_finite_values(monkeypatch, D):
+        from test_codegen import check_non_finite_biases
 
-        monkeypatch.setattr(launch, "WS_FWD_COMPACT_BIAS_HEAD_DIMS", frozenset({64, 128} if compact else ()))
-        check_non_finite_row_biases(monkeypatch, D, torch.bfloat16, 128, kernel_options={"WARP_SPECIALIZE": True})
+        check_non_finite_biases(monkeypatch, D, torch.bfloat16, 128, kernel_options={"WARP_SPECIALIZE": True})
 
     @pytest.mark.parametrize("fold", [True, False], ids=["folded", "in the mod"])
     @pytest.mark.parametrize("D", [128, 64])

@@ -667,20 +667,22 @@ def _separable_bias(low: "_Lowerer") -> bool:
     ``slopes[h] * (kv_idx - q_idx)``): built from such values by adds, subtracts, negations, conversions to float and
     multiplies or divisions by what b and h alone give. Then bias(q, kv) = bias(q0, kv) + bias(q, k0) - bias(q0, k0)
     for any q0, k0, and the forward templates add the query side to the LSE once per row instead of to every
-    score."""
+    score. That needs the terms finite at the anchors q0, k0 (a tile's first query and key): a term read from a
+    captured tensor (a padding bias ``pad[kv_idx]`` of -inf, a per-head ``bias[h]``) may not be, so no term added to
+    the score may read one (a factor may: ALiBi's slopes)."""
     gm = low.traced.graph_module
     score = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.target == "score")
     out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     scored = {score} | {n for n, target in low.aliases.items() if target is score}
-    row_side = _only(gm, ("b", "h", "q_idx"))[0]
-    key_side = _only(gm, ("b", "h", "kv_idx"))[0]
+    row_side, row_loads = _only(gm, ("b", "h", "q_idx"))
+    key_side, key_loads = _only(gm, ("b", "h", "kv_idx"))
     tile_constant = low.bh_only[0]
 
     def number(v) -> bool:
         return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
     def separable(v) -> bool:
-        if number(v) or v in row_side or v in key_side:
+        if number(v) or (v in row_side and v not in row_loads) or (v in key_side and v not in key_loads):
             return True
         if not isinstance(v, fx.Node) or v.kwargs or v in scored:
             return False
