@@ -12,8 +12,8 @@ import torch
 
 from . import first_calls
 from ._vmap import index_vectors, vmap_bhqkv
-from .block_mask import (BlockMask, check_device, check_mod_output, from_torch_block_mask, is_torch_block_mask,
-                         kept_on, q_sides)
+from .block_mask import (BlockMask, check_block_tensors, check_device, check_mod_output, from_torch_block_mask,
+                         is_torch_block_mask, kept_on, q_sides)
 from .codegen.kernel import GeneratedKernel, generate, generate_backward
 from .codegen.lower import FLOAT32_EXACT_INT
 from .codegen.trace import check_arity, trace_mod
@@ -124,6 +124,33 @@ def _check_flag(name: str, value):
         _fail(f"{name} must be a bool (True or False); got {type(value).__name__} {value!r}", TypeError)
 
 
+# kernel_options' values: flags, ints with their least value, and tile sizes (powers of two >= 16; whether they
+# divide the block mask's blocks is checked where the tiles are picked)
+_FLAG_OPTIONS = ("AUTOTUNE", "USE_TMA", "DETERMINISTIC_CAPTURED_GRADS", "DECODE", "FORCE_USE_FLEX_ATTENTION",
+                 "WARP_SPECIALIZE")
+_INT_OPTIONS = {"num_stages": 1, "DECODE_SPLITS": 1}
+_TILE_OPTIONS = ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")
+
+
+def _check_option_values(kernel_options: dict) -> None:
+    """A clear error for a bad value of a kernel_options key flexlite uses (before anything compiles or runs; a
+    string "False" would otherwise read as True, a DECODE_SPLITS of 0 as no keys at all)."""
+    for name in _FLAG_OPTIONS:
+        if name in kernel_options:
+            _check_flag(f"kernel_options {name}", kernel_options[name])
+    for name, value in kernel_options.items():
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        if name in _INT_OPTIONS and not (is_int and value >= _INT_OPTIONS[name]):
+            _fail(f"kernel_options {name} must be an int >= {_INT_OPTIONS[name]}; got {type(value).__name__} "
+                  f"{value!r}", ValueError if is_int else TypeError)
+        if name == "num_warps" and not (is_int and 1 <= value <= 32 and value & (value - 1) == 0):
+            _fail(f"kernel_options num_warps must be a power of two from 1 to 32 (4 or 8 usually); got "
+                  f"{type(value).__name__} {value!r}", ValueError if is_int else TypeError)
+        if name in _TILE_OPTIONS and not (is_int and value >= 16 and value & (value - 1) == 0):
+            _fail(f"kernel_options {name} must be a power of two >= 16 (that divides the block mask's BLOCK_SIZE); "
+                  f"got {type(value).__name__} {value!r}", ValueError if is_int else TypeError)
+
+
 def _check_device_type(query):
     if query.device.type not in ("cuda", "cpu"):
         _fail(f"the inputs are on {query.device}; flexlite runs CUDA tensors (compiled kernels) and CPU tensors "
@@ -216,8 +243,8 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
             _fail(f"unknown kernel_options {sorted(unknown)}; flexlite understands "
                   f"{list(CONFIG_KEYS) + sorted(FLEXLITE_OPTIONS)} "
                   f"(torch's performance hints {sorted(TORCH_PERF_HINTS)} are accepted and ignored)")
+        _check_option_values(kernel_options)
         if "WARP_SPECIALIZE" in kernel_options:
-            _check_flag("kernel_options WARP_SPECIALIZE", kernel_options["WARP_SPECIALIZE"])
             if kernel_options["WARP_SPECIALIZE"] and (kernel_options.get("DECODE") or kernel_options.get("AUTOTUNE")
                                                       or any(k in kernel_options for k in CONFIG_KEYS)):
                 _fail(f"kernel_options WARP_SPECIALIZE=True picks the warp-specialized forward, which has one tile "
@@ -263,6 +290,12 @@ def _validate_block_mask(block_mask, query, key):
                       f"same across batch / heads, or with a larger BLOCK_SIZE")
         return True
     kept_on(block_mask, "_index_checked", tuple(map(id, tensors)), check_offsets)
+    # what the kernels read, once per set of tensors and their in-place changes (a block mask's tensors are public and
+    # torch's are taken as they are: an index past the sequence read other memory); the values on CPU only, where the
+    # host read costs nothing (on CUDA it would be a device sync per block mask)
+    kept_on(block_mask, "_contents_checked", tuple((id(t), t._version) if t is not None else None for t in tensors),
+            lambda: check_block_tensors(block_mask, "flex_attention: block_mask", values=query.device.type == "cpu")
+            or True)
     mb, mh = block_mask.kv_num_blocks.shape[:2]
     if mb not in (1, B):
         _fail(f"block_mask has batch size {mb} but query has {B}; build it with B={B} or B=None (broadcast)")

@@ -296,43 +296,62 @@ def q_sides(kv_num_blocks: Tensor, kv_indices: Tensor, full_kv_num_blocks: Optio
 # BlockMask
 # ----------------------------------------------------------------------------------------------
 
-def _check_block_tensor(name: str, t, ndim: int) -> None:
+def _check_block_tensor(name: str, t, ndim: int, caller: str = "BlockMask.from_kv_blocks") -> None:
     if not isinstance(t, Tensor):
-        raise TypeError(f"BlockMask.from_kv_blocks: {name} must be a Tensor; got {type(t).__name__}")
+        raise TypeError(f"{caller}: {name} must be a Tensor; got {type(t).__name__}")
     if t.dtype != torch.int32:
-        raise TypeError(f"BlockMask.from_kv_blocks: {name} must be int32; got {t.dtype}")
+        raise TypeError(f"{caller}: {name} must be int32; got {t.dtype}")
     if t.dim() != ndim:
-        raise ValueError(f"BlockMask.from_kv_blocks: {name} must have {ndim} dimensions "
+        raise ValueError(f"{caller}: {name} must have {ndim} dimensions "
                          f"({'[B, H, nQ]' if ndim == 3 else '[B, H, nQ, nKV]'}); got shape "
                          f"{tuple(t.shape)} (unsqueeze missing batch/head dimensions)")
 
 
-def _check_kv_pair(prefix: str, num_blocks, indices) -> None:
-    _check_block_tensor(f"{prefix}kv_num_blocks", num_blocks, 3)
-    _check_block_tensor(f"{prefix}kv_indices", indices, 4)
+def _check_kv_pair(prefix: str, num_blocks, indices, caller: str = "BlockMask.from_kv_blocks",
+                   side: str = "kv") -> None:
+    """``prefix`` ("" or "full_") ``side`` ("kv" or "q", the transposed lists)'s block counts and indices: int32
+    tensors of 3 and 4 dimensions, the counts' shape the indices' without their last."""
+    _check_block_tensor(f"{prefix}{side}_num_blocks", num_blocks, 3, caller)
+    _check_block_tensor(f"{prefix}{side}_indices", indices, 4, caller)
     if num_blocks.shape != indices.shape[:-1]:
-        raise ValueError(f"BlockMask.from_kv_blocks: {prefix}kv_num_blocks shape {tuple(num_blocks.shape)} "
-                         f"must equal {prefix}kv_indices shape without its last dimension "
+        raise ValueError(f"{caller}: {prefix}{side}_num_blocks shape {tuple(num_blocks.shape)} "
+                         f"must equal {prefix}{side}_indices shape without its last dimension "
                          f"{tuple(indices.shape[:-1])}")
 
 
-def _check_kv_values(prefix: str, num_blocks: Tensor, indices: Tensor) -> None:
-    """The values the kernels read: 0 <= num_blocks <= nKV, and the first num_blocks indices of each row in
-    [0, nKV). (Anything else reads other rows' entries or blocks past the sequence.)"""
+def _check_kv_values(prefix: str, num_blocks: Tensor, indices: Tensor, caller: str = "BlockMask.from_kv_blocks",
+                     side: str = "kv") -> None:
+    """The values the kernels read: 0 <= num_blocks <= n, and the first num_blocks indices of each row in
+    [0, n), n the indices' last dimension (blocks on the other side). (Anything else reads other rows' entries or
+    blocks past the sequence.) Reads the tensors on the host."""
     n_cols = indices.shape[-1]
     if num_blocks.numel() == 0 or num_blocks.device.type == "meta":
         return
     if int(num_blocks.min()) < 0 or int(num_blocks.max()) > n_cols:
-        raise ValueError(f"BlockMask.from_kv_blocks: {prefix}kv_num_blocks must be in [0, {n_cols}] (the number of "
-                         f"kv blocks, {prefix}kv_indices.shape[-1]); got values in [{int(num_blocks.min())}, "
+        raise ValueError(f"{caller}: {prefix}{side}_num_blocks must be in [0, {n_cols}] (the number of {side} blocks, "
+                         f"{prefix}{side}_indices.shape[-1]); got values in [{int(num_blocks.min())}, "
                          f"{int(num_blocks.max())}]")
     read = torch.arange(n_cols, device=indices.device) < num_blocks.unsqueeze(-1)
     bad = read & ((indices < 0) | (indices >= n_cols))
     if bool(bad.any()):
         where = tuple(bad.nonzero()[0].tolist())
-        raise ValueError(f"BlockMask.from_kv_blocks: {prefix}kv_indices{list(where)} = {int(indices[where])} is not a "
-                         f"kv block index in [0, {n_cols}) (only the first {prefix}kv_num_blocks entries of a row "
-                         f"are read, and those must be)")
+        raise ValueError(f"{caller}: {prefix}{side}_indices{list(where)} = {int(indices[where])} is not a "
+                         f"{side} block index in [0, {n_cols}) (only the first {prefix}{side}_num_blocks entries of a "
+                         f"row are read, and those must be)")
+
+
+def check_block_tensors(block_mask: "BlockMask", caller: str, values: bool) -> None:
+    """Every block-list pair of ``block_mask`` (kv and q sides, partial and full) as :meth:`BlockMask.from_kv_blocks`
+    checks its arguments: dtypes and shapes, and with ``values`` (a host read) the counts and indices in range."""
+    for side in ("kv", "q"):
+        for prefix in ("", "full_"):
+            num_blocks = getattr(block_mask, f"{prefix}{side}_num_blocks")
+            indices = getattr(block_mask, f"{prefix}{side}_indices")
+            if num_blocks is None or indices is None:
+                continue
+            _check_kv_pair(prefix, num_blocks, indices, caller, side)
+            if values:
+                _check_kv_values(prefix, num_blocks, indices, caller, side)
 
 
 def _check_seq_lengths(seq_lengths) -> tuple[int, int]:

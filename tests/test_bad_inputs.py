@@ -10,6 +10,7 @@ Validation cases never launch a kernel (the ``no_launch`` fixture fails any laun
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import flexlite
-from flexlite import (BlockMask, UntraceableModError, and_masks, attention_reference, create_block_mask,
+from flexlite import (BlockMask, UntraceableModError, and_masks, api, attention_reference, create_block_mask,
                       create_mask, flex_attention, kernel_source, noop_mask, or_masks)
 from flexlite.kernels import flash_attention, triton_matmul
 from flexlite.masks import build_named_mask, generate_vision_cross_attention_mask_mod
@@ -320,6 +321,21 @@ def fa(*tensors, **kw):
     return lambda: flex_attention(*(tensors or qkv()), **kw)
 
 
+def tampered_mask(name: str, value) -> Callable:
+    """The causal BlockMask of qkv() with one of its block-list tensors replaced (``value(tensor)``), or changed in
+    place (``value`` a (where, number) pair): its tensors are public, and torch's masks are taken as they are."""
+    def call():
+        bm = create_block_mask(causal, None, None, 32, 32, device=DEVICE, BLOCK_SIZE=16)
+        q, k, _ = qkv()
+        api._validate_block_mask(bm, q, k)  # (its checks kept on the mask: a change must be seen all the same)
+        if callable(value):
+            setattr(bm, name, value(getattr(bm, name)))
+        else:
+            getattr(bm, name)[value[0]] = value[1]
+        flex_attention(*qkv(), block_mask=bm)
+    return call
+
+
 FLEX_ATTENTION = {
     "key_5d": (lambda: flex_attention(qkv()[0], qkv()[1][None], qkv()[2]), ValueError, "key must be 4-D"),
     "value_3d": (lambda: flex_attention(*qkv()[:2], qkv()[2][0]), ValueError, "value must be 4-D"),
@@ -353,6 +369,20 @@ FLEX_ATTENTION = {
                               r"torch\.where"),
     "score_mod_wrong_arity": (fa(score_mod=lambda s, b: s), TypeError, "got a function of 2 arguments"),
     "scale_str": (fa(scale="0.1"), TypeError, "scale must be a Python float"),
+    # a block mask's tensors changed after it was built (before: a segfault in the interpreter, memory past the
+    # lists or past the sequence read, a raw interpreter error)
+    "kv_num_blocks_past_the_blocks": (tampered_mask("kv_num_blocks", lambda t: torch.full_like(t, 50)), ValueError,
+                                      r"block_mask: kv_num_blocks must be in \[0, 2\] .* got values in \[50, 50\]"),
+    "kv_indices_past_the_blocks_in_place": (tampered_mask("kv_indices", (..., 99)), ValueError,
+                                            r"block_mask: kv_indices\[0, 0, 0, 0\] = 99 is not a kv block index"),
+    "full_kv_indices_negative": (tampered_mask("full_kv_indices", (..., -5)), ValueError,
+                                 r"full_kv_indices\[0, 0, 1, 0\] = -5 is not a kv block index in \[0, 2\)"),
+    "q_num_blocks_negative": (tampered_mask("q_num_blocks", lambda t: t - 3), ValueError,
+                              r"block_mask: q_num_blocks must be in \[0, 2\]"),
+    "kv_indices_float": (tampered_mask("kv_indices", lambda t: t.float()), TypeError,
+                         "block_mask: kv_indices must be int32; got torch.float32"),
+    "kv_indices_3d": (tampered_mask("kv_indices", lambda t: t[0]), ValueError,
+                      "block_mask: kv_indices must have 4 dimensions"),
 }
 
 

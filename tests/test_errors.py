@@ -131,6 +131,32 @@ def test_bad_tile_options_are_rejected(monkeypatch):
             flex_attention(q, k, v, kernel_options=opts)
 
 
+@pytest.mark.parametrize("opts, exc, match", [
+    ({"DECODE_SPLITS": 0}, ValueError, "DECODE_SPLITS must be an int >= 1; got int 0"),
+    ({"DECODE_SPLITS": 2.5}, TypeError, "DECODE_SPLITS must be an int >= 1; got float 2.5"),
+    ({"DECODE_SPLITS": "4"}, TypeError, "DECODE_SPLITS must be an int"),
+    ({"num_stages": 0}, ValueError, "num_stages must be an int >= 1; got int 0"),
+    ({"num_stages": "x"}, TypeError, "num_stages must be an int"),
+    ({"num_warps": 0}, ValueError, "num_warps must be a power of two from 1 to 32"),
+    ({"num_warps": 6}, ValueError, "num_warps must be a power of two"),
+    ({"num_warps": 1.5}, TypeError, "num_warps must be a power of two"),
+    ({"DECODE": "False"}, TypeError, "kernel_options DECODE must be a bool .* got str 'False'"),
+    ({"USE_TMA": 1}, TypeError, "kernel_options USE_TMA must be a bool"),
+    ({"AUTOTUNE": None}, TypeError, "kernel_options AUTOTUNE must be a bool"),
+    ({"FORCE_USE_FLEX_ATTENTION": "yes"}, TypeError, "FORCE_USE_FLEX_ATTENTION must be a bool"),
+    ({"DETERMINISTIC_CAPTURED_GRADS": 0}, TypeError, "DETERMINISTIC_CAPTURED_GRADS must be a bool"),
+    ({"BLOCK_M1": 7}, ValueError, "BLOCK_M1 must be a power of two >= 16"),
+    ({"BLOCK_N2": "32"}, TypeError, "BLOCK_N2 must be a power of two >= 16"),
+    ({"BLOCK_M": True}, TypeError, "BLOCK_M must be a power of two >= 16"),
+], ids=lambda x: repr(x) if isinstance(x, dict) else "")
+def test_bad_kernel_option_values_are_named_before_anything_runs(opts, exc, match):
+    # (each of these ran before: DECODE_SPLITS 0 gave every row as fully masked, num_stages 0 a TypeError from
+    # inside the launcher, the string "False" read as True, BLOCK_M1 7 failed only in the backward)
+    q, k, v = qkv()
+    with pytest.raises(exc, match=match):
+        flex_attention(q[:, :, :4], k, v, kernel_options=opts)  # (4 queries: the decode kernel's inputs)
+
+
 def test_captured_tensor_on_wrong_device_is_named(monkeypatch):
     monkeypatch.undo()
     bias = torch.zeros(48, device="meta")
