@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import numbers
 import os
 from typing import Callable, Literal, NamedTuple, Optional, TypedDict
 
@@ -233,8 +234,14 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
     if score_mod is not None:
         check_arity(score_mod, "score_mod")
         traced_score_mod = check_mod_output(score_mod, "score_mod", "flex_attention")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        _fail(f"scale must be a Python float or None, got {type(scale).__name__}", TypeError)
+    if isinstance(scale, torch.Tensor):
+        if scale.dim() != 0 or scale.dtype == torch.bool or scale.is_complex() or scale.requires_grad:
+            _fail(f"scale must be a Python float, a real 0-d tensor that does not require grad (no gradient flows to "
+                  f"it), or None; got a tensor of shape {tuple(scale.shape)}, {scale.dtype}"
+                  f"{', requiring grad' if scale.requires_grad else ''}", TypeError)
+    elif scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+        _fail(f"scale must be a Python float (or a real number: int, numpy float) or None, got "
+              f"{type(scale).__name__}", TypeError)
     if kernel_options is not None:
         if not isinstance(kernel_options, dict):
             _fail(f"kernel_options must be a dict, got {type(kernel_options).__name__}", TypeError)
@@ -1010,7 +1017,8 @@ def flex_attention(
         score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, applied to the scaled score.
         block_mask: a :class:`flexlite.BlockMask` from :func:`flexlite.create_block_mask` (or torch's BlockMask,
             used as it is); None = no mask.
-        scale: multiplies ``q @ k^T``; default ``1 / sqrt(E)``.
+        scale: multiplies ``q @ k^T``; default ``1 / sqrt(E)``. A number, or a 0-d tensor as torch's takes (read
+            on the host: on CUDA that waits for the GPU and cannot be captured in a CUDA graph; pass a float there).
         enable_gqa: allow Hq to be a multiple of Hkv (query head h uses kv head ``h // (Hq // Hkv)``).
         return_lse: also return the log-sum-exp [B, Hq, Lq] (fp32, natural log).
         kernel_options: pin tile sizes: ``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``; for the

@@ -369,6 +369,10 @@ FLEX_ATTENTION = {
                               r"torch\.where"),
     "score_mod_wrong_arity": (fa(score_mod=lambda s, b: s), TypeError, "got a function of 2 arguments"),
     "scale_str": (fa(scale="0.1"), TypeError, "scale must be a Python float"),
+    "scale_1d_tensor": (fa(scale=torch.ones(1)), TypeError, r"scale must be .* got a tensor of shape \(1,\)"),
+    "scale_tensor_requiring_grad": (fa(scale=torch.tensor(0.5, requires_grad=True)), TypeError,
+                                    "no gradient flows to it.* requiring grad"),
+    "scale_complex": (fa(scale=1j), TypeError, "scale must be a Python float .* got complex"),
     # a block mask's tensors changed after it was built (before: a segfault in the interpreter, memory past the
     # lists or past the sequence read, a raw interpreter error)
     "kv_num_blocks_past_the_blocks": (tampered_mask("kv_num_blocks", lambda t: torch.full_like(t, 50)), ValueError,
@@ -397,6 +401,14 @@ def test_flex_attention(name):
 def assert_matches_reference(out, q, k, v, **kw):
     ref, _ = attention_reference(q, k, v, **kw)
     assert_close(out, ref, *TOLERANCES[q.dtype])
+
+
+@pytest.mark.parametrize("scale", [np.float32(0.3), np.float64(0.3), torch.tensor(0.3), torch.tensor(0.3).double(),
+                                   3], ids=["numpy-float32", "numpy-float64", "0-d-tensor", "0-d-double", "int"])
+def test_right_result_scale_as_a_number_or_a_0d_tensor(scale):
+    # as torch's flex_attention takes them
+    q, k, v = qkv(Lq=20, Lkv=24)
+    assert_matches_reference(flex_attention(q, k, v, scale=scale), q, k, v, scale=float(scale))
 
 
 def test_right_result_stride_zero_inputs():
