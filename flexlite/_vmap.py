@@ -22,9 +22,26 @@ def vmap_bhqkv(fn: Callable, prefix: tuple = ()) -> Callable:
     ``prefix`` gives the in_dims of leading arguments (for score_mod: ``(0,)``, a [B, H, Q, KV]
     score tensor peeled one dimension per vmap level).
     """
+    batched = fn
     for dims in _BHQKV_DIMS:
-        fn = torch.vmap(fn, in_dims=prefix + dims, out_dims=0)
-    return fn
+        batched = torch.vmap(batched, in_dims=prefix + dims, out_dims=0)
+    kind = "score_mod" if prefix else "mask_mod"
+    name = f"{kind} {getattr(fn, '__name__', type(fn).__name__)!r}"
+
+    def evaluate(*args):
+        try:
+            return batched(*args)
+        except IndexError as e:  # the common mistake, with the lengths in view
+            raise ValueError(f"{name} indexed a tensor out of range evaluated over the sequence's positions ({e}): "
+                             f"a captured tensor (document ids, a bias table) shorter than the sequence, or document "
+                             f"lengths that do not add up to it? Size it to the lengths the mask is built for") from e
+        except RuntimeError as e:
+            if "vmap" in str(e) and "dynamic shape" in str(e):
+                raise NotImplementedError(f"{name} is evaluated position by position (torch.vmap), where an op with a "
+                                          f"data-dependent output shape (nonzero, masked_select, boolean indexing) "
+                                          f"cannot run: write it with torch.where / comparisons ({e})") from e
+            raise
+    return evaluate
 
 
 def index_vectors(B: int, H: int, Q_LEN: int, KV_LEN: int, device, q_start: int = 0, kv_start: int = 0,

@@ -21,7 +21,8 @@ import flexlite
 from flexlite import (BlockMask, UntraceableModError, and_masks, api, attention_reference, create_block_mask,
                       create_mask, flex_attention, kernel_source, noop_mask, or_masks)
 from flexlite.kernels import flash_attention, triton_matmul
-from flexlite.masks import build_named_mask, generate_vision_cross_attention_mask_mod
+from flexlite.masks import (build_named_mask, generate_causal_document_mask,
+                            generate_vision_cross_attention_mask_mod)
 from flexlite.runtime import launch
 from flexlite.varlen import pack, unpack, varlen_block_mask
 from flexlite.viz import attention_scores, visualize_attention_scores
@@ -146,6 +147,13 @@ CREATE_BLOCK_MASK = {
     "compute_dq_write_order_not_bool": (cbm(compute_dq_write_order=1), TypeError,
                                         "compute_dq_write_order must be a bool"),
     "dq_kv_order_not_bool": (cbm(dq_kv_order=None), TypeError, "dq_kv_order must be a bool"),
+    # evaluated in torch (on CPU; a CUDA block mask's kernel reads a captured tensor out of range as 0, documented)
+    "document_lengths_short_of_the_sequence": (
+        cbm(generate_causal_document_mask([10, 12]), device="cpu"), ValueError,
+        r"mask_mod 'document_causal_mask' indexed a tensor out of range .*index 22 is out of bounds.* document "
+        r"lengths that do not add up"),
+    "mask_mod_dynamic_shape": (cbm(lambda b, h, q, kv: torch.nonzero(q >= kv).numel() >= 0, device="cpu"),
+                               NotImplementedError, r"data-dependent output shape \(nonzero"),
 }
 
 
