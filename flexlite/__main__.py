@@ -102,11 +102,12 @@ def show(argv) -> None:
     try:
         mask_mod, q_len, kv_len = build_named_mask(args.mask, args.seq, **options)
         block_mask = create_block_mask(mask_mod, None, None, q_len, kv_len, device="cpu", BLOCK_SIZE=args.block_size)
+        picture = block_mask.to_string(grid_size=args.grid).rstrip("\n")
     except (ValueError, TypeError) as e:
         p.error(str(e))
     print(f"{mask_mod.__name__}: Q_LEN={q_len}, KV_LEN={kv_len}, BLOCK_SIZE={args.block_size}")
     print(f"BlockMask(shape={block_mask.shape}, sparsity={block_mask.sparsity():.2f}%,")
-    print(block_mask.to_string(grid_size=args.grid).rstrip("\n") + "\n)")
+    print(picture + "\n)")
     if args.png:
         from .viz import visualize_attention_scores
         query = torch.zeros(1, 1, q_len, 1)

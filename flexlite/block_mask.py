@@ -63,9 +63,9 @@ _MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 # mask_mods and combinators
 # ----------------------------------------------------------------------------------------------
 
-def noop_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-    """mask_mod that keeps every position: a 0-d True."""
-    return b.new_ones((), dtype=torch.bool)
+def noop_mask(batch: Tensor, head: Tensor, token_q: Tensor, token_kv: Tensor) -> Tensor:
+    """mask_mod that keeps every position: a 0-d True (torch's parameter names, for calls by keyword)."""
+    return batch.new_ones((), dtype=torch.bool)
 
 
 def _mod_name(fn) -> str:
@@ -642,6 +642,9 @@ class BlockMask:
         if not (isinstance(sizes, (tuple, list)) and len(sizes) == 2 and all(map(_is_int, sizes))):
             raise TypeError(f"BlockMask.to_string: grid_size must be an int or a (rows, cols) tuple of ints; got "
                             f"{grid_size!r}")
+        if 0 in sizes:
+            raise ValueError(f"BlockMask.to_string: grid_size {grid_size!r} has no rows or columns to print; give "
+                             f"positive sizes, or -1 for no limit")
         if not _is_int(limit):
             raise TypeError(f"BlockMask.to_string: limit must be an int (the number of (batch, head) grids to "
                             f"print); got {type(limit).__name__} {limit!r}")

@@ -17,6 +17,7 @@ from typing import Callable, Optional
 import torch
 
 from ._vmap import index_vectors, vmap_bhqkv
+from .block_mask import from_torch_block_mask, is_torch_block_mask
 
 # (atol, rtol) of flexlite's output against this reference, per input dtype: the tests' policy and the
 # default of flexlite.utils.validate_attention (fp32 accumulation; P rounded to the input dtype)
@@ -34,7 +35,10 @@ def _expand_blocks(blocks: torch.Tensor, block_size: tuple[int, int], q_len: int
 
 
 def reference_mask(block_mask, B: int, H: int, device) -> torch.Tensor:
-    """Dense bool [B, H, Q_LEN, KV_LEN] of the positions ``block_mask`` keeps (kernel semantics)."""
+    """Dense bool [B, H, Q_LEN, KV_LEN] of the positions ``block_mask`` keeps (kernel semantics); a torch BlockMask
+    as flex_attention takes it."""
+    if is_torch_block_mask(block_mask):
+        block_mask = from_torch_block_mask(block_mask)
     q_len, kv_len = block_mask.seq_lengths
     full = torch.zeros(block_mask.kv_num_blocks.shape + (block_mask.kv_indices.shape[-1],),
                        dtype=torch.bool, device=device)

@@ -192,5 +192,8 @@ def visualize_attention_scores(
         ax.set_yticks(np.arange(-0.5, Lq, 1), minor=True)
         ax.grid(which="minor", color="white", linewidth=1)
         ax.tick_params(which="minor", length=0)
-    fig.savefig(path, format="png", dpi=100, bbox_inches="tight")
+    try:
+        fig.savefig(path, format="png", dpi=100, bbox_inches="tight")
+    except OSError as e:  # a folder that exists but takes no files (read-only, /proc)
+        _fail(f"cannot write path {str(path)!r}: {e.strerror or e}; write it somewhere writable")
     return path

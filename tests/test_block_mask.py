@@ -431,6 +431,10 @@ def test_combinators():
     assert create_mask(and_masks(), 1, 1, 9, 9, DEVICE).all()
     assert not create_mask(or_masks(), 1, 1, 9, 9, DEVICE).any()
     assert create_mask(noop_mask, 2, 1, 9, 9, DEVICE).all()
+    import inspect  # a drop-in: torch's parameter names, for calls by keyword
+
+    from torch.nn.attention.flex_attention import noop_mask as torch_noop_mask
+    assert inspect.signature(noop_mask) == inspect.signature(torch_noop_mask)
     assert and_masks(causal, noop_mask).__name__ == "and_masks(causal, noop_mask)"
     assert or_masks(causal).__name__ == "or_masks(causal)"
     bm = create_block_mask(or_masks(causal, keep_none), 1, 1, 256, 256, device=DEVICE)

@@ -62,6 +62,11 @@ def test_unknown_mask_lists_valid_names(capsys):
     (["sliding_window", "--window", "-3"], "window_size must be >= 0"),
     (["natten", "--kernel", "7y7"], "expected N or WxH"),
     (["causal", "--seq", "0"], "seq must be >= 1"),
+    # a given 0 is refused, not replaced by the default
+    (["block_causal", "--seq", "64", "--block", "0"], "block_size must be >= 1; got 0"),
+    (["block_diffusion", "--seq", "64", "--block", "0"], "block_size must be >= 1; got 0"),
+    (["causal_bottom_right", "--seq", "64", "--kv-seq", "0"], "kv_len must be >= 1; got 0"),
+    (["causal", "--seq", "64", "--grid", "0"], "grid_size 0 has no rows or columns"),
 ])
 def test_bad_options(capsys, args, message):
     with pytest.raises(SystemExit) as e:

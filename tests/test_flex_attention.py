@@ -194,8 +194,8 @@ def test_return_aux_fields_autograd_and_torch_request():
 @pytest.mark.parametrize("name", ["document", "per_batch_head"])
 def test_torch_block_mask_runs_as_it_is(name):
     """A BlockMask from torch's create_block_mask (and a slice of one with its mask_mod assigned, as gpt-fast
-    decodes): flex_attention's out and gradients are the reference's with the same mask; the conversion is kept on
-    torch's object until one of its attributes is replaced."""
+    decodes): flex_attention's out and gradients are the reference's with the same mask (which takes torch's too);
+    the conversion is kept on torch's object until one of its attributes is replaced."""
     from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
     B, H, Lq, Lkv = 2, 2, 100, 130
     case = CATALOG[name](B, H, Lq, Lkv, DEVICE)
@@ -206,6 +206,7 @@ def test_torch_block_mask_runs_as_it_is(name):
     out = flex_attention(q, k, v, block_mask=tbm)
     ref = attention_reference(q, k, v, block_mask=ours)[0]
     assert_close(out, ref, *TOLERANCES[torch.float32])
+    assert torch.equal(attention_reference(q, k, v, block_mask=tbm)[0], ref)  # (the reference takes it too)
     grad = torch.randn_like(out)
     for n, g, w in zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), grad),
                        torch.autograd.grad(ref, (q, k, v), grad)):

@@ -102,6 +102,17 @@ def test_bad_inputs(tmp_path, kwargs, exc, match):
     assert not (tmp_path / "x.png").exists()
 
 
+def test_a_folder_that_takes_no_files_is_named(monkeypatch, tmp_path):
+    from matplotlib.figure import Figure
+
+    def refuse(self, path, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+    monkeypatch.setattr(Figure, "savefig", refuse)
+    q, k = qk()
+    with pytest.raises(ValueError, match=r"cannot write path .*x\.png': Permission denied; write it somewhere"):
+        visualize_attention_scores(q, k, mask_mod=causal_mask, path=tmp_path / "x.png")
+
+
 def test_too_large_to_draw(monkeypatch, tmp_path):
     import flexlite.viz
     monkeypatch.setattr(flexlite.viz, "MAX_POSITIONS", 100)

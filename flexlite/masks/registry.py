@@ -43,6 +43,12 @@ class MaskOptions:
     def window_or(self, default: int) -> int:
         return default if self.window is None else self.window
 
+    def block_or(self, default: int) -> int:  # (a given 0 is the factory's to refuse, not a default's to replace)
+        return default if self.block is None else self.block
+
+    def kv_seq_or_seq(self) -> int:
+        return self.seq if self.kv_seq is None else self.kv_seq
+
     def square_canvas(self) -> tuple:
         if self.canvas is not None:
             w, h = self.canvas
@@ -96,14 +102,14 @@ def _shared_prefix(o: MaskOptions):
 def _block_diffusion(o: MaskOptions):
     if o.seq % 2:
         raise ValueError(f"block_diffusion needs an even seq ([x_t | x_0]); got {o.seq}")
-    return _self(generate_block_diffusion_mask(o.block or max(1, o.seq // 16), o.seq // 2), o)
+    return _self(generate_block_diffusion_mask(o.block_or(max(1, o.seq // 16)), o.seq // 2), o)
 
 
 NAMED_MASKS = {
     "causal": NamedMask("q_idx >= kv_idx", lambda o: _self(causal_mask, o)),
     "causal_bottom_right": NamedMask(
         "causal with queries aligned to the end of --kv-seq keys",
-        lambda o: (generate_causal_bottom_right(o.seq, o.kv_seq or o.seq), o.seq, o.kv_seq or o.seq)),
+        lambda o: (generate_causal_bottom_right(o.seq, o.kv_seq_or_seq()), o.seq, o.kv_seq_or_seq())),
     "sliding_window": NamedMask("causal, the last --window keys",
                                 lambda o: _self(generate_sliding_window(o.window_or(o.seq // 8)), o)),
     "sliding_window_bidirectional": NamedMask(
@@ -123,7 +129,7 @@ NAMED_MASKS = {
         generate_document_mask(o.lengths(o.seq, 4), device=o.device), o)),
     "shared_prefix": NamedMask("--prefix shared by suffixes of lengths --docs (causal)", _shared_prefix),
     "block_causal": NamedMask("blocks of --block tokens, causal between blocks",
-                              lambda o: _self(generate_block_causal_mask(o.block or max(1, o.seq // 8)), o)),
+                              lambda o: _self(generate_block_causal_mask(o.block_or(max(1, o.seq // 8))), o)),
     "block_diffusion": NamedMask("BD3-LM [x_t | x_0] mask, blocks of --block", _block_diffusion),
     "natten": NamedMask("2-D neighbourhood --kernel on a row-major --canvas",
                         lambda o: _self(generate_natten(*o.square_canvas(), *o.kernel), o)),
