@@ -83,11 +83,12 @@ class FlexKernelOptions(TypedDict, total=False):
     WRITE_DQ: bool
     OUTPUT_LOGSUMEXP: bool
     OUTPUT_MAX: bool
-    fwd_num_warps: int
-    fwd_num_stages: int
     kpack: int
     matrix_instr_nonkdim: int
     waves_per_eu: int
+    # any key above prefixed fwd_ or bwd_ applies to that pass alone (torch's); two as examples
+    fwd_num_warps: int
+    fwd_num_stages: int
 
 
 def _fail(msg: str, exc=ValueError):
@@ -131,6 +132,19 @@ _FLAG_OPTIONS = ("AUTOTUNE", "USE_TMA", "DETERMINISTIC_CAPTURED_GRADS", "DECODE"
                  "WARP_SPECIALIZE")
 _INT_OPTIONS = {"num_stages": 1, "DECODE_SPLITS": 1}
 _TILE_OPTIONS = ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")
+
+
+_PASS_PREFIXES = ("fwd_", "bwd_")
+
+
+def _pass_options(kernel_options: Optional[dict], prefix: str) -> Optional[dict]:
+    """``kernel_options`` for one pass (``prefix`` "fwd_" or "bwd_"), as torch reads them: a key with the pass's
+    prefix applies to that pass alone, over the same key unprefixed; the other pass's keys are dropped."""
+    if not kernel_options or not any(k[:4] in _PASS_PREFIXES for k in kernel_options):
+        return kernel_options
+    options = {k: v for k, v in kernel_options.items() if k[:4] not in _PASS_PREFIXES}
+    options.update({k[4:]: v for k, v in kernel_options.items() if k.startswith(prefix)})
+    return options
 
 
 def _check_option_values(kernel_options: dict) -> None:
@@ -245,18 +259,21 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
     if kernel_options is not None:
         if not isinstance(kernel_options, dict):
             _fail(f"kernel_options must be a dict, got {type(kernel_options).__name__}", TypeError)
-        unknown = set(kernel_options) - set(CONFIG_KEYS) - TORCH_PERF_HINTS - FLEXLITE_OPTIONS
+        known = set(CONFIG_KEYS) | TORCH_PERF_HINTS | FLEXLITE_OPTIONS
+        unknown = {k for k in kernel_options if k not in known and not (k[:4] in _PASS_PREFIXES and k[4:] in known)}
         if unknown:
             _fail(f"unknown kernel_options {sorted(unknown)}; flexlite understands "
-                  f"{list(CONFIG_KEYS) + sorted(FLEXLITE_OPTIONS)} "
+                  f"{list(CONFIG_KEYS) + sorted(FLEXLITE_OPTIONS)}, each also prefixed fwd_ or bwd_ for one pass "
                   f"(torch's performance hints {sorted(TORCH_PERF_HINTS)} are accepted and ignored)")
-        _check_option_values(kernel_options)
-        if "WARP_SPECIALIZE" in kernel_options:
-            if kernel_options["WARP_SPECIALIZE"] and (kernel_options.get("DECODE") or kernel_options.get("AUTOTUNE")
-                                                      or any(k in kernel_options for k in CONFIG_KEYS)):
-                _fail(f"kernel_options WARP_SPECIALIZE=True picks the warp-specialized forward, which has one tile "
-                      f"config; it cannot be combined with DECODE=True, AUTOTUNE=True or pinned tiles "
-                      f"{list(CONFIG_KEYS)}: drop one or the other")
+        forward_options = _pass_options(kernel_options, "fwd_")
+        for options in (forward_options, _pass_options(kernel_options, "bwd_")):
+            _check_option_values(options)
+        if forward_options.get("WARP_SPECIALIZE") and (
+                forward_options.get("DECODE") or forward_options.get("AUTOTUNE")
+                or any(k in forward_options for k in CONFIG_KEYS)):
+            _fail(f"kernel_options WARP_SPECIALIZE=True picks the warp-specialized forward, which has one tile "
+                  f"config; it cannot be combined with DECODE=True, AUTOTUNE=True or pinned tiles "
+                  f"{list(CONFIG_KEYS)}: drop one or the other")
     _check_aux(return_aux, return_lse, kernel_options)
     return traced_score_mod, _validate_block_mask(block_mask, query, key) if block_mask is not None else None
 
@@ -961,10 +978,11 @@ class FlexAttentionFunction(torch.autograd.Function):
     def forward(ctx, query, key, value, score_mod, block_mask, scale, kernel_options, max_scores, traced, *captured):
         if block_mask is not None and _launch.WS_BWD_PERSISTENT is None:
             _block_count(block_mask, start_only=True)  # for the backward's grid: counted now, read there unsynced
-        out, lse, row_max = _forward(query, key, value, score_mod, block_mask, scale, kernel_options, max_scores,
-                                     traced)
+        out, lse, row_max = _forward(query, key, value, score_mod, block_mask, scale,
+                                     _pass_options(kernel_options, "fwd_"), max_scores, traced)
         ctx.save_for_backward(query, key, value, out, lse, *captured)
-        ctx.score_mod, ctx.block_mask, ctx.scale, ctx.kernel_options = score_mod, block_mask, scale, kernel_options
+        ctx.score_mod, ctx.block_mask, ctx.scale = score_mod, block_mask, scale
+        ctx.kernel_options = _pass_options(kernel_options, "bwd_")
         ctx.set_materialize_grads(False)  # an unused out or lse arrives as None: no work for it
         if row_max is None:
             return out, lse
@@ -1028,7 +1046,8 @@ def flex_attention(
             through Hopper tensor descriptors, forward and backward; default: only without a block mask);
             ``DECODE`` / ``DECODE_SPLITS`` (force or forbid the split-KV kernel that queries of length <= 64
             use by default, and pin its split count); torch's ``BACKEND``: ``"TRITON_DECODE"`` as ``DECODE=True``,
-            ``"TRITON"`` as ``DECODE=False``, ``"AUTO"`` and ``"FLASH"`` flexlite's choice.
+            ``"TRITON"`` as ``DECODE=False``, ``"AUTO"`` and ``"FLASH"`` flexlite's choice. As torch's, a key
+            prefixed ``fwd_`` or ``bwd_`` (``fwd_BLOCK_M``, ``bwd_num_warps``) applies to that pass alone.
 
         return_aux: an :class:`AuxRequest` (flexlite's or torch's): ``lse=True`` for the log-sum-exp as
             ``return_lse``, ``max_scores=True`` for each query row's largest score after score_mod and masking
@@ -1085,4 +1104,5 @@ def _attention(query, key, value, score_mod, block_mask, scale: float, kernel_op
                                                          kernel_options, max_scores, traced, *captured)
         return out, lse, row_max[0] if row_max else None
     # inference (decoding above all): no autograd node to build, ~10 us less host time per call
-    return _forward(query, key, value, score_mod, block_mask, scale, kernel_options, max_scores, traced)
+    return _forward(query, key, value, score_mod, block_mask, scale, _pass_options(kernel_options, "fwd_"), max_scores,
+                    traced)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import flexlite.api as api
-from flexlite import AuxRequest, create_block_mask, flex_attention
+from flexlite import AuxRequest, attention_reference, create_block_mask, flex_attention
 from flexlite.runtime import launch
 from helpers import assert_close, rand_qkv
 
@@ -71,7 +71,7 @@ CASES = {
     "torch_block_mask_block_size": (lambda: (qkv(), {"block_mask": _torch_block_mask(BLOCK_SIZE=8)}), ValueError,
                                     r"positive multiples of 16; got \(8, 8\): rebuild the mask with "
                                     r"flexlite.create_block_mask"),
-    "scale_not_number": (lambda: (qkv(), {"scale": torch.tensor(0.5)}), TypeError, "scale must be a Python float"),
+    "scale_not_number": (lambda: (qkv(), {"scale": torch.tensor([0.5])}), TypeError, "scale must be a Python float"),
     "kernel_options_unknown": (lambda: (qkv(), {"kernel_options": {"BLOCK_Q": 64}}), ValueError,
                                r"unknown kernel_options \['BLOCK_Q'\]"),
     "kernel_options_not_dict": (lambda: (qkv(), {"kernel_options": [("BLOCK_M", 64)]}), TypeError,
@@ -102,6 +102,31 @@ def test_every_kernel_option_torch_declares_is_accepted():
     assert set(typing.get_type_hints(FlexKernelOptions)) - known == set()
 
 
+def test_a_prefixed_kernel_option_applies_to_its_pass_alone(monkeypatch):
+    """torch's fwd_ / bwd_ prefixes: fwd_X is the forward's X (over X), bwd_X the backward's; each pass's values are
+    checked as unprefixed ones; the tiles each pass runs with are the pinned ones, and the results the reference's."""
+    options = {"BLOCK_M": 64, "fwd_BLOCK_M": 32, "bwd_BLOCK_M1": 16, "bwd_num_warps": 2, "num_stages": 1}
+    assert api._pass_options(options, "fwd_") == {"BLOCK_M": 32, "num_stages": 1}
+    assert api._pass_options(options, "bwd_") == {"BLOCK_M": 64, "BLOCK_M1": 16, "num_warps": 2, "num_stages": 1}
+    for bad, exc, match in (({"fwd_BLOCK_M": 48}, ValueError, "BLOCK_M must be a power of two"),
+                            ({"bwd_num_stages": 0}, ValueError, "num_stages must be an int >= 1"),
+                            ({"fwd_BLOCKM": 32}, ValueError, r"unknown kernel_options \['fwd_BLOCKM'\]"),
+                            ({"fwd_WARP_SPECIALIZE": True, "BLOCK_M": 32}, ValueError, "WARP_SPECIALIZE=True")):
+        with pytest.raises(exc, match=match):
+            flex_attention(*qkv(), kernel_options=bad)
+    monkeypatch.undo()  # this one runs the kernels
+    picked, real = [], launch.forward_config
+    monkeypatch.setattr(api, "forward_config", lambda *a, **kw: picked.append(real(*a, **kw)) or picked[-1])
+    q, k, v = (t.requires_grad_() for t in qkv(B=1, Hq=1, Hkv=1))
+    out = flex_attention(q, k, v, kernel_options={"fwd_BLOCK_M": 16, "bwd_BLOCK_M1": 16, "BLOCK_N": 16})
+    assert [c.BLOCK_M for c in picked] == [16] and picked[0].BLOCK_N == 16
+    ref = attention_reference(q, k, v)[0]
+    assert_close(out, ref, 2e-5, 2e-5)
+    grad = torch.randn_like(out)
+    for g, w in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
+        assert_close(g, w, 1e-4, 1e-4, name="gradient")
+
+
 def test_flexlite_declares_its_kernel_options_as_torch_does(monkeypatch):
     """flexlite.FlexKernelOptions (a drop-in for torch's TypedDict, for type checkers): exactly the keys
     kernel_options accepts, torch's among them, with torch's value types where torch declares one."""
@@ -110,7 +135,8 @@ def test_flexlite_declares_its_kernel_options_as_torch_does(monkeypatch):
     import flexlite
     from torch.nn.attention.flex_attention import FlexKernelOptions as TorchOptions
     ours, theirs = typing.get_type_hints(flexlite.FlexKernelOptions), typing.get_type_hints(TorchOptions)
-    assert set(ours) == set(launch.CONFIG_KEYS) | launch.TORCH_PERF_HINTS | launch.FLEXLITE_OPTIONS
+    assert set(ours) == (set(launch.CONFIG_KEYS) | launch.TORCH_PERF_HINTS | launch.FLEXLITE_OPTIONS
+                         | {"fwd_num_warps", "fwd_num_stages"})  # (one pass's: any key prefixed fwd_ / bwd_)
     assert set(theirs) <= set(ours) and not flexlite.FlexKernelOptions.__required_keys__
     for key in set(theirs) - {"BACKEND"}:
         assert theirs[key] == ours[key], key
