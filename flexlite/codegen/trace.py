@@ -6,15 +6,19 @@ kernel arguments, never constants) and records per-node dtypes by running the gr
 example tensors (indices int32, score float32), following torch's type promotion.
 
 A mod is traced once: traces are cached per function object and re-done only when what the function
-can see (closure cells, referenced globals, recursively through called functions) points at
-different objects, so rebinding a captured tensor is never missed and a new value written into the
-same tensor needs nothing at all.
+can see (closure cells, referenced globals, recursively through called functions, and the attributes of
+the objects among them: a callable object's or a bound method's own, an nn.Module's parameters, buffers
+and submodules) points at different objects or holds different Python scalars, so rebinding a captured
+tensor or changing a constant is never missed and a new value written into the same tensor needs nothing
+at all.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import functools
 import inspect
 import operator
 import re
@@ -101,9 +105,77 @@ def check_arity(fn: Callable, kind: str, argname: Optional[str] = None, caller: 
 
 # ---------------------------------------------------------------------------------------------
 # capture fingerprint: what a function can see, as object identities (cheap; no tracing)
+#
+# Python scalars are compared by value (they become compile-time constants), tensors by identity, dtype and rank
+# (they are kernel arguments: new values in the same tensor need no new trace). Objects a mod can read attributes
+# of (the mod itself when it is a callable object, a bound method's ``__self__``, an object in a closure cell or a
+# referenced global, an nn.Module's parameters / buffers / submodules) are fingerprinted through their ``__dict__``
+# and ``__slots__``, so that ``obj.w = 7.0`` or ``mod.bias = nn.Parameter(...)`` re-traces.
+
+_MAX_DEPTH = 8
+_MAX_OBJECTS = 2000  # objects (not scalars) visited per fingerprint; past it, further objects count by identity only
+_NO_STATE = (type, types.ModuleType, types.BuiltinFunctionType, types.MethodWrapperType, types.WrapperDescriptorType,
+             types.MethodDescriptorType, types.CodeType, types.FrameType, weakref.ReferenceType)
+_EMPTY_OK = (dict, collections.OrderedDict, list, tuple, set)
+_SLOTS: dict = {}  # type -> its instances' slot names (through the MRO)
+
+
+def _slot_names(cls) -> tuple:
+    names = _SLOTS.get(cls)
+    if names is None:
+        names = []
+        for klass in cls.__mro__:
+            slots = klass.__dict__.get("__slots__", ())
+            for name in (slots,) if isinstance(slots, str) else slots:
+                if name not in ("__dict__", "__weakref__") and name not in names:
+                    names.append(name)
+        names = _SLOTS[cls] = tuple(names)
+    return names
+
+
+def _has_state(obj) -> bool:
+    """Whether ``obj``'s attributes are fingerprinted: user objects and nn.Modules, not torch's (or Python's)
+    internals, whose lazily filled caches (dispatch tables, say) would change the key without changing the mod."""
+    if isinstance(obj, torch.nn.Module):
+        return True
+    if isinstance(obj, _NO_STATE):
+        return False
+    module = getattr(type(obj), "__module__", None) or ""
+    return not (module == "builtins" or module == "torch" or module.startswith(("torch.", "triton")))
+
+
+def _state_fingerprint(obj, seen: set, depth: int) -> list:
+    """``obj``'s attributes (``__dict__``, then ``__slots__``) and, for a callable object, its ``__call__`` (an
+    nn.Module's ``forward``) function: what the mod's code reads when it calls or reads from ``obj``."""
+    cls = type(obj)
+    parts = [id(obj), id(cls)]
+    try:
+        state = object.__getattribute__(obj, "__dict__")
+    except AttributeError:
+        state = None
+    if state:
+        # flexlite keeps per-mask work on BlockMasks as "_"-attributes (kept_on); they are derived from the rest
+        skip_private = cls.__name__ == "BlockMask"
+        for name, value in list(state.items()):
+            if skip_private and name.startswith("_"):
+                continue
+            if type(value) in _EMPTY_OK and not value:  # an nn.Module's (usually empty) hook dicts, quickly
+                parts.append((name, type(value)))
+            else:
+                parts.append((name, _fingerprint(value, seen, depth + 1)))
+    for name in _slot_names(cls):
+        try:
+            parts.append((name, _fingerprint(object.__getattribute__(obj, name), seen, depth + 1)))
+        except AttributeError:  # an unset slot
+            parts.append((name,))
+    call = getattr(cls, "forward" if isinstance(obj, torch.nn.Module) else "__call__", None)
+    if isinstance(call, types.FunctionType):
+        parts.append(_fingerprint(call, seen, depth + 1))
+    return parts
+
 
 def _fingerprint(obj, seen: set, depth: int = 0) -> tuple:
-    if depth > 8 or id(obj) in seen:
+    if depth > _MAX_DEPTH or id(obj) in seen:
         return ()
     if isinstance(obj, torch.Tensor):
         return (id(obj), obj.dtype, obj.dim())
@@ -114,7 +186,10 @@ def _fingerprint(obj, seen: set, depth: int = 0) -> tuple:
         return tuple(_fingerprint(x, seen, depth + 1) for x in obj)
     if isinstance(obj, dict):
         return tuple((k, _fingerprint(v, seen, depth + 1)) for k, v in obj.items())
-    fn = getattr(obj, "__func__", obj)  # bound methods
+    if isinstance(obj, functools.partial):
+        return (id(obj), _fingerprint(obj.func, seen, depth + 1), _fingerprint(obj.args, seen, depth + 1),
+                _fingerprint(obj.keywords, seen, depth + 1))
+    fn = obj.__func__ if isinstance(obj, types.MethodType) else obj  # bound methods
     if isinstance(fn, types.FunctionType):
         parts = [id(fn.__code__)]
         for cell in fn.__closure__ or ():
@@ -127,9 +202,15 @@ def _fingerprint(obj, seen: set, depth: int = 0) -> tuple:
                 value = fn.__globals__[name]
                 if not isinstance(value, types.ModuleType):
                     parts.append((name, _fingerprint(value, seen, depth + 1)))
+        if fn.__defaults__:  # a mod's extra parameters with defaults (their values are constants too)
+            parts.append(_fingerprint(fn.__defaults__, seen, depth + 1))
+        if fn.__dict__:  # attributes set on the function (a mod reading its own ``mod.w``)
+            parts.append(_fingerprint(fn.__dict__, seen, depth + 1))
         if fn is not obj:
             parts.append(_fingerprint(obj.__self__, seen, depth + 1))
         return tuple(parts)
+    if len(seen) <= _MAX_OBJECTS and _has_state(obj):
+        return tuple(_state_fingerprint(obj, seen, depth))
     return (id(obj),)
 
 

@@ -1,0 +1,277 @@
+"""The trace cache sees state a mod reads from objects: a callable object's attributes, a bound method's
+``__self__``, an object (SimpleNamespace, dataclass, ``__slots__`` object) found in a global, an nn.Module's
+parameters, buffers and plain attributes. Changing any of them re-traces (the kernel uses the new constant or
+the new captured tensor); calling again with nothing changed does not."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from flexlite import attention_reference, create_block_mask, flex_attention
+from flexlite.codegen import trace as trace_module
+from flexlite.masks import causal_mask, generate_sliding_window
+from flexlite.mods import generate_relative_bias, generate_tanh_softcap
+from helpers import DEVICE, TOLERANCES, assert_close, rand_qkv
+
+B, H, L, D = 1, 1, 64, 16
+
+CFG = types.SimpleNamespace(cap=2.0, window=4)
+
+
+@dataclasses.dataclass
+class Config:
+    scale: float = 0.5
+
+
+DC = Config()
+
+
+class Slotted:
+    __slots__ = ("scale",)
+
+    def __init__(self, scale):
+        self.scale = scale
+
+
+SLOTTED = Slotted(0.5)
+SCALE = 0.5
+TABLE = {"scale": 0.5}
+
+
+class Scaled:
+    w = 2.0
+
+    def __call__(self, s, b, h, qi, ki):
+        return s * self.w
+
+    def sm(self, s, b, h, qi, ki):
+        return s * self.w + qi * 0.01
+
+
+class Bias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(L, generator=torch.Generator().manual_seed(1)).to(DEVICE))
+        self.register_buffer("qbias", torch.zeros(L, device=DEVICE))
+        self.t = 1.0
+
+    def forward(self, s, b, h, qi, ki):
+        return s * self.t + self.bias[ki] + self.qbias[ki] * 0.5
+
+
+class Outer(nn.Module):  # state inside a submodule
+    def __init__(self):
+        super().__init__()
+        self.inner = Bias()
+
+    def forward(self, s, b, h, qi, ki):
+        return self.inner(s, b, h, qi, ki)
+
+
+def cap_mod(s, b, h, qi, ki):
+    return CFG.cap * torch.tanh(s / CFG.cap)
+
+
+def dataclass_mod(s, b, h, qi, ki):
+    return s * DC.scale
+
+
+def slotted_mod(s, b, h, qi, ki):
+    return s * SLOTTED.scale
+
+
+def global_mod(s, b, h, qi, ki):
+    return s * SCALE
+
+
+def dict_mod(s, b, h, qi, ki):
+    return s * TABLE["scale"]
+
+
+def _new(n):
+    return torch.randn(L, generator=torch.Generator().manual_seed(n)).to(DEVICE)
+
+
+def _callable_object(mp):
+    m = Scaled()
+    return m, lambda: setattr(m, "w", 7.0)
+
+
+def _bound_method(mp):
+    obj = Scaled()
+    return obj.sm, lambda: setattr(obj, "w", 7.0)
+
+
+def _bound_method_stored(mp):
+    obj = Scaled()
+    sm = obj.sm  # stored once: the same method object on every call
+    return sm, lambda: setattr(obj, "w", -3.0)
+
+
+def _namespace_global(mp):
+    return cap_mod, lambda: mp.setattr(CFG, "cap", 0.5)
+
+
+def _dataclass_global(mp):
+    return dataclass_mod, lambda: mp.setattr(DC, "scale", 3.0)
+
+
+def _slots_global(mp):
+    return slotted_mod, lambda: mp.setattr(SLOTTED, "scale", 3.0)
+
+
+def _module_parameter(mp):
+    mod = Bias()
+    return mod, lambda: setattr(mod, "bias", nn.Parameter(_new(2)))
+
+
+def _module_buffer(mp):
+    mod = Bias()
+    return mod, lambda: setattr(mod, "qbias", _new(3))
+
+
+def _module_float(mp):
+    mod = Bias()
+    return mod, lambda: setattr(mod, "t", 0.25)
+
+
+def _submodule_parameter(mp):
+    mod = Outer()
+    return mod, lambda: setattr(mod.inner, "bias", nn.Parameter(_new(4)))
+
+
+def _partial_object(mp):
+    m = Scaled()
+    return functools.partial(Scaled.__call__, m), lambda: setattr(m, "w", 7.0)
+
+
+# (what already worked before object state was fingerprinted; must keep working)
+def _plain_global(mp):
+    return global_mod, lambda: mp.setattr(sys.modules[__name__], "SCALE", 3.0)
+
+
+def _global_dict(mp):
+    return dict_mod, lambda: mp.setitem(TABLE, "scale", 3.0)
+
+
+def _inplace_parameter(mp):
+    mod = Bias()
+
+    def change():
+        with torch.no_grad():
+            mod.bias.mul_(-2.0)
+    return mod, change
+
+
+CASES = [_callable_object, _bound_method, _bound_method_stored, _namespace_global, _dataclass_global, _slots_global,
+         _module_parameter, _module_buffer, _module_float, _submodule_parameter, _partial_object, _plain_global,
+         _global_dict, _inplace_parameter]
+
+
+@pytest.fixture
+def traces(monkeypatch):
+    calls = []
+    real = trace_module._trace
+    monkeypatch.setattr(trace_module, "_trace", lambda fn, kind: calls.append(fn) or real(fn, kind))
+    return calls
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.__name__.lstrip("_") for c in CASES])
+def test_changed_state_is_seen(case, monkeypatch, traces):
+    mod, change = case(monkeypatch)
+    q, k, v = rand_qkv(B, H, H, L, L, D)
+    before = flex_attention(q, k, v, score_mod=mod)
+    assert_close(before, attention_reference(q, k, v, score_mod=mod)[0], *TOLERANCES[torch.float32])
+    change()
+    traces.clear()
+    out = flex_attention(q, k, v, score_mod=mod)
+    # re-traced, except for new values in the same tensor (a kernel argument: nothing to re-trace)
+    assert len(traces) == (0 if case is _inplace_parameter else 1)
+    expected = attention_reference(q, k, v, score_mod=mod)[0]
+    assert not torch.allclose(before.double(), expected.double(), atol=1e-3), "the change changes nothing"
+    assert_close(out, expected, *TOLERANCES[torch.float32])
+
+
+def window_mask(b, h, qi, ki):
+    return (qi - ki).abs() <= CFG.window
+
+
+@pytest.mark.parametrize("new_window", [12, 1])
+def test_mask_mod_reading_a_global_object(new_window, monkeypatch):
+    """create_block_mask's block flags come from a fresh evaluation; the kernel's partial blocks must use the new
+    window too (one 64 x 64 partial block: all of the mask is the kernel's)."""
+    q, k, v = rand_qkv(B, H, H, L, L, D)
+    bm = create_block_mask(window_mask, None, None, L, L, device=DEVICE)
+    out = flex_attention(q, k, v, block_mask=bm)
+    assert_close(out, attention_reference(q, k, v, block_mask=bm)[0], *TOLERANCES[torch.float32])
+    monkeypatch.setattr(CFG, "window", new_window)
+    bm = create_block_mask(window_mask, None, None, L, L, device=DEVICE)
+    out = flex_attention(q, k, v, block_mask=bm)
+    assert_close(out, attention_reference(q, k, v, block_mask=bm)[0], *TOLERANCES[torch.float32])
+
+
+def _mods():
+    obj = Scaled()
+    return {
+        "callable_object": (obj, None),
+        "bound_method": (obj.sm, None),
+        "namespace_global": (cap_mod, None),
+        "nn_module": (Outer(), None),
+        "partial": (functools.partial(Scaled.__call__, obj), None),
+        "softcap": (generate_tanh_softcap(2.0), None),
+        "relative_bias": (generate_relative_bias(_new(5).repeat(2)[:2 * L - 1]), None),
+        "mask_mod_global": (None, window_mask),
+        "sliding_window": (None, generate_sliding_window(8)),
+        "causal": (cap_mod, causal_mask),
+    }
+
+
+@pytest.mark.parametrize("name", list(_mods()))
+def test_unchanged_state_does_not_retrace(name, traces):
+    score_mod, mask_mod = _mods()[name]
+    q, k, v = rand_qkv(B, H, H, L, L, D)
+    bm = create_block_mask(mask_mod, None, None, L, L, device=DEVICE, BLOCK_SIZE=32) if mask_mod else None
+    flex_attention(q, k, v, score_mod=score_mod, block_mask=bm)
+    traces.clear()
+    out = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm)
+    assert traces == []
+    fps = [trace_module.capture_fingerprint(m) for m in (score_mod, mask_mod, bm) if m is not None]
+    assert fps == [trace_module.capture_fingerprint(m) for m in (score_mod, mask_mod, bm) if m is not None]
+    assert_close(out, attention_reference(q, k, v, score_mod=score_mod, block_mask=bm)[0], *TOLERANCES[torch.float32])
+
+
+def test_cyclic_and_deep_state_fingerprint():
+    """Cycles, deep nesting and wide objects end (depth limit, seen set, object budget); still stable."""
+
+    class Node:
+        pass
+
+    a, b = Node(), Node()
+    a.other, b.other, a.me = b, a, a
+    deep = Node()
+    cur = deep
+    for _ in range(50):
+        cur.next = Node()
+        cur = cur.next
+    wide = Node()
+    wide.items = [Node() for _ in range(5000)]
+
+    class Mod:
+        def __init__(self):
+            self.a, self.deep, self.wide = a, deep, wide
+
+        def __call__(self, s, b, h, qi, ki):
+            return s
+
+    m = Mod()
+    fp = trace_module.capture_fingerprint(m)
+    assert fp == trace_module.capture_fingerprint(m)
+    a.value = 1.0
+    assert fp != trace_module.capture_fingerprint(m)
