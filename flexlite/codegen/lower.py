@@ -147,18 +147,24 @@ def _div(a, kw, n):
 
 
 def _pow(a, kw, n):
+    """The fast paths of ``x ** y`` (a small integer or 0.5 exponent, a positive constant base of a float result);
+    None where :meth:`_Lowerer.power` must write the general case."""
     x, y = a
-    if y.is_literal and float(y.literal).is_integer() and abs(y.literal) <= 8:
+    dtype = n.meta["dtype"]
+    if y.is_literal and not isinstance(y.literal, bool) and float(y.literal).is_integer() and abs(y.literal) <= 8:
         k = int(y.literal)
+        base = as_float(x) if dtype.is_floating_point else x.expr  # int ** 2.0 is a float in torch
         if k == 0:
-            return f"({x.expr} * 0 + 1)"
-        prod = " * ".join([x.expr] * abs(k))
+            return f"({base} * 0 + 1)"
+        prod = " * ".join([base] * abs(k))
         return f"({prod})" if k > 0 else f"(1.0 / ({prod}))"
     if y.is_literal and y.literal == 0.5:
         return f"tl.sqrt({as_float(x)})"
-    if x.is_literal:
-        return f"tl.exp2({as_float(y)} * {math.log2(x.literal)!r})" if x.literal > 0 else _unsupported(n)
-    return f"tl.exp2({as_float(y)} * tl.log2({as_float(x)}))"
+    if x.is_literal and dtype.is_floating_point and not isinstance(x.literal, bool) and \
+            0 < x.literal < math.inf and x.literal != 1:
+        # exact at y == 0 (1), y == +-inf (inf or 0) and NaN (NaN), as torch
+        return f"tl.exp2({as_float(y)} * {math.log2(x.literal)!r})"
+    return None
 
 
 def _minmax(fn):
@@ -226,6 +232,45 @@ def _unsupported(n):
     raise UntraceableModError(f"no lowering for {n.format_node()}")
 
 
+def _and(*conds):
+    """Conjunction of conditions, each a Python bool (a constant) or kernel text; a bool where constants decide."""
+    if any(c is False for c in conds):
+        return False
+    texts = [f"({c})" for c in conds if c is not True]
+    return " & ".join(texts) if len(texts) > 1 else (texts[0] if texts else True)
+
+
+def _or(*conds):
+    if any(c is True for c in conds):
+        return True
+    texts = [f"({c})" for c in conds if c is not False]
+    return " | ".join(texts) if len(texts) > 1 else (texts[0] if texts else False)
+
+
+# ops whose Python int operand torch converts to the dtype of their integer tensor operands, wrapping it (int32
+# q_idx + 2**33 is q_idx + 0 in torch): Triton would reject such a constant
+_WRAPPING_OPS = ("add", "sub", "mul", "floordiv", "mod", "fmod", "div", "pow", "and", "or", "xor", "lshift",
+                 "rshift", "eq", "ne", "lt", "le", "gt", "ge")
+
+
+def _wrap_int_literals(args: list) -> list:
+    """``args`` with each Python int outside the range of the (promoted) integer dtype of the other operands
+    replaced by its value in that dtype, as torch converts it."""
+    tensors = [a for a in args if isinstance(a, Val) and not a.is_literal and a.dtype is not None]
+    if not tensors or not all(not a.is_float and not a.is_bool for a in tensors):
+        return args
+    dtype = functools.reduce(torch.promote_types, [a.dtype for a in tensors])
+    info = torch.iinfo(dtype)
+    span = info.max - info.min + 1
+
+    def wrapped(a):
+        if isinstance(a, Val) and a.is_literal and type(a.literal) is int and not info.min <= a.literal <= info.max:
+            return literal((a.literal - info.min) % span + info.min)
+        return a
+
+    return [wrapped(a) for a in args]
+
+
 OPS: dict[str, Callable] = {
     "add": _binary("+"), "sub": _binary("-"), "mul": _binary("*"), "truediv": _truediv,
     "floordiv": _floordiv, "mod": _mod, "fmod": _fmod, "div": _div, "pow": _pow,
@@ -272,6 +317,8 @@ _FUNCTIONS = {
     torch.subtract: "sub", torch.divide: "div", torch.negative: "neg",
     torch.ops.flexlite.tanh_approx.default: "tanh_approx", torch.ops.flexlite.tanh_approx: "tanh_approx",
 }
+# 0-d constants (torch.zeros((), device=score.device)): as the *_like constants (their dtype is the node's)
+_FUNCTIONS.update({torch.zeros: "zeros_like", torch.ones: "ones_like", torch.full: "full_like"})
 for _name in ("add", "sub", "mul", "div", "remainder", "fmod", "pow", "neg", "abs", "where", "clamp",
               "clamp_min", "clamp_max", "clip", "minimum", "maximum", "exp", "exp2", "log", "log2", "sqrt",
               "rsqrt", "sin", "cos", "erf", "sigmoid", "tanh", "log1p", "expm1", "floor", "ceil", "sign",
@@ -494,6 +541,8 @@ class _Lowerer:
         return self.lines, result
 
     def call(self, node: fx.Node):
+        if node.op == "call_function" and node.target is getattr:
+            return self.attribute(node)
         key = op_key(node)
         if key is None:
             self.fail(node, f"no lowering for {_target_name(node)}; supported ops: {', '.join(sorted(OPS))}")
@@ -503,13 +552,21 @@ class _Lowerer:
             return self.scatter_add(node)
         if key == "getitem":
             base, index = args
+            if isinstance(base, tuple) and isinstance(index, Val) and index.is_literal and \
+                    isinstance(index.literal, int) and -len(base) <= index.literal < len(base):
+                return base[index.literal]  # x.shape[i] of a (partially indexed) captured tensor: a constant
             if not isinstance(base, _View):
                 self.fail(node, "only captured tensors can be indexed")
             return self.index(node, base, index)
         if key in ("ones_like", "zeros_like", "full_like", "new_full"):  # only the first arg's dtype matters
+            if math.prod(node.meta.get("shape", ())) != 1:
+                self.fail(node, f"a mod computes one value per (b, h, q_idx, kv_idx): a constant tensor of shape "
+                                f"{tuple(node.meta['shape'])} has no lowering; make it 0-d (size ())")
             return self.emit(node, OPS[key](args, kwargs, node), node.meta["dtype"])
         args = [self.value(node, a) if isinstance(a, (Val, _View)) else a for a in args]
         kwargs = {k: self.value(node, v) if isinstance(v, (Val, _View)) else v for k, v in kwargs.items()}
+        if key in _WRAPPING_OPS and (key != "div" or kwargs.get("rounding_mode") not in (None, literal_none())):
+            args = _wrap_int_literals(args)
         dtype = node.meta.get("dtype")
         if self.float_index and dtype == torch.float32:
             if key == "to":
@@ -519,10 +576,139 @@ class _Lowerer:
             else:  # the op promotes its int operands to float32: hand it their float forms instead
                 args = [self.as_float_form(a) for a in args]
                 kwargs = {k: self.as_float_form(v) for k, v in kwargs.items()}
+        if key == "pow":
+            return self.power(node, args, kwargs)
         result = self.emit(node, OPS[key](args, kwargs, node), dtype)
         if self.float_index and dtype is not None and not dtype.is_floating_point and dtype != torch.bool:
             self.track_float_form(key, args, result)
         return result
+
+    def attribute(self, node: fx.Node):
+        """``x.device``, ``x.dtype``, ``x.shape``, ``x.ndim`` of a mod's value: compile-time constants (what tensor
+        constructors and casts take: torch's noop_mask is ``b.new_ones((), dtype=torch.bool, device=b.device)``)."""
+        obj, name = (list(node.args) + [None])[:2]
+        meta = obj.meta if isinstance(obj, fx.Node) else {}
+        if name == "device":
+            return torch.device("cpu")  # a placeholder: the kernels' values live where the kernel runs
+        if name == "dtype" and "dtype" in meta:
+            return meta["dtype"]
+        if name == "shape" and "shape" in meta:
+            return tuple(literal(int(d)) for d in meta["shape"])
+        if name == "ndim" and "shape" in meta:
+            return literal(len(meta["shape"]))
+        self.fail(node, f"no lowering for reading attribute {name!r} of a value (only .device, .dtype, .shape and "
+                        f".ndim are constants of a mod)")
+
+    def power(self, node: fx.Node, args: list, kwargs: dict) -> Val:
+        """``x ** y`` / ``torch.pow`` as torch computes it for the dtypes involved: :func:`_pow`'s fast paths, else
+        exact binary exponentiation for an integer result and a sign-aware exp2 / log2 for a float one."""
+        if len(args) == 1 and "exponent" in kwargs:
+            args = [args[0], kwargs["exponent"]]
+        if len(args) != 2 or not all(isinstance(a, Val) for a in args):
+            self.fail(node, "pow takes a base and an exponent")
+        x, y = args
+        dtype = node.meta["dtype"]
+        fast = _pow([x, y], kwargs, node)
+        if fast is not None:
+            return self.emit(node, fast, dtype)
+        if dtype == torch.bool:
+            self.fail(node, "pow of bool values has no lowering")
+        if dtype.is_floating_point:
+            return self.float_power(node, x, y, dtype)
+        return self.int_power(node, x, y, dtype)
+
+    def int_power(self, node: fx.Node, x: Val, y: Val, dtype: torch.dtype) -> Val:
+        """Integer ``x ** y`` exactly as torch's (wrapping) integer pow: square-and-multiply over the exponent's bits
+        (all of them, a fixed number of steps, for a non-constant exponent); a negative exponent gives 1 for x == 1,
+        +-1 for x == -1 and 0 otherwise, as torch."""
+        name, tl_dtype = f"t_{node.name}", _TL_DTYPES[dtype]
+        line = self.lines.append
+
+        def operand(v: Val) -> str:
+            return f"tl.full([], {int(v.literal)}, {tl_dtype})" if v.is_literal else cast(v, dtype)
+
+        line(f"{name}_b = {operand(x)}")
+        if y.is_literal:  # a constant exponent (above _pow's small ones): its bits are known
+            k = int(y.literal)
+            if k < 0 or k.bit_length() > 64:
+                self.fail(node, f"integer pow with the exponent {k} has no lowering")
+            result = None
+            for i in range(k.bit_length()):
+                if k >> i & 1:
+                    line(f"{name} = {name}_b" if result is None else f"{name} = {name} * {name}_b")
+                    result = name
+                if i + 1 < k.bit_length():
+                    line(f"{name}_b = {name}_b * {name}_b")
+            return Val(name, dtype)
+        bits = torch.iinfo(dtype).bits - (1 if dtype.is_signed else 0)
+        line(f"{name}_e = {operand(y)}")
+        line(f"{name}_x = {name}_b")
+        line(f"{name} = {name}_b * 0 + 1")
+        line(f"for {name}_i in tl.static_range({bits}):")
+        line(f"    {name} = tl.where((({name}_e >> {name}_i) & 1) != 0, {name} * {name}_b, {name})")
+        line(f"    {name}_b = {name}_b * {name}_b")
+        if dtype.is_signed:
+            line(f"{name} = tl.where({name}_e < 0, tl.where({name}_x == 1, 1, tl.where({name}_x == -1, "
+                 f"1 - 2 * ({name}_e & 1), 0)), {name})")
+        line(f"{name} = {name}.to({tl_dtype})")
+        return Val(name, dtype)
+
+    def float_power(self, node: fx.Node, x: Val, y: Val, dtype: torch.dtype) -> Val:
+        """Float ``x ** y`` with torch's (C pow's) special values: |x| ** y as exp2(y * log2|x|), negative where x
+        is negative (or -0.0) and y an odd integer, NaN where a finite x < 0 meets a non-integer y, 1 where y == 0,
+        x == 1 or x == -1 meets y == +-inf; in float32 (float64 for a float64 result). What a constant operand
+        decides is decided here (no scalar conditions in the kernel)."""
+        ct = torch.float64 if dtype == torch.float64 else torch.float32
+        name = f"t_{node.name}"
+        inf, nan = literal(math.inf).expr, literal(math.nan).expr
+        line = self.lines.append
+        xv = float(x.literal) if x.is_literal else None
+        yv = float(y.literal) if y.is_literal else None
+        X, Y, A = f"{name}_x", f"{name}_y", f"{name}_a"
+        if xv is None:
+            line(f"{X} = {cast(x, ct)}")
+            line(f"{A} = tl.abs({X})")
+        if yv is None:
+            line(f"{Y} = {cast(y, ct)}")
+        if xv is not None:
+            log_a = -math.inf if xv == 0 else math.log2(abs(xv))  # (inf: inf, NaN: NaN)
+            line(f"{name} = tl.exp2({Y} * {literal(log_a).expr})")
+        else:
+            line(f"{name} = tl.exp2({literal(yv).expr if yv is not None else Y} * tl.log2({A}))")
+        int_exponent = yv is None and not y.is_float
+        # x's sign bit (-0.0 included), y an odd integer
+        negative = math.copysign(1.0, xv) < 0 if xv is not None else \
+            f"({X}.to({'tl.int64' if ct == torch.float64 else 'tl.int32'}, bitcast=True) < 0)"
+        if yv is not None:
+            odd = math.isfinite(yv) and yv == math.floor(yv) and math.fmod(yv, 2.0) != 0
+        elif int_exponent:
+            odd = f"(({cast(y, torch.int32) if y.is_bool else y.expr} & 1) != 0)"
+        else:
+            odd = f"(({Y} - 2.0 * tl.floor(0.5 * {Y})) == 1.0)"
+        # a finite negative x, a non-integer y
+        finite_negative = (xv < 0 and math.isfinite(xv)) if xv is not None else f"({X} < 0) & ({A} < {inf})"
+        if yv is not None:
+            fraction = math.isfinite(yv) and yv != math.floor(yv)
+        else:
+            fraction = False if int_exponent else f"(tl.floor({Y}) != {Y})"
+        # 1: y == 0, x == 1, x == -1 and y == +-inf
+        y_zero = (yv == 0) if yv is not None else f"({Y} == 0)"
+        if xv is not None and math.isfinite(log_a):
+            y_zero = False  # exp2(0 * log2|x|) is 1 already
+        x_one = (xv == 1) if xv is not None else f"({X} == 1)"
+        a_one = (abs(xv) == 1) if xv is not None else f"({A} == 1)"
+        y_inf = math.isinf(yv) if yv is not None else (False if int_exponent else f"(tl.abs({Y}) == {inf})")
+        ones = _or(y_zero, x_one, _and(a_one, y_inf))
+        # (t * -1.0, not -t: Triton's -t is 0 - t, +0.0 for 0.0)
+        for cond, value in ((_and(negative, odd), f"({name} * -1.0)"), (_and(finite_negative, fraction), nan),
+                            (ones, "1.0")):
+            if cond is True:
+                line(f"{name} = tl.zeros_like({name}) + {value}")  # (value is 1.0 here: x == 1)
+            elif cond is not False:
+                line(f"{name} = tl.where({cond}, {value}, {name})")
+        if dtype != ct:
+            line(f"{name} = {name}.to({_TL_DTYPES[dtype]})")
+        return Val(name, dtype)
 
     # -- float forms of int index arithmetic (see the class docstring)
     def float_form(self, v) -> Optional[tuple[str, bool]]:

@@ -1,0 +1,284 @@
+"""Lowering edge cases against torch's semantics (the fp64 reference evaluates the mods with torch): ``**`` / torch.pow
+of every dtype pairing and sign, ``.device`` / ``.dtype`` / ``.shape`` reads feeding tensor constructors and casts
+(torch's own noop_mask), and Python int constants beyond int32."""
+
+import pytest
+import torch
+
+from flexlite import UntraceableModError, attention_reference, create_block_mask, flex_attention
+from flexlite import block_mask as bm_module
+from flexlite.codegen.lower import lower_mod
+from flexlite.codegen.trace import trace_mod
+from helpers import DEVICE, TOLERANCES, assert_close, assert_grad_close, rand_qkv
+
+B, H, L, D = 1, 1, 40, 16
+
+
+def _clean(p):
+    """p clamped to [-3, 3] (+-inf -> +-3), NaN -> -2: NaN and inf positions count too, and no term swamps the rest."""
+    return torch.where(p == p, torch.clamp(p, -3.0, 3.0), -2.0)
+
+
+SCORE_MODS = {
+    # float ** int tensor: negative bases with odd / even exponents (was NaN everywhere)
+    "float_pow_int_tensor": lambda s, b, h, q, kv: s ** (q % 3),
+    "torch_pow_method": lambda s, b, h, q, kv: torch.pow(s, kv % 4 - 1).clamp(-20, 20) + s.pow(q % 2),
+    # float ** float tensor: NaN for a negative base and a non-integer exponent, signs for odd integers
+    "float_pow_float_tensor": lambda s, b, h, q, kv: s + _clean((s * 2) ** ((kv % 5) * 0.5 - 1.0)),
+    "negative_scalar_base": lambda s, b, h, q, kv: s + _clean((-2.0) ** ((kv % 7) * 0.5 - 1.5)),
+    "negative_scalar_base_int_exponent": lambda s, b, h, q, kv: s + _clean((-1.5) ** (q % 5 - kv % 3)),
+    "scalar_base_positive": lambda s, b, h, q, kv: s + 2.0 ** ((kv - q) * 0.1) + 0.5 ** (q % 4),
+    "scalar_base_one": lambda s, b, h, q, kv: s + 1.0 ** (s * float("inf")),
+    # 0 ** 0 = 1, 0 ** positive = 0, 0 ** negative = inf
+    "zero_base_scalar": lambda s, b, h, q, kv: s + _clean(0.0 ** ((kv % 3) - 1.0)),
+    "zero_base_tensor": lambda s, b, h, q, kv: s + _clean(torch.where(kv % 4 == 0, 0.0, s) ** (q % 3 - 1)),
+    "inf_and_nan_bases": lambda s, b, h, q, kv: s + _clean(torch.where(kv % 3 == 0, float("inf"), -s * 1e30)
+                                                           ** ((q % 3) - 1.0) * 1e-3)
+    + _clean(torch.where(kv % 2 == 0, float("nan"), s) ** (q % 2 - 1)),
+    "int_base_float_exponent": lambda s, b, h, q, kv: s + _clean((q - kv) ** (s * 0.5)),
+    "float_pow_constant": lambda s, b, h, q, kv: s + _clean(s ** 2.5) + _clean((s * 1.5) ** 9) + _clean(s ** -9.0)
+    + (q % 5) ** 2.0 * 0.1,
+    # int ** int: exact as torch's integer pow (wrapping in int32), negative exponents as torch
+    "int_pow_int": lambda s, b, h, q, kv: s + ((q - kv) ** (kv % 3)).float() * 0.01,
+    "int_pow_int_wraps": lambda s, b, h, q, kv: s + (((q % 7 + 1) ** (kv % 13)) % 1000).float() * 1e-3,
+    "int_pow_negative_int": lambda s, b, h, q, kv: s + (((q % 3) - 1) ** ((kv % 3) - 2)).float()
+    + ((q % 4) ** -(kv % 3)).float() * 0.5,
+    "int_scalar_base": lambda s, b, h, q, kv: s + (2 ** (kv % 40)).float() * 1e-9 + ((-3) ** (q % 5)).float() * 0.01,
+    "int_pow_constant": lambda s, b, h, q, kv: s + ((q % 5) ** 13 % 1001).float() * 1e-3,
+    "int64_pow": lambda s, b, h, q, kv: s + ((q.long() + 3) ** (kv % 23) % 997).float() * 1e-3,
+}
+
+MASK_MODS = {
+    "int_pow": lambda b, h, q, kv: ((q % 7 + 1) ** (kv % 3 + 1)) % 5 == 0,
+    "int_pow_signed": lambda b, h, q, kv: ((q - kv) ** (kv % 3)) % 3 == 0,
+    "int_pow_wraps": lambda b, h, q, kv: (2 ** (kv % 40)) > q,
+    "float_pow_nan": lambda b, h, q, kv: (((q - kv) * 0.25) ** ((kv % 4) * 0.5)) < 2.0,
+}
+
+
+def _check(score_mod=None, mask_mod=None, L=L, scale_q=1.0):
+    q, k, v = rand_qkv(B, H, H, L, L, D, seed=3)
+    bm = None if mask_mod is None else create_block_mask(mask_mod, None, None, L, L, device=DEVICE, BLOCK_SIZE=16)
+    out, lse = flex_attention(q * scale_q, k, v, score_mod=score_mod, block_mask=bm, return_lse=True)
+    ref_out, ref_lse = attention_reference(q * scale_q, k, v, score_mod=score_mod, block_mask=bm)
+    assert_close(out, ref_out, *TOLERANCES[torch.float32])
+    assert_close(lse, ref_lse, *TOLERANCES[torch.float32], name="lse")
+
+
+@pytest.mark.parametrize("name", sorted(SCORE_MODS))
+def test_pow_score_mods(name):
+    fn = SCORE_MODS[name]
+    fn.__name__ = name
+    _check(score_mod=fn, scale_q=3.0 if name == "float_pow_int_tensor" else 1.0)
+
+
+@pytest.mark.parametrize("name", sorted(MASK_MODS))
+def test_pow_mask_mods(name):
+    """The attention kernels' mask_mod (partial blocks) and the block-mask kernel's flags against torch's."""
+    fn = MASK_MODS[name]
+    fn.__name__ = name
+    _check(mask_mod=fn, L=64)
+    got = bm_module._block_flags_kernel(fn, 1, 1, 64, 64, torch.device(DEVICE), (16, 16))
+    want = bm_module._block_flags_vmap(fn, 1, 1, 64, 64, torch.device(DEVICE), (16, 16))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+_BASES = [-float("inf"), -2.5, -2.0, -1.0, -0.5, -0.0, 0.0, 0.5, 1.0, 2.0, 3.0, float("inf"), float("nan")]
+_EXPONENTS = [-float("inf"), -3.0, -2.5, -2.0, -1.0, -0.0, 0.5, 1.0, 2.0, 3.0, 31.0, float("inf"), float("nan")]
+
+
+def _elementwise_mask(x, y, expected, rtol=1e-5):
+    """True where the kernel's x[q_idx] ** y[kv_idx] is torch's (NaN for NaN, zeros' signs, ``rtol``)."""
+    def mask(b, h, q_idx, kv_idx):
+        p, e = x[q_idx] ** y[kv_idx], expected[q_idx, kv_idx]
+        if not expected.is_floating_point():
+            return p == e
+        same = (p == e) | ((p != p) & (e != e)) | ((p - e).abs() <= rtol * e.abs())
+        return same & ((p != 0) | (1 / p == 1 / e))
+    return mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.int32, torch.int64, torch.int16,
+                                   "float_int", "int_float"], ids=str)
+def test_pow_special_values_elementwise(dtype):
+    """Every pairing of special bases and exponents (signed zeros, infinities, NaN, negative bases with integer and
+    fractional exponents; for ints negative exponents and wrapping) as torch computes it, through the block-mask
+    kernel: every block all True."""
+    if dtype in (torch.int32, torch.int64, torch.int16):
+        x = torch.tensor([-3, -2, -1, 0, 1, 2, 3, 7, 181, -181, 46341, -46341], dtype=torch.int64).to(dtype)
+        y = torch.tensor([-3, -2, -1, 0, 1, 2, 3, 4, 13, 31, 62, 63], dtype=dtype)
+    else:
+        xd, yd = {"float_int": (torch.float32, torch.int32), "int_float": (torch.int32, torch.float32)}.get(
+            dtype, (dtype, dtype))
+        x = torch.tensor(_BASES).to(xd) if xd.is_floating_point else torch.tensor([-3, -2, -1, 0, 1, 2, 3], dtype=xd)
+        y = torch.tensor(_EXPONENTS).to(yd) if yd.is_floating_point else torch.tensor([-3, -2, -1, 0, 1, 2, 3, 31],
+                                                                                        dtype=yd)
+    x, y = x.to(DEVICE), y.to(DEVICE)
+    expected = x[:, None] ** y[None, :]
+    mask = _elementwise_mask(x, y, expected, rtol=1e-3 if dtype == torch.float16 else 1e-5)
+    sizes = (len(x), len(y))
+    want = bm_module._block_flags_vmap(mask, 1, 1, *sizes, torch.device(DEVICE), (16, 16))
+    assert want[1].all()  # (torch agrees with itself)
+    got = bm_module._block_flags_kernel(mask, 1, 1, *sizes, torch.device(DEVICE), (16, 16))
+    assert got[1].all()
+
+
+def test_scalar_bases_special_values():
+    y = torch.tensor(_EXPONENTS).to(DEVICE)
+    for base in (-2.0, -1.0, -0.0, 0.0, 1.0, 2.5, float("inf"), -float("inf"), float("nan")):
+        expected = (base ** y)[None, :].expand(2, -1).contiguous()
+
+        def mask(b, h, q_idx, kv_idx, base=base):
+            p, e = base ** y[kv_idx], expected[q_idx, kv_idx]
+            same = (p == e) | ((p != p) & (e != e)) | ((p - e).abs() <= 1e-5 * e.abs())
+            return same & ((p != 0) | (1 / p == 1 / e))
+
+        got = bm_module._block_flags_kernel(mask, 1, 1, 2, len(y), torch.device(DEVICE), (16, 16))
+        assert got[1].all(), base
+
+
+@pytest.mark.parametrize("mod", [
+    lambda s, b, h, q, kv: s ** (q % 3 + 1),
+    lambda s, b, h, q, kv: s * 0.5 + torch.pow(s * 0.5, (kv % 4).float()),
+], ids=["int_exponent", "float_exponent"])
+def test_pow_of_a_negative_base_has_torchs_gradient(mod):
+    """The derivative's pow(x, y - 1) of negative scores is torch's too (it was NaN)."""
+    q, k, v = (t.requires_grad_() for t in rand_qkv(B, H, H, L, L, D, seed=6))
+    out = flex_attention(q, k, v, score_mod=mod)
+    ref = attention_reference(q, k, v, score_mod=mod)[0]
+    assert_close(out, ref, *TOLERANCES[torch.float32])
+    grad = torch.randn_like(out)
+    for n, g, w in zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), grad),
+                       torch.autograd.grad(ref, (q, k, v), grad)):
+        assert_grad_close(g, w, name=n)
+
+
+def test_pow_keeps_the_fast_paths():
+    def mod(s, b, h, q, kv):
+        return s ** 2 + s ** -1 + s.abs() ** 0.5 + 2.0 ** s + (q % 3) ** 3
+
+    source = lower_mod(trace_mod(mod, "score_mod"), "sm", "s_").source
+    assert "log2" not in source and "static_range" not in source and "tl.exp2(" in source
+
+
+def test_int_pow_of_a_tensor_exponent_walks_its_bits_in_fixed_steps():
+    def mod(b, h, q, kv):
+        return (q ** (kv % 3)) > 2
+
+    source = lower_mod(trace_mod(mod, "mask_mod"), "mm", "m_").source
+    assert "tl.static_range(31)" in source and "log2" not in source
+
+
+# ---------------------------------------------------------------------------------------------
+# .device / .dtype / .shape and the constructors they feed
+
+ATTRIBUTE_SCORE_MODS = {
+    "zeros_on_device": lambda s, b, h, q, kv: s + torch.zeros((), device=s.device),
+    "ones_dtype_device": lambda s, b, h, q, kv: s * torch.ones((), dtype=s.dtype, device=s.device),
+    "full": lambda s, b, h, q, kv: s + torch.full((), 0.5, device=s.device) + torch.full((), 2, device=q.device),
+    "new_ones_zeros": lambda s, b, h, q, kv: s + q.new_ones(()).to(s.dtype) + s.new_zeros((), device=s.device),
+    "to_dtype_device": lambda s, b, h, q, kv: s + (q - kv).to(s.dtype) * 0.01 + s.to(s.device) + s.to(
+        device=s.device, dtype=s.dtype),
+    "ndim_shape": lambda s, b, h, q, kv: s + s.ndim + s.new_full(s.shape, 0.25),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ATTRIBUTE_SCORE_MODS))
+def test_attributes_feed_constructors_and_casts(name):
+    fn = ATTRIBUTE_SCORE_MODS[name]
+    fn.__name__ = name
+    _check(score_mod=fn)
+
+
+def test_constructor_on_device_has_a_gradient():
+    q, k, v = (t.requires_grad_() for t in rand_qkv(B, H, H, L, L, D, seed=4))
+
+    def mod(s, b, h, q_idx, kv_idx):
+        return s * 0.5 + torch.zeros((), device=s.device)
+
+    out = flex_attention(q, k, v, score_mod=mod)
+    ref = attention_reference(q, k, v, score_mod=mod)[0]
+    assert_close(out, ref, *TOLERANCES[torch.float32])
+    grad = torch.randn_like(out)
+    for n, g, w in zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), grad),
+                       torch.autograd.grad(ref, (q, k, v), grad)):
+        assert_grad_close(g, w, name=n)
+
+
+def test_torch_noop_mask():
+    """torch's noop_mask (``b.new_ones((), dtype=torch.bool, device=b.device)``): through create_block_mask, and
+    as the default mask_mod of torch's BlockMask.from_kv_blocks, whose blocks are all partial (the kernels call it)."""
+    from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
+    from torch.nn.attention.flex_attention import noop_mask
+
+    q, k, v = rand_qkv(B, H, H, 64, 64, D, seed=5)
+    bm = create_block_mask(noop_mask, None, None, 64, 64, device=DEVICE)
+    assert_close(flex_attention(q, k, v, block_mask=bm), attention_reference(q, k, v)[0], *TOLERANCES[torch.float32])
+    got = bm_module._block_flags_kernel(noop_mask, 1, 1, 64, 64, torch.device(DEVICE), (16, 16))
+    assert got[0].all() and got[1].all()
+    n_kv = 4  # 64 / 16: the last kv block left out of every row, so the mask matters
+    kv_num_blocks = torch.full((1, 1, n_kv), n_kv - 1, dtype=torch.int32, device=DEVICE)
+    kv_indices = torch.arange(n_kv, dtype=torch.int32, device=DEVICE).expand(1, 1, n_kv, n_kv).contiguous()
+    tbm = TorchBlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=16, seq_lengths=(64, 64))
+    assert tbm.mask_mod is noop_mask
+    out = flex_attention(q, k, v, block_mask=tbm)
+    assert_close(out, attention_reference(q, k, v, block_mask=tbm)[0], *TOLERANCES[torch.float32])
+    ours = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx < 48, None, None, 64, 64, device=DEVICE,
+                             BLOCK_SIZE=16)
+    assert_close(out, attention_reference(q, k, v, block_mask=ours)[0], *TOLERANCES[torch.float32])
+
+
+def test_mask_from_new_zeros_on_device():
+    def mask(b, h, q_idx, kv_idx):
+        return b.new_zeros((), dtype=torch.bool, device=b.device) | (q_idx >= kv_idx)
+
+    _check(mask_mod=mask, L=64)
+
+
+def test_a_constant_tensor_that_is_not_0d_is_untraceable():
+    def mod(s, b, h, q_idx, kv_idx):
+        return s + q_idx.new_zeros((3,))
+
+    with pytest.raises(UntraceableModError, match="make it 0-d"):
+        lower_mod(trace_mod(mod, "score_mod"), "sm", "s_")
+
+
+def test_other_attributes_are_named():
+    def mod(s, b, h, q_idx, kv_idx):
+        return s + s.real
+
+    with pytest.raises(UntraceableModError, match="attribute 'real'"):
+        lower_mod(trace_mod(mod, "score_mod"), "sm", "s_")
+
+
+# ---------------------------------------------------------------------------------------------
+# Python ints beyond int32: torch converts them to the int tensor's dtype (wrapping), as the kernels now do
+
+BIG_INT_SCORE_MODS = {
+    "add_mod": lambda s, b, h, q, kv: s + ((q + 2 ** 33) % 7).float(),
+    "mul_sub_and": lambda s, b, h, q, kv: s + ((q * (2 ** 32 + 3) - (2 ** 40 + kv)) % 11).float() * 0.1
+    + (kv & (2 ** 35 + 5)).float() * 0.1,
+    "floordiv_fmod": lambda s, b, h, q, kv: s + (q // (2 ** 32 + 4)).float() * 0.1
+    + torch.fmod(kv, -(2 ** 32) + 5).float() * 0.1 + torch.div(q, 2 ** 34 + 3, rounding_mode="floor").float() * 0.1,
+    "int64_stays_int64": lambda s, b, h, q, kv: s + ((q.long() + 2 ** 33) % 7).float()
+    + (kv.long() * 2 ** 40 > 0) * 0.5,
+    # (not q / 2**33: torch gives 1.16e-10 * q, but under vmap, which the reference uses, q / 0)
+    "float_operand": lambda s, b, h, q, kv: s + (q.float() + 2 ** 33) * 1e-10 + (q - kv).float() * 2 ** 33 * 1e-12,
+}
+
+
+@pytest.mark.parametrize("name", sorted(BIG_INT_SCORE_MODS))
+def test_int_constants_beyond_int32(name):
+    fn = BIG_INT_SCORE_MODS[name]
+    fn.__name__ = name
+    _check(score_mod=fn)
+
+
+def test_int_constant_beyond_int32_in_a_mask():
+    def mask(b, h, q_idx, kv_idx):
+        return ((q_idx < 2 ** 33) | (q_idx - kv_idx == 2 ** 32 + 1)) | (kv_idx <= q_idx)  # 2**33 -> 0 as torch
+
+    _check(mask_mod=mask, L=64)
+    got = bm_module._block_flags_kernel(mask, 1, 1, 64, 64, torch.device(DEVICE), (16, 16))
+    want = bm_module._block_flags_vmap(mask, 1, 1, 64, 64, torch.device(DEVICE), (16, 16))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
