@@ -331,16 +331,17 @@ def fa(*tensors, **kw):
 
 def tampered_mask(name: str, value) -> Callable:
     """The causal BlockMask of qkv() with one of its block-list tensors replaced (``value(tensor)``), or changed in
-    place (``value`` a (where, number) pair): its tensors are public, and torch's masks are taken as they are."""
+    place (``value`` a (where, number) pair): its tensors are public, and torch's masks are taken as they are. On
+    CPU, where the values are checked (on CUDA only dtypes and shapes: a host read there would sync)."""
     def call():
-        bm = create_block_mask(causal, None, None, 32, 32, device=DEVICE, BLOCK_SIZE=16)
-        q, k, _ = qkv()
+        bm = create_block_mask(causal, None, None, 32, 32, device="cpu", BLOCK_SIZE=16)
+        q, k, v = on("cpu", qkv())
         api._validate_block_mask(bm, q, k)  # (its checks kept on the mask: a change must be seen all the same)
         if callable(value):
             setattr(bm, name, value(getattr(bm, name)))
         else:
             getattr(bm, name)[value[0]] = value[1]
-        flex_attention(*qkv(), block_mask=bm)
+        flex_attention(q, k, v, block_mask=bm)
     return call
 
 

@@ -566,7 +566,9 @@ if ON_HOPPER:
         slopes = torch.rand(Hq, device=DEVICE)
         mods = {"alibi": lambda s, b, h, q, kv: s + slopes[h] * (kv - q),
                 "two_slopes_and_a_head_term": lambda s, b, h, q, kv: s + slopes[h] * kv - slopes[(h + 1) % Hq] * q
-                + h * 0.25}
+                + h * 0.25,
+                "query_side_only": lambda s, b, h, q, kv: s + slopes[h] * q,
+                "minus_a_float_distance": lambda s, b, h, q, kv: s - slopes[h] * (q - kv).float() / 7}
         mod = mods.get(name) or SEPARABLE_MODS[name][0]
         case = CATALOG["causal"](B, Hq, Lq, Lkv, DEVICE)
         bm = create_block_mask(case.mask_mod, None, None, Lq, Lkv, device=DEVICE)
