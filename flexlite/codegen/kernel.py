@@ -11,8 +11,10 @@ import dataclasses
 import functools
 from typing import Callable, Optional
 
+import torch
+
 from .grad import captured_grad_trace, score_grad_trace
-from .lower import LoweredMod, identity_score_mod, lower_mod, noop_mask_mod
+from .lower import LoweredMod, identity_score_mod, lower_mod, noop_mask_mod, op_key
 from .render import render
 from .trace import TracedMod, trace_mod
 
@@ -58,6 +60,20 @@ def _lowered(traced: Optional[TracedMod], fn_name: str, prefix: str, float_index
             low = lower_mod(traced, fn_name, prefix, float_index, fold_scales=fold_scales)
         traced.lowered[key] = low
     return traced.lowered[key]
+
+
+def _refuse_bfloat16_arithmetic(*traced_mods) -> None:
+    """On CPU: Triton 3.6's interpreter computes bfloat16 arithmetic wrongly (numpy has no bfloat16: products of two
+    captured bf16 values came out NaN or off by whole units) and truncates casts to it; a mod computing a bfloat16
+    value (other than reading one from a captured tensor) would be silently wrong there, so it is refused."""
+    for traced in traced_mods:
+        for node in traced.graph_module.graph.nodes if traced is not None else ():
+            if node.op in ("call_function", "call_method") and node.meta.get("dtype") == torch.bfloat16 and \
+                    op_key(node) != "getitem":
+                raise NotImplementedError(
+                    f"{traced.kind} {traced.name!r} computes in bfloat16 ({node.format_node()}), which Triton's "
+                    f"interpreter (CPU tensors) gets wrong; capture float32 tensors (tensor.float()) or cast to "
+                    f"float32 first, or run on a GPU")
 
 
 @functools.lru_cache(maxsize=512)
@@ -137,6 +153,8 @@ def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Ca
     """
     sm = trace_mod(score_mod, "score_mod") if score_mod is not None else None
     mm = trace_mod(mask_mod, "mask_mod") if mask_mod is not None else None
+    if interpret:
+        _refuse_bfloat16_arithmetic(sm, mm)
     low_sm = _lowered(sm, "score_mod", "sm_", float_index, fold_scales=fold_scales,
                       separate=separate and template in ("fwd.py.jinja", "fwd_ws.py.jinja"))
     low_mm = _lowered(mm, "mask_mod", "mm_", float_index, key_values=key_values and template == "fwd_ws.py.jinja")
@@ -203,6 +221,8 @@ def generate_backward(score_mod: Optional[Callable], mask_mod: Optional[Callable
     ``llvm_opt_levels`` (bwd_ws.py.jinja): as :func:`generate`'s. The mods may come as their traces, as there."""
     sm = trace_mod(score_mod, "score_mod") if score_mod is not None else None
     mm = trace_mod(mask_mod, "mask_mod") if mask_mod is not None else None
+    if interpret:
+        _refuse_bfloat16_arithmetic(sm, mm)
     low_sm = _lowered(sm, "score_mod", "sm_")
     low_mm = _lowered(mm, "mask_mod", "mm_", query_values=query_values and template == "bwd_ws.py.jinja")
     score_grad = _score_grad(sm) if sm is not None else None
