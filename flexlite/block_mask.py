@@ -390,8 +390,16 @@ class BlockMask:
         full_q_indices: Optional[Tensor],
         BLOCK_SIZE: tuple[int, int] = (_DEFAULT_SPARSE_BLOCK_SIZE, _DEFAULT_SPARSE_BLOCK_SIZE),
         mask_mod: _MaskMod = noop_mask,
+        *,
+        dq_write_order: Optional[Tensor] = None,
+        dq_write_order_full: Optional[Tensor] = None,
+        dq_kv_order: "Optional[Tensor | bool]" = None,
+        dq_kv_order_spt: Optional[bool] = None,
     ) -> None:
-        """Store the tensors as given; prefer :meth:`from_kv_blocks` or :func:`create_block_mask`."""
+        """Store the tensors as given; prefer :meth:`from_kv_blocks` or :func:`create_block_mask`. The ``dq_*``
+        keywords are torch's (metadata for its FLASH backend's deterministic dQ): kept, in :meth:`as_tuple` where
+        torch has them, and not used (flexlite's backward is deterministic under
+        ``torch.use_deterministic_algorithms(True)`` without them)."""
         if (full_kv_num_blocks is None) != (full_kv_indices is None):
             raise ValueError("BlockMask: full_kv_num_blocks and full_kv_indices must be both given or both None")
         if (full_q_num_blocks is None) != (full_q_indices is None):
@@ -412,7 +420,10 @@ class BlockMask:
         self.full_q_indices = full_q_indices
         self.BLOCK_SIZE = tuple(BLOCK_SIZE)
         self.mask_mod = mask_mod
+        self.dq_write_order, self.dq_write_order_full = dq_write_order, dq_write_order_full
+        self.dq_kv_order, self.dq_kv_order_spt = dq_kv_order, dq_kv_order_spt
 
+    _DQ_ATTRS = ("dq_write_order", "dq_write_order_full", "dq_kv_order", "dq_kv_order_spt")  # torch's, kept unused
     _TENSOR_ATTRS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
                      "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
 
@@ -429,6 +440,10 @@ class BlockMask:
         mask_mod: Optional[_MaskMod] = None,
         seq_lengths: Optional[tuple[int, int]] = None,
         compute_q_blocks: bool = True,
+        *,
+        dq_write_order: Optional[Tensor] = None,
+        dq_write_order_full: Optional[Tensor] = None,
+        dq_kv_order: "Optional[Tensor | bool]" = None,
     ) -> "BlockMask":
         """BlockMask from its kv side; the q side (q_*, full_q_*) is computed.
 
@@ -440,6 +455,8 @@ class BlockMask:
             seq_lengths: (Q_LEN, KV_LEN); None means (nQ * BQ, nKV * BKV).
             compute_q_blocks: False leaves the q side None, as torch (where that means no backward); flexlite's
                 backward then transposes the kv side when it runs.
+            dq_write_order, dq_write_order_full, dq_kv_order: torch's metadata for its FLASH backend, kept and not
+                used (see :class:`BlockMask`).
         """
         caller = "BlockMask.from_kv_blocks"
         if not isinstance(compute_q_blocks, bool):
@@ -466,8 +483,11 @@ class BlockMask:
         if seq_lengths is None:
             seq_lengths = (kv_indices.shape[-2] * block_size[0], kv_indices.shape[-1] * block_size[1])
         seq_lengths = _check_seq_lengths(seq_lengths)
-        return cls._from_kv_side(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, block_size,
+        mask = cls._from_kv_side(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, block_size,
                                  mask_mod, seq_lengths, compute_q_blocks)
+        mask.dq_write_order, mask.dq_write_order_full, mask.dq_kv_order = \
+            dq_write_order, dq_write_order_full, dq_kv_order
+        return mask
 
     @classmethod
     def _from_kv_side(cls, kv_num_blocks: Tensor, kv_indices: Tensor, full_kv_num_blocks: Optional[Tensor],
@@ -560,11 +580,13 @@ class BlockMask:
 
     def as_tuple(self, flatten: bool = True) -> tuple:
         """(Q_LEN, KV_LEN, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
-        q_num_blocks, q_indices, full_q_num_blocks, full_q_indices, BQ, BKV, mask_mod);
-        with ``flatten=False`` the lengths and block sizes stay tuples."""
+        q_num_blocks, q_indices, full_q_num_blocks, full_q_indices, dq_write_order, dq_write_order_full,
+        dq_kv_order, dq_kv_order_spt, BQ, BKV, mask_mod), as torch's; with ``flatten=False`` the lengths and block
+        sizes stay tuples."""
         seq_lengths = tuple(self.seq_lengths) if flatten else (self.seq_lengths,)
         block_size = tuple(self.BLOCK_SIZE) if flatten else (self.BLOCK_SIZE,)
-        return (*seq_lengths, *(getattr(self, a) for a in self._TENSOR_ATTRS), *block_size, self.mask_mod)
+        return (*seq_lengths, *(getattr(self, a) for a in self._TENSOR_ATTRS + self._DQ_ATTRS), *block_size,
+                self.mask_mod)
 
     def __getitem__(self, index) -> "BlockMask":
         """Slice over batch, head (and q block) like torch: ints keep their dimension, so the
@@ -623,8 +645,8 @@ class BlockMask:
     def to(self, device: Union[torch.device, str]) -> "BlockMask":
         """A new BlockMask with every tensor moved to ``device``."""
         device = check_device("BlockMask.to", device, any_type=True)  # "meta" too, as torch
-        moved = {a: getattr(self, a) for a in self._TENSOR_ATTRS}
-        moved = {a: (t.to(device) if t is not None else None) for a, t in moved.items()}
+        moved = {a: getattr(self, a) for a in self._TENSOR_ATTRS + self._DQ_ATTRS}
+        moved = {a: (t.to(device) if isinstance(t, Tensor) else t) for a, t in moved.items()}
         return BlockMask(self.seq_lengths, **moved, BLOCK_SIZE=self.BLOCK_SIZE, mask_mod=self.mask_mod)
 
     # -- printing ------------------------------------------------------------------------------

@@ -330,11 +330,20 @@ def test_to_device_and_as_tuple():
     assert all(getattr(moved, a).device.type == "meta" for a in BlockMask._TENSOR_ATTRS)
     back = bm.to(torch.device("cpu"))
     assert torch.equal(back.kv_indices, bm.kv_indices.cpu()) and back.mask_mod is causal
-    flat = bm.as_tuple()
-    assert len(flat) == 13 and flat[:2] == (64, 64) and flat[-3:] == (16, 16, causal)
-    assert flat[2] is bm.kv_num_blocks and flat[9] is bm.full_q_indices
+    flat = bm.as_tuple()  # torch's order, its four dq_* fields (None here) included
+    assert len(flat) == 17 and flat[:2] == (64, 64) and flat[-3:] == (16, 16, causal)
+    assert flat[2] is bm.kv_num_blocks and flat[9] is bm.full_q_indices and flat[10:14] == (None,) * 4
     nested = bm.as_tuple(flatten=False)
-    assert len(nested) == 11 and nested[0] == (64, 64) and nested[-2] == (16, 16)
+    assert len(nested) == 15 and nested[0] == (64, 64) and nested[-2] == (16, 16)
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+    theirs = torch_create_block_mask(causal, 1, 2, 64, 64, device="cpu", BLOCK_SIZE=16).as_tuple()
+    assert len(theirs) == len(flat) and all(type(a) is type(b) or None in (a, b) for a, b in zip(theirs, flat))
+    order = torch.arange(4, dtype=torch.int32, device=DEVICE)  # torch's metadata: kept, moved, not used
+    kept = BlockMask.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, dq_write_order=order, dq_kv_order=True)
+    assert kept.dq_write_order is order and kept.dq_kv_order is True and kept.as_tuple()[10] is order
+    assert kept.to("meta").dq_write_order.device.type == "meta" and kept.to("meta").dq_kv_order is True
+    again = BlockMask(*nested[:9], BLOCK_SIZE=nested[-2], mask_mod=nested[-1], dq_kv_order_spt=False)
+    assert again.dq_kv_order_spt is False and again.as_tuple()[13] is False
     assert bm.numel() == 1 * 2 * 64 * 64
 
 
