@@ -307,6 +307,12 @@ def _check_block_tensor(name: str, t, ndim: int, caller: str = "BlockMask.from_k
                          f"{tuple(t.shape)} (unsqueeze missing batch/head dimensions)")
 
 
+def _int32_lists(tensors: tuple) -> tuple:
+    """Block lists given in int64 (torch's from_kv_blocks keeps them so) as the int32 the kernels read; the rest as
+    they are (their checks name a wrong dtype)."""
+    return tuple(t.to(torch.int32) if isinstance(t, Tensor) and t.dtype == torch.int64 else t for t in tensors)
+
+
 def _check_kv_pair(prefix: str, num_blocks, indices, caller: str = "BlockMask.from_kv_blocks",
                    side: str = "kv") -> None:
     """``prefix`` ("" or "full_") ``side`` ("kv" or "q", the transposed lists)'s block counts and indices: int32
@@ -459,6 +465,8 @@ class BlockMask:
                 used (see :class:`BlockMask`).
         """
         caller = "BlockMask.from_kv_blocks"
+        kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices = _int32_lists(
+            (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices))
         if not isinstance(compute_q_blocks, bool):
             raise TypeError(f"{caller}: compute_q_blocks must be a bool (True or False); got "
                             f"{type(compute_q_blocks).__name__} {compute_q_blocks!r}")
@@ -830,15 +838,16 @@ def from_torch_block_mask(block_mask) -> BlockMask:
     tensors = tuple(getattr(block_mask, n, None) for n in BlockMask._TENSOR_ATTRS)
 
     def convert():
-        _check_kv_pair("", tensors[0], tensors[1])
-        if tensors[2] is not None:
-            _check_kv_pair("full_", tensors[2], tensors[3])
+        lists = _int32_lists(tensors)
+        _check_kv_pair("", lists[0], lists[1], caller)
+        if lists[2] is not None:
+            _check_kv_pair("full_", lists[2], lists[3], caller)
         try:
             block_size = _normalize_block_size(caller, tuple(block_mask.BLOCK_SIZE))
         except ValueError as e:
             raise ValueError(f"{e}: rebuild the mask with flexlite.create_block_mask (same arguments, BLOCK_SIZE a "
                              f"multiple of 16)") from None
-        return BlockMask(_check_seq_lengths(tuple(block_mask.seq_lengths)), *tensors, BLOCK_SIZE=block_size,
+        return BlockMask(_check_seq_lengths(tuple(block_mask.seq_lengths)), *lists, BLOCK_SIZE=block_size,
                          mask_mod=block_mask.mask_mod if block_mask.mask_mod is not None else noop_mask)
     key = (tuple(map(id, tensors)), tuple(block_mask.seq_lengths), tuple(block_mask.BLOCK_SIZE),
            id(block_mask.mask_mod))

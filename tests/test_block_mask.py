@@ -506,13 +506,13 @@ def _kv(nb_dtype=torch.int32, idx_dtype=torch.int32, nb_shape=(1, 1, 2), idx_sha
 
 @pytest.mark.parametrize("args, kwargs, exc, match", [
     (([1], _kv()[1]), {}, TypeError, "kv_num_blocks must be a Tensor"),
-    (_kv(nb_dtype=torch.int64), {}, TypeError, "kv_num_blocks must be int32"),
-    (_kv(idx_dtype=torch.int64), {}, TypeError, "kv_indices must be int32"),
+    (_kv(nb_dtype=torch.int16), {}, TypeError, "kv_num_blocks must be int32"),
+    (_kv(idx_dtype=torch.float32), {}, TypeError, "kv_indices must be int32"),
     (_kv(nb_shape=(2,), idx_shape=(2, 3)), {}, ValueError, "kv_num_blocks must have 3 dimensions"),
     (_kv(idx_shape=(1, 2, 3)), {}, ValueError, "kv_indices must have 4 dimensions"),
     (_kv(nb_shape=(1, 1, 3)), {}, ValueError, "kv_num_blocks shape (1, 1, 3) must equal"),
     (_kv(), {"full_kv_num_blocks": _kv()[0]}, ValueError, "both given or both None"),
-    (_kv(), {"full_kv_num_blocks": _kv()[0], "full_kv_indices": _kv()[1].long()}, TypeError,
+    (_kv(), {"full_kv_num_blocks": _kv()[0], "full_kv_indices": _kv()[1].short()}, TypeError,
      "full_kv_indices must be int32"),
     (_kv(), dict(zip(("full_kv_num_blocks", "full_kv_indices"), _kv(nb_shape=(1, 1, 2), idx_shape=(1, 1, 2, 4)))),
      ValueError, "full_kv_indices shape"),
@@ -524,9 +524,25 @@ def _kv(nb_dtype=torch.int32, idx_dtype=torch.int32, nb_shape=(1, 1, 2), idx_sha
     (_kv(), {"compute_q_blocks": 0}, TypeError, "compute_q_blocks must be a bool"),
 ])
 def test_from_kv_blocks_errors(args, kwargs, exc, match):
+    # (int64 lists are taken, as torch's from_kv_blocks takes them: test_from_kv_blocks_takes_int64_lists)
     escaped = "".join("\\" + c if c in "()[]" else c for c in match)
     with pytest.raises(exc, match=escaped):
         BlockMask.from_kv_blocks(*args, **kwargs)
+
+
+def test_from_kv_blocks_takes_int64_lists():
+    # torch's from_kv_blocks keeps int64 lists as given; flexlite reads them as int32, in its BlockMask and in torch's
+    from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
+
+    from flexlite import flex_attention
+    from helpers import rand_qkv
+    num, idx = torch.tensor([[[1, 2]]], device=DEVICE), torch.tensor([[[[0, 1], [0, 1]]]], device=DEVICE)
+    bm = BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=16)
+    assert bm.kv_indices.dtype == torch.int32 and bm.to_dense().tolist() == [[[[1, 0], [1, 1]]]]
+    q, k, v = rand_qkv(1, 1, 1, 32, 32, 16)
+    theirs = TorchBlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=16)
+    assert theirs.kv_indices.dtype == torch.int64
+    assert torch.equal(flex_attention(q, k, v, block_mask=theirs), flex_attention(q, k, v, block_mask=bm))
 
 
 @pytest.mark.parametrize("call, exc, match", [
