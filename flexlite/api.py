@@ -236,7 +236,9 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
             _fail(f"{name} head_dim {d} is out of range; flexlite supports 1..{MAX_HEAD_DIM}")
     if Hq != Hkv:
         if Hkv == 0 or Hq % Hkv:
-            _fail(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv}) for grouped-query attention")
+            _fail(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv}) for grouped-query attention "
+                  f"(each kv head serves Hq // Hkv query heads): change the head counts, or repeat key/value heads "
+                  f"(key.repeat_interleave(n, dim=1)) until they divide Hq")
         if not enable_gqa:
             _fail(f"query has {Hq} heads but key/value have {Hkv}; pass enable_gqa=True for grouped-query "
                   f"attention, or repeat the key/value heads")

@@ -21,6 +21,7 @@ import flexlite
 from flexlite import (BlockMask, UntraceableModError, and_masks, api, attention_reference, create_block_mask,
                       create_mask, flex_attention, kernel_source, noop_mask, or_masks)
 from flexlite.kernels import flash_attention, triton_matmul
+from flexlite.mods import generate_tanh_softcap
 from flexlite.masks import (build_named_mask, generate_causal_document_mask,
                             generate_vision_cross_attention_mask_mod)
 from flexlite.runtime import launch
@@ -655,6 +656,9 @@ MASKS = {
     "unknown_option": (lambda: build_named_mask("causal", 64, windw=3), TypeError,
                        r"unknown options \['windw'\]; valid options: kv_seq, window"),
     "flamingo_no_images": (lambda: build_named_mask("flamingo", 64, images=0), ValueError, "images must be >= 1"),
+    "softcap_infinite": (lambda: generate_tanh_softcap(float("inf")), ValueError,  # (its output was NaN)
+                         "generate_tanh_softcap: cap must be a finite number > 0; got inf"),
+    "softcap_nan": (lambda: generate_tanh_softcap(float("nan")), ValueError, "cap must be a finite number > 0"),
     "shared_prefix_too_long": (lambda: build_named_mask("shared_prefix", 64, prefix=100), ValueError,
                                "prefix=100 is longer than seq=64"),
     "flamingo_empty_intervals": (lambda: generate_vision_cross_attention_mask_mod([], 2), ValueError,

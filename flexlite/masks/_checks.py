@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Optional, Sequence
 
@@ -20,8 +21,8 @@ def check_int(caller: str, name: str, value, minimum: Optional[int] = 0) -> int:
 def check_float(caller: str, name: str, value, positive: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{caller}: {name} must be a number; got {type(value).__name__} {value!r}")
-    if positive and not value > 0:
-        raise ValueError(f"{caller}: {name} must be > 0; got {value}")
+    if positive and not 0 < value < math.inf:
+        raise ValueError(f"{caller}: {name} must be a finite number > 0; got {value}")
     return float(value)
 
 
