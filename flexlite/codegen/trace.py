@@ -325,6 +325,10 @@ def _trace(fn: Callable, kind: str) -> TracedMod:
             f"`bool(...)`, `int(...)`, `.item()`) cannot depend on tensor values; write it with "
             f"torch.where(cond, a, b) and `&`, `|`, `~` instead.") from e
     except Exception as e:  # noqa: BLE001 - anything the mod itself raised while being traced
+        if isinstance(e, NotImplementedError) and "argument of type" in str(e) and "numpy" in str(e):
+            raise UntraceableModError(
+                f"{kind} {name!r} uses a numpy scalar ({str(e).split(': ')[-1]}), which torch.fx cannot record; "
+                f"make it a Python number (float(x), int(x)) or a 0-d tensor (torch.tensor(x))") from e
         raise UntraceableModError(f"{kind} {name!r} failed while being traced: {type(e).__name__}: {e}") from e
     captured = {n.target: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
     for target, value in captured.items():
