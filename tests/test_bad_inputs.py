@@ -380,7 +380,7 @@ FLEX_ATTENTION = {
     "score_mod_wrong_arity": (fa(score_mod=lambda s, b: s), TypeError, "got a function of 2 arguments"),
     "scale_str": (fa(scale="0.1"), TypeError, "scale must be a Python float"),
     "score_mod_numpy_scalar": (fa(score_mod=lambda s, b, h, q_idx, kv_idx: s * np.float32(0.5)), UntraceableModError,
-                               r"uses a numpy scalar \(<class 'numpy.float32'>\).* float\(x\)"),
+                               r"uses a numpy scalar \(<class 'numpy.float32'>\).*\(float\(x\)"),
     "scale_1d_tensor": (fa(scale=torch.ones(1)), TypeError, r"scale must be .* got a tensor of shape \(1,\)"),
     "scale_tensor_requiring_grad": (fa(scale=torch.tensor(0.5, requires_grad=True)), TypeError,
                                     "no gradient flows to it.* requiring grad"),
