@@ -143,7 +143,12 @@ def test_scalar_bases_special_values():
 ], ids=["int_exponent", "float_exponent"])
 def test_pow_of_a_negative_base_has_torchs_gradient(mod):
     """The derivative's pow(x, y - 1) of negative scores is torch's too (it was NaN)."""
-    q, k, v = (t.requires_grad_() for t in rand_qkv(B, H, H, L, L, D, seed=6))
+    _check_gradients(mod, seed=6)
+
+
+def _check_gradients(mod, seed: int):
+    """out and dq / dk / dv of ``mod`` against the reference's."""
+    q, k, v = (t.requires_grad_() for t in rand_qkv(B, H, H, L, L, D, seed=seed))
     out = flex_attention(q, k, v, score_mod=mod)
     ref = attention_reference(q, k, v, score_mod=mod)[0]
     assert_close(out, ref, *TOLERANCES[torch.float32])
@@ -191,18 +196,9 @@ def test_attributes_feed_constructors_and_casts(name):
 
 
 def test_constructor_on_device_has_a_gradient():
-    q, k, v = (t.requires_grad_() for t in rand_qkv(B, H, H, L, L, D, seed=4))
-
     def mod(s, b, h, q_idx, kv_idx):
         return s * 0.5 + torch.zeros((), device=s.device)
-
-    out = flex_attention(q, k, v, score_mod=mod)
-    ref = attention_reference(q, k, v, score_mod=mod)[0]
-    assert_close(out, ref, *TOLERANCES[torch.float32])
-    grad = torch.randn_like(out)
-    for n, g, w in zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), grad),
-                       torch.autograd.grad(ref, (q, k, v), grad)):
-        assert_grad_close(g, w, name=n)
+    _check_gradients(mod, seed=4)
 
 
 def test_torch_noop_mask():
