@@ -276,7 +276,7 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
             _fail(f"kernel_options WARP_SPECIALIZE=True picks the warp-specialized forward, which has one tile "
                   f"config; it cannot be combined with DECODE=True, AUTOTUNE=True or pinned tiles "
                   f"{list(CONFIG_KEYS)}: drop one or the other")
-    _check_aux(return_aux, return_lse, kernel_options)
+    _check_aux(return_aux, return_lse, _pass_options(kernel_options, "fwd_"))
     return traced_score_mod, _validate_block_mask(block_mask, query, key) if block_mask is not None else None
 
 
