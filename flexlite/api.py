@@ -985,6 +985,8 @@ class FlexAttentionFunction(torch.autograd.Function):
         ctx.save_for_backward(query, key, value, out, lse, *captured)
         ctx.score_mod, ctx.block_mask, ctx.scale = score_mod, block_mask, scale
         ctx.kernel_options = _pass_options(kernel_options, "bwd_")
+        ctx.traced, ctx.read = traced, _tensors_read(traced, block_mask)
+        ctx.versions = tuple(t._version for t in ctx.read)
         ctx.set_materialize_grads(False)  # an unused out or lse arrives as None: no work for it
         if row_max is None:
             return out, lse
@@ -994,6 +996,7 @@ class FlexAttentionFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable  # the kernels' gradients are not differentiable again
     def backward(ctx, grad_out, grad_lse, grad_max=None):
+        _check_unchanged_since_forward(ctx)
         query, key, value, out, lse, *captured = ctx.saved_tensors
         needs = ctx.needs_input_grad
         with work_scope(query, autocast_on(query)):  # q's GPU current; a backward under autocast: ops as written
@@ -1002,6 +1005,33 @@ class FlexAttentionFunction(torch.autograd.Function):
                 ctx.kernel_options, captured, need_dq=needs[0], need_captured=tuple(needs[9:]))
         return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
                 None, None, None, None, None, None, *dcaptured)
+
+
+def _tensors_read(traced: tuple, block_mask) -> list:
+    """The tensors a forward reads besides query, key and value: its mods' captured tensors and the block mask's
+    lists. The backward reads them again (score_mod and mask_mod run again there)."""
+    tensors = [t for mod in traced if mod is not None for t in mod.captured.values() if isinstance(t, torch.Tensor)]
+    if block_mask is not None:
+        tensors += [t for t in (getattr(block_mask, a) for a in BlockMask._TENSOR_ATTRS) if t is not None]
+    return tensors
+
+
+def _check_unchanged_since_forward(ctx) -> None:
+    """The backward recomputes the scores from the mods and the block mask as they are now: a RuntimeError, as
+    autograd's for an input changed in place, where one of them changed since the forward (a captured tensor or a
+    block list written in place, a mod whose trace changed: a rebound tensor, a new constant, a reassigned
+    mask_mod), whose gradients would be those of other scores, silently."""
+    changed = [t for t, version in zip(ctx.read, ctx.versions) if t._version != version]
+    mods = ((ctx.score_mod, ctx.traced[0], "score_mod"),
+            (ctx.block_mask.mask_mod if ctx.block_mask is not None else None, ctx.traced[1], "mask_mod"))
+    retraced = [kind for mod, traced, kind in mods if traced is not None and (
+        mod is None or trace_mod(mod, kind) is not traced)]
+    if changed or retraced:
+        what = (f"a tensor of shape {tuple(changed[0].shape)} that a mod captures or the block mask holds was "
+                f"modified by an inplace operation" if changed else
+                f"the {retraced[0]} (what it captures or reads, or the mask_mod itself) changed")
+        raise RuntimeError(f"flex_attention's backward: {what} since the forward, so the gradients would be those of "
+                           f"other scores; change it after the backward (or clone it before the forward)")
 
 
 def _autocast_inputs(query, key, value) -> tuple:

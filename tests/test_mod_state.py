@@ -275,3 +275,59 @@ def test_cyclic_and_deep_state_fingerprint():
     assert fp == trace_module.capture_fingerprint(m)
     a.value = 1.0
     assert fp != trace_module.capture_fingerprint(m)
+
+
+# ----------------------------------------------------------------------------------------------
+# between a forward and its backward: the backward runs the mods again, on what they read then
+
+def _in_place_bias(bias, bm):
+    bias.mul_(5)
+
+
+def _in_place_ids(ids, bm):
+    ids.copy_(torch.arange(L, device=DEVICE) // 40)  # a data pipeline writing the next batch's documents
+
+
+def _in_place_block_list(ids, bm):
+    bm.kv_num_blocks.zero_()
+
+
+def _new_constant(cfg, bm):
+    cfg.cap = 3.0
+
+
+@pytest.mark.parametrize("change", [_in_place_bias, _in_place_ids, _in_place_block_list, _new_constant],
+                         ids=lambda f: f.__name__[1:])
+def test_what_the_forward_read_changed_before_its_backward_is_an_error(change):
+    # (each gave gradients of other scores, silently: off by up to 1e14 for the in-place bias)
+    bias = torch.randn(L, device=DEVICE)
+    ids = torch.arange(L, device=DEVICE) // 20
+    cfg = types.SimpleNamespace(cap=2.0)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return cfg.cap * torch.tanh(score / cfg.cap) + bias[kv_idx]
+
+    def documents(b, h, q_idx, kv_idx):
+        return ids[q_idx] == ids[kv_idx]
+    bm = create_block_mask(documents, None, None, L, L, device=DEVICE, BLOCK_SIZE=16)
+    q, k, v = (t.requires_grad_() for t in rand_qkv(B, H, H, L, L, D, seed=8))
+    out = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm)
+    change({_in_place_bias: bias, _new_constant: cfg}.get(change, ids), bm)
+    with pytest.raises(RuntimeError, match="flex_attention's backward: .* since the forward, so the gradients would "
+                                           "be those of other scores"):
+        torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+
+
+def test_what_the_forward_read_changed_after_its_backward_is_fine():
+    bias = torch.randn(L, device=DEVICE)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[kv_idx]
+    q, k, v = (t.requires_grad_() for t in rand_qkv(B, H, H, L, L, D, seed=9))
+    for step in range(2):
+        out = flex_attention(q, k, v, score_mod=score_mod)
+        ref = attention_reference(q, k, v, score_mod=score_mod)[0]
+        grad = torch.randn_like(out)
+        for g, w in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
+            assert_close(g, w, *TOLERANCES[torch.float32], name=f"step {step}")
+        bias.add_(1.0)  # after the backward: the next step's forward reads it
