@@ -211,6 +211,10 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}", TypeError)
+        if torch._C._functorch.is_functorch_wrapped_tensor(t):
+            _fail(f"{name} comes from a torch.func transform (vmap, grad, vjp, jacrev, ...), which flex_attention's "
+                  f"kernels do not run under: fold a vmapped dimension into the batch (B), and take gradients with "
+                  f"torch.autograd (loss.backward(), torch.autograd.grad)", NotImplementedError)
         if t.dim() != 4:
             _fail(f"{name} must be 4-D (batch, heads, seq_len, head_dim); got shape {tuple(t.shape)}")
     for name, t in (("key", key), ("value", value)):
@@ -994,8 +998,15 @@ class FlexAttentionFunction(torch.autograd.Function):
         return out, lse, row_max
 
     @staticmethod
+    def backward(ctx, *grads):
+        if torch.is_grad_enabled():  # create_graph=True: the gradients would have no graph, silently
+            raise NotImplementedError("flex_attention's backward is not differentiable again (create_graph=True, a "
+                                      "gradient penalty, double backward): its kernels' gradients have no graph")
+        return FlexAttentionFunction._backward(ctx, *grads)
+
+    @staticmethod
     @torch.autograd.function.once_differentiable  # the kernels' gradients are not differentiable again
-    def backward(ctx, grad_out, grad_lse, grad_max=None):
+    def _backward(ctx, grad_out, grad_lse, grad_max=None):
         _check_unchanged_since_forward(ctx)
         query, key, value, out, lse, *captured = ctx.saved_tensors
         needs = ctx.needs_input_grad
