@@ -747,8 +747,9 @@ def _captured_grads_from_ds(score_mod, query, key, scale, ds, captured) -> list:
 
 
 def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_mask, scale, kernel_options,
-              captured, need_dq: bool, need_captured: tuple):
-    """dq, dk, dv (input dtypes; dq None unless ``need_dq``) and the gradients of ``captured``."""
+              captured, need_dq: bool, need_captured: tuple, traced_mods: Optional[tuple] = None):
+    """dq, dk, dv (input dtypes; dq None unless ``need_dq``) and the gradients of ``captured``. ``traced_mods``: the
+    traces of score_mod and of the block mask's mask_mod where the caller has them (None: traced here)."""
     B, Hq, Lq, _ = query.shape
     Lkv = key.shape[2]
     want = [t for t, need in zip(captured, need_captured) if need]
@@ -763,8 +764,9 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
     scatter = () if deterministic else tuple(want)
     mask_mod = block_mask.mask_mod if block_mask is not None else None
     # traced once for both kernels' generation (each trace fingerprints the mod's captures)
-    traced = [trace_mod(mod, kind) if mod is not None else None
-              for mod, kind in ((score_mod, "score_mod"), (mask_mod, "mask_mod"))]
+    traced = list(traced_mods) if traced_mods is not None else [
+        trace_mod(mod, kind) if mod is not None else None for mod, kind in ((score_mod, "score_mod"),
+                                                                             (mask_mod, "mask_mod"))]
     *kv_blocks, sparse = _block_tensors(block_mask, Lq, Lkv, query.device)
     kernel, ws_kernel = _backward_kernels(traced, query, key, value, sparse, options, interpret, scatter,
                                           deterministic)
@@ -1013,14 +1015,15 @@ class FlexAttentionFunction(torch.autograd.Function):
         with work_scope(query, autocast_on(query)):  # q's GPU current; a backward under autocast: ops as written
             dq, dk, dv, dcaptured = _backward(
                 query, key, value, out, lse, grad_out, grad_lse, ctx.score_mod, ctx.block_mask, ctx.scale,
-                ctx.kernel_options, captured, need_dq=needs[0], need_captured=tuple(needs[9:]))
+                ctx.kernel_options, captured, need_dq=needs[0], need_captured=tuple(needs[9:]), traced_mods=ctx.traced)
         return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
                 None, None, None, None, None, None, *dcaptured)
 
 
 def _tensors_read(traced: tuple, block_mask) -> list:
     """The tensors a forward reads besides query, key and value: its mods' captured tensors and the block mask's
-    lists. The backward reads them again (score_mod and mask_mod run again there)."""
+    lists. The backward reads them again (score_mod and mask_mod run again there, from the forward's traces once
+    :func:`_check_unchanged_since_forward` has found them current)."""
     tensors = [t for mod in traced if mod is not None for t in mod.captured.values() if isinstance(t, torch.Tensor)]
     if block_mask is not None:
         tensors += [t for t in (getattr(block_mask, a) for a in BlockMask._TENSOR_ATTRS) if t is not None]
@@ -1035,8 +1038,8 @@ def _check_unchanged_since_forward(ctx) -> None:
     changed = [t for t, version in zip(ctx.read, ctx.versions) if t._version != version]
     mods = ((ctx.score_mod, ctx.traced[0], "score_mod"),
             (ctx.block_mask.mask_mod if ctx.block_mask is not None else None, ctx.traced[1], "mask_mod"))
-    retraced = [kind for mod, traced, kind in mods if traced is not None and (
-        mod is None or trace_mod(mod, kind) is not traced)]
+    retraced = [kind for mod, traced, kind in mods if (mod is None) != (traced is None) or (
+        mod is not None and trace_mod(mod, kind) is not traced)]
     if changed or retraced:
         what = (f"a tensor of shape {tuple(changed[0].shape)} that a mod captures or the block mask holds was "
                 f"modified by an inplace operation" if changed else
