@@ -1,7 +1,8 @@
 """The trace cache sees state a mod reads from objects: a callable object's attributes, a bound method's
 ``__self__``, an object (SimpleNamespace, dataclass, ``__slots__`` object) found in a global, an nn.Module's
 parameters, buffers and plain attributes. Changing any of them re-traces (the kernel uses the new constant or
-the new captured tensor); calling again with nothing changed does not."""
+the new captured tensor); calling again with nothing changed does not. Between a forward and its backward, a change
+to what the forward read is an error (the backward would run the mods on it)."""
 
 from __future__ import annotations
 
