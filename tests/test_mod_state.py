@@ -1,8 +1,9 @@
 """The trace cache sees state a mod reads from objects: a callable object's attributes, a bound method's
 ``__self__``, an object (SimpleNamespace, dataclass, ``__slots__`` object) found in a global, an nn.Module's
-parameters, buffers and plain attributes. Changing any of them re-traces (the kernel uses the new constant or
-the new captured tensor); calling again with nothing changed does not. Between a forward and its backward, a change
-to what the forward read is an error (the backward would run the mods on it)."""
+parameters, buffers and plain attributes, and the scalars its class (or a class used as a namespace) holds. Changing
+any of them re-traces (the kernel uses the new constant or the new captured tensor); calling again with nothing
+changed does not. Between a forward and its backward, a change to what the forward read is an error (the backward
+would run the mods on it)."""
 
 from __future__ import annotations
 
@@ -148,6 +149,23 @@ def _submodule_parameter(mp):
     return mod, lambda: setattr(mod.inner, "bias", nn.Parameter(_new(4)))
 
 
+def _class_attribute(mp):
+    m = Scaled()  # reads self.w, a class attribute
+    return m, lambda: mp.setattr(Scaled, "w", 7.0)
+
+
+class Settings:  # a class as a namespace of settings
+    scale = 0.5
+
+
+def settings_mod(s, b, h, qi, ki):
+    return s * Settings.scale
+
+
+def _class_namespace_global(mp):
+    return settings_mod, lambda: mp.setattr(Settings, "scale", 3.0)
+
+
 def _partial_object(mp):
     m = Scaled()
     return functools.partial(Scaled.__call__, m), lambda: setattr(m, "w", 7.0)
@@ -172,8 +190,8 @@ def _inplace_parameter(mp):
 
 
 CASES = [_callable_object, _bound_method, _bound_method_stored, _namespace_global, _dataclass_global, _slots_global,
-         _module_parameter, _module_buffer, _module_float, _submodule_parameter, _partial_object, _plain_global,
-         _global_dict, _inplace_parameter]
+         _module_parameter, _module_buffer, _module_float, _submodule_parameter, _class_attribute,
+         _class_namespace_global, _partial_object, _plain_global, _global_dict, _inplace_parameter]
 
 
 @pytest.fixture

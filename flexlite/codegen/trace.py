@@ -148,7 +148,7 @@ def _state_fingerprint(obj, seen: set, depth: int) -> list:
     """``obj``'s attributes (``__dict__``, then ``__slots__``) and, for a callable object, its ``__call__`` (an
     nn.Module's ``forward``) function: what the mod's code reads when it calls or reads from ``obj``."""
     cls = type(obj)
-    parts = [id(obj), id(cls)]
+    parts = [id(obj), id(cls), *_class_constants(cls)]
     try:
         state = object.__getattribute__(obj, "__dict__")
     except AttributeError:
@@ -211,7 +211,23 @@ def _fingerprint(obj, seen: set, depth: int = 0) -> tuple:
         return tuple(parts)
     if len(seen) <= _MAX_OBJECTS and _has_state(obj):
         return tuple(_state_fingerprint(obj, seen, depth))
+    if isinstance(obj, type):  # a class used as a namespace of settings (``Cfg.window``)
+        return (id(obj), *_class_constants(obj))
     return (id(obj),)
+
+
+def _class_constants(cls) -> tuple:
+    """The Python scalars and tensors ``cls`` and its user bases hold as class attributes (``w = 2.0``, read as
+    ``self.w`` or ``Cls.w``): a change there changes the mod (its methods are fingerprinted where they are called)."""
+    parts = []
+    for klass in cls.__mro__:
+        module = getattr(klass, "__module__", None) or ""
+        if module == "builtins" or module == "torch" or module.startswith(("torch.", "triton")):
+            continue
+        for name, value in vars(klass).items():
+            if isinstance(value, (int, float, bool, str, torch.Tensor)) and not name.startswith("__"):
+                parts.append((klass.__name__, name, id(value) if isinstance(value, torch.Tensor) else value))
+    return tuple(parts)
 
 
 def capture_fingerprint(fn: Callable) -> tuple:
