@@ -644,10 +644,10 @@ def test_a_bias_read_from_a_captured_tensor_is_not_separated_whatever_it_holds(m
 
 
 def _assert_same_non_finite(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, name: str):
-    got, want = got.double(), want.double()
-    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf()), name
-    assert torch.equal(got[want.isinf()], want[want.isinf()]), name
-    assert_close(got[want.isfinite()], want[want.isfinite()], *TOLERANCES[dtype], name=name)
+    # NaN where the reference has NaN (assert_close refuses matching NaNs), the rest by assert_close (infinities
+    # exactly)
+    assert torch.equal(got.cpu().isnan(), want.cpu().isnan()), name
+    assert_close(got[~want.isnan()], want[~want.isnan()], *TOLERANCES[dtype], name=name)
 
 
 def check_non_finite_biases(monkeypatch, D: int, dtype: torch.dtype, block_size: int, kernel_options=None):

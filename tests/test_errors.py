@@ -118,6 +118,9 @@ def test_a_prefixed_kernel_option_applies_to_its_pass_alone(monkeypatch):
     monkeypatch.undo()  # this one runs the kernels
     picked, real = [], launch.forward_config
     monkeypatch.setattr(api, "forward_config", lambda *a, **kw: picked.append(real(*a, **kw)) or picked[-1])
+    picked_bwd, real_bwd = [], launch.backward_config
+    monkeypatch.setattr(api, "backward_config",
+                        lambda *a, **kw: picked_bwd.append(real_bwd(*a, **kw)) or picked_bwd[-1])
     q, k, v = (t.requires_grad_() for t in qkv(B=1, Hq=1, Hkv=1))
     out = flex_attention(q, k, v, kernel_options={"fwd_BLOCK_M": 16, "bwd_BLOCK_M1": 16, "BLOCK_N": 16})
     assert [c.BLOCK_M for c in picked] == [16] and picked[0].BLOCK_N == 16
@@ -126,6 +129,7 @@ def test_a_prefixed_kernel_option_applies_to_its_pass_alone(monkeypatch):
     grad = torch.randn_like(out)
     for g, w in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
         assert_close(g, w, 1e-4, 1e-4, name="gradient")
+    assert [c.BLOCK_M1 for c in picked_bwd] == [16]  # the backward's pin; fwd_BLOCK_M did not reach it
 
 
 def test_flexlite_declares_its_kernel_options_as_torch_does(monkeypatch):
