@@ -11,6 +11,7 @@ from typing import Callable, Literal, NamedTuple, Optional, TypedDict
 
 import torch
 
+from . import eager as _eager
 from . import first_calls
 from ._vmap import index_vectors, vmap_bhqkv
 from .block_mask import (BlockMask, check_block_tensors, check_device, check_mod_output, from_torch_block_mask,
@@ -408,18 +409,26 @@ class _FirstCall:
     ``bits``: the :class:`first_calls.BitsMask` to run the call with instead, where its own kernels are not compiled
     yet and the bits' are (its own then compile in the worker), else None. :meth:`done`, after the call: its kernels
     are compiled, and the worker compiles the bits' for the next mask_mod if they are not (and ``other_bits``', (key,
-    compile) pairs: the bits' kernels that a later mask_mod's walk may choose instead, :func:`_forward`)."""
+    compile) pairs: the bits' kernels that a later mask_mod's walk may choose instead, :func:`_forward`). ``eager``:
+    whether the call may run in torch ops (:mod:`flexlite.eager`); it does (:attr:`eager`) where no bits serve it and
+    its kernels are not compiled, which the worker then compiles (and the bits', for the next mask_mod)."""
 
     def __init__(self, key: tuple, run: Callable, new: bool, bits=None, bits_key: Optional[tuple] = None,
-                 of_bits: bool = False, other_bits: tuple = ()):
+                 of_bits: bool = False, other_bits: tuple = (), eager: bool = False):
         self.key, self._run, self._bits, self._bits_key, self._of_bits, self._other_bits, self.bits = \
             key, run, bits, bits_key, of_bits, other_bits, None
         self.new = new  # (its kernels to be compiled in this call or beside it)
+        self.eager = False  # (the call runs in torch ops, flexlite.eager, while its kernels compile beside it)
         if (bits_key is not None and first_calls.ready(bits_key, on_disk=True) and not _launch.compiling_only()
                 and first_calls.compile_beside(key, lambda: run(None))):
             self.bits = bits
             first_calls.count_bits_call()
             self._compile_other_bits()  # (the call runs the bits: done() is not called)
+        elif new and eager and first_calls.compile_beside(key, lambda: run(None)):
+            self.eager = True
+            if bits_key is not None and not first_calls.ready(bits_key, on_disk=True):  # (for the next mask_mod)
+                first_calls.compile_beside(bits_key, lambda: run(bits), persist=True)
+                self._compile_other_bits()
 
     def done(self):
         if self.new:  # the bits' kernels serve every later mask_mod, in later processes too (Triton's disk cache)
@@ -442,27 +451,43 @@ def _first_call(kind: str, sources: tuple, query, key, value, block_mask, option
     ``bits_sources(bits)``: the sources of the kernels the call would run with block mask ``bits``; ``run(bits)``:
     the call with ``bits`` (None: with its own block mask), for the worker (which compiles only); ``extra``: what
     else picks the kernels (:func:`first_calls.signature`); ``other_bits(bits)``: (sources, compile) pairs of the
-    bits' kernels another block mask of this kind of input may take instead (:func:`_forward`)."""
+    bits' kernels another block mask of this kind of input may take instead (:func:`_forward`). With
+    :data:`first_calls.EAGER`, a call whose kernels are new, or still compiling in the worker, and that no bits serve
+    runs in torch ops (:mod:`flexlite.eager`) instead of waiting for them."""
     if not first_calls.applies(query, block_mask, options):
         return None
     sig = first_calls.signature(query, key, value, block_mask, *extra)
     own = (kind, sources, sig)
     if first_calls.ready(own):  # (a call of known kernels: one set lookup)
         return _FirstCall(own, run, False)
-    if not _launch.compiling_only():
+    eager = (first_calls.EAGER and not _launch.compiling_only() and not isinstance(block_mask, first_calls.BitsMask)
+             and _eager.fits(query, key, value))
+    if not _launch.compiling_only() and not (eager and first_calls.pending(own)):
         first_calls.wait_for(own)  # (the worker compiling this call's kernels already: a backward's, say)
     new = not first_calls.ready(own)
     if (not new or block_mask is None or block_mask.mask_mod is None or isinstance(block_mask, first_calls.BitsMask)
             or _launch.compiling_only()):  # (no bits without a mask_mod)
-        return _FirstCall(own, run, new, of_bits=isinstance(block_mask, first_calls.BitsMask))
+        return _FirstCall(own, run, new, of_bits=isinstance(block_mask, first_calls.BitsMask), eager=eager)
     try:
         bits = first_calls.bits_mask(block_mask, query.shape[0], query.shape[1], gathers)
     except Exception:  # noqa: BLE001 - the bits are a shortcut: without them the call compiles its own, as it must
         bits = None
     if bits is None:
-        return _FirstCall(own, run, True)
+        return _FirstCall(own, run, True, eager=eager)
     others = tuple(((kind, other, sig), compile_) for other, compile_ in (other_bits(bits) if other_bits else ()))
-    return _FirstCall(own, run, True, bits, (kind, bits_sources(bits), sig), other_bits=others)
+    return _FirstCall(own, run, True, bits, (kind, bits_sources(bits), sig), other_bits=others, eager=eager)
+
+
+def _run_eager(first: _FirstCall, run: Callable, *args):
+    """``run(*args)`` (a pass of :mod:`flexlite.eager`), or None where it raised (a mod torch cannot vmap, or too
+    little memory): the call then waits for its kernels, whose errors say what is wrong with a mod."""
+    try:
+        result = run(*args)
+    except Exception:  # noqa: BLE001 - the torch ops are a shortcut; the kernels' path reports what is wrong
+        first_calls.wait_for(first.key)
+        return None
+    first_calls.count_eager_call()
+    return result
 
 
 def _generate(score_mod, block_mask, device: torch.device, template: str = "fwd.py.jinja",
@@ -588,6 +613,10 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options, ma
     if first is not None and first.bits is not None:  # a new mask_mod's first calls: its kernel compiles beside
         return _forward(query, key, value, score_mod, first.bits, scale, kernel_options, max_scores,
                         (traced[0], None))
+    if first is not None and first.eager:  # in torch ops while the kernels compile beside
+        result = _run_eager(first, _eager.forward, query, key, value, score_mod, block_mask, scale, max_scores)
+        if result is not None:
+            return result
     if first is not None and first.new and not _launch.compiling_only():
         _compile_backward_beside(query, key, value, score_mod, block_mask, scale, traced, sparse)
     result = _run_forward(kernel, template, ws, rows, mask_gathers, query, key, value, score_mod, block_mask, scale,
@@ -787,6 +816,11 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
     if first is not None and first.bits is not None:  # a new mask_mod's first calls: its kernels compile beside
         return _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, first.bits, scale,
                          kernel_options, captured, need_dq, need_captured)
+    if first is not None and first.eager:  # in torch ops while the kernels compile beside
+        grads = _run_eager(first, _eager.backward, query, key, value, out, lse, grad_out, grad_lse, score_mod,
+                           block_mask, scale)
+        if grads is not None:
+            return (*grads, [None] * len(need_captured))  # (no captured tensor wants a gradient: first calls only)
     buffers = [torch.zeros(t.shape, dtype=torch.float32, device=query.device) for t in scatter]
     ds = torch.zeros((B, Hq, Lq, Lkv), dtype=torch.float32, device=query.device) if deterministic else None
 

@@ -208,23 +208,28 @@ def _git_commit() -> str:
 
 
 def check_against_reference(case: MaskCase, D: int, device, dtype=torch.bfloat16, backward: bool = False,
-                            kernel_options: Optional[dict] = None) -> dict:
-    """Max abs errors of flexlite (called with ``kernel_options``) vs the fp64 reference at B1 H2 S1024 (random
-    inputs): out, and with ``backward`` also dq / dk / dv."""
-    B, H, S = 1, 2, 1024
+                            kernel_options: Optional[dict] = None, S: int = 1024) -> dict:
+    """Max abs errors of flexlite's kernels (called with ``kernel_options``) vs the fp64 reference at B1 H2 ``S``
+    (random inputs): out, and with ``backward`` also dq / dk / dv. The kernels', also where they are not compiled
+    yet: not a first call's torch ops (first_calls.EAGER)."""
+    B, H = 1, 2
     g = torch.Generator().manual_seed(0)
     q, k, v = [torch.randn(B, H, S, D, generator=g).to(device, dtype).requires_grad_(backward) for _ in range(3)]
     small = mask_cases(S, H, device)[case.name]
     bm = create_block_mask(small.mask_mod, None, None, S, S, device=device) if small.mask_mod else None
-    out = flex_attention(q, k, v, score_mod=small.score_mod, block_mask=bm, kernel_options=kernel_options)
-    ref, _ = attention_reference(q, k, v, score_mod=small.score_mod, block_mask=bm)
-    errors = {"max_err_vs_fp64": float((out.double() - ref).abs().max())}
-    if backward:
-        dout = torch.randn_like(out)
-        got = torch.autograd.grad(out, (q, k, v), dout)
-        want = torch.autograd.grad(ref, (q, k, v), dout.double())
-        for name, a, b in zip(("dq", "dk", "dv"), got, want):
-            errors[f"max_{name}_err_vs_fp64"] = float((a.double() - b.double()).abs().max())
+    eager, first_calls.EAGER = first_calls.EAGER, False
+    try:
+        out = flex_attention(q, k, v, score_mod=small.score_mod, block_mask=bm, kernel_options=kernel_options)
+        ref, _ = attention_reference(q, k, v, score_mod=small.score_mod, block_mask=bm)
+        errors = {"max_err_vs_fp64": float((out.double() - ref).detach().abs().max())}
+        if backward:
+            dout = torch.randn_like(out)
+            got = torch.autograd.grad(out, (q, k, v), dout)
+            want = torch.autograd.grad(ref, (q, k, v), dout.double())
+            for name, a, b in zip(("dq", "dk", "dv"), got, want):
+                errors[f"max_{name}_err_vs_fp64"] = float((a.double() - b.double()).abs().max())
+    finally:
+        first_calls.EAGER = eager
     return errors
 
 
@@ -256,13 +261,15 @@ def run(masks: list, shapes: list, passes: tuple = ("fwd",), dtype=torch.bfloat1
             case = cases[name]
             bm = create_block_mask(case.mask_mod, None, None, S, S, device=device) if case.mask_mod else None
             density = 1.0 - (bm.sparsity() / 100.0 if bm is not None else 0.0)
-            bits_calls = first_calls.ran_bits()
+            bits_calls, eager_calls = first_calls.ran_bits(), first_calls.ran_eager()
             t0 = time.perf_counter()  # a new mod's first call: its forward compiled (before the check runs it), or
-            out = flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm)  # the bits' (first_calls)
+            flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm)  # the bits', or torch ops (first_calls)
             torch.cuda.synchronize()
             first_call_s = time.perf_counter() - t0
             first_call_bits = first_calls.ran_bits() > bits_calls
+            first_call_eager = first_calls.ran_eager() > eager_calls
             first_calls.wait()
+            out = flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm)  # (its kernels, compiled now)
             errors = check_against_reference(case, D, device, dtype, backward=backward)
             impls = {"flexlite": lambda: flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm)}
             if autotune:
@@ -270,7 +277,8 @@ def run(masks: list, shapes: list, passes: tuple = ("fwd",), dtype=torch.bfloat1
                                                                  kernel_options={"AUTOTUNE": True})
             row_base = dict(mask=name, shape=f"B{B} H{H} S{S} D{D}", dtype=str(dtype).replace("torch.", ""),
                             density=round(density, 4), flexlite_first_call_s=round(first_call_s, 3),
-                            flexlite_first_call_bits=first_call_bits, **errors)
+                            flexlite_first_call_bits=first_call_bits, flexlite_first_call_eager=first_call_eager,
+                            **errors)
             if torch_flex:
                 tbm = torch_create_block_mask(case.mask_mod, None, None, S, S, device=device) if case.mask_mod else None
                 impls["torch_flex"] = lambda: compiled_flex(q, k, v, score_mod=case.torch_score_mod, block_mask=tbm)

@@ -21,6 +21,11 @@ kernels, so that the next mask_mod's first call does not wait. The bits' kernels
 (:func:`mark_ready`'s ``persist``), whose first mask_mod of that kind takes them from Triton's disk cache.
 :func:`wait` waits for the worker (before timing, or capturing a CUDA graph).
 
+Where no bits serve a call whose kernels are not compiled yet (a new score_mod, the first mask_mod of a kind of input, no
+block mask), the call runs in torch ops (:mod:`flexlite.eager`, :data:`EAGER`) while the worker compiles its kernels
+(and the bits' for the next mask_mod); so do later calls, forward and backward, until they are compiled. Those calls'
+results agree with the kernels' to their tolerances, not bit for bit (float32 throughout: NOTES 78).
+
 create_block_mask takes the same way on CUDA (:func:`block_flags_in_torch`): a new mask_mod's block mask is evaluated
 in torch (vmapped over chunks, as on CPU) while the worker compiles its block-mask kernel for the next one.
 """
@@ -45,6 +50,9 @@ from .runtime.compile import cache_dir, source_hash
 # whether a new mask_mod's first calls run the bits' kernels while its own compile beside them: False never, True
 # on CUDA, "always" on every device too (the interpreter compiles nothing: for tests)
 ENABLED: "bool | str" = True
+# whether calls whose kernels are not compiled and that no bits serve run in torch ops (flexlite.eager) while the
+# kernels compile beside (where ENABLED applies): False compiles them in the call
+EAGER = True
 # bits kept per block mask at most (bytes): beyond, the mod's own kernels compile in the call
 MAX_BITS_BYTES = 256 << 20
 # a new mask_mod's block mask is evaluated in torch (vmapped, as on CPU) while its kernel compiles beside, up to this
@@ -61,6 +69,7 @@ _pending: dict = {}  # kernel key -> Future of the worker compiling it
 _failed: set = set()  # kernel keys whose compile in the worker raised: compiled in the call from then on
 _worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
 _bits_calls = [0]
+_eager_calls = [0]
 
 
 def applies(query: torch.Tensor, block_mask, options: dict) -> bool:
@@ -204,6 +213,21 @@ def ran_bits() -> int:
 
 def count_bits_call() -> None:
     _bits_calls[0] += 1
+
+
+def ran_eager() -> int:
+    """How many calls in this process ran in torch ops while their kernels compiled (forward and backward each
+    count)."""
+    return _eager_calls[0]
+
+
+def count_eager_call() -> None:
+    _eager_calls[0] += 1
+
+
+def pending(key: tuple) -> bool:
+    """Whether the worker is compiling ``key`` (or has it queued)."""
+    return key in _pending
 
 
 def wait(timeout: Optional[float] = None) -> None:

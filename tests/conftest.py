@@ -54,6 +54,12 @@ if os.environ.get("FLEXLITE_TEST_DECODE_TILES"):
     launch.DECODE_TILES.update(json.loads(os.environ["FLEXLITE_TEST_DECODE_TILES"]))
 
 
+# first calls in torch ops (flexlite.eager, on by default on CUDA) only where a test asks for them
+# (FLEXLITE_TEST_EAGER=1: every test's, so a GPU run checks the torch ops instead of its kernels on each first call)
+from flexlite import first_calls as _first_calls  # noqa: E402
+
+_first_calls.EAGER = os.environ.get("FLEXLITE_TEST_EAGER") == "1"
+
 # first_calls (on by default on CUDA only) on CPU too: FLEXLITE_TEST_FIRST_CALLS=always runs every test's first calls of
 # a new mask_mod through the bits' kernels, as a GPU run does ("fresh": and every test's first calls are new)
 if os.environ.get("FLEXLITE_TEST_FIRST_CALLS"):

@@ -561,3 +561,109 @@ def test_a_first_forward_whose_backward_cannot_be_generated_runs(fresh, monkeypa
     assert_close(out, attention_reference(q, k, v, score_mod=erf_mod, block_mask=bm)[0], *TOLERANCES[torch.float32])
     with pytest.raises(UntraceableModError, match="backward pass is not supported for `erf`"):
         out.sum().backward()
+
+
+@pytest.fixture
+def held_worker(monkeypatch):
+    """The first_calls worker holds every compile back until the test sets the event returned (or the test ends)."""
+    release, real = threading.Event(), first_calls._compile
+
+    def held(*args):
+        release.wait(120)
+        real(*args)
+    monkeypatch.setattr(first_calls, "_compile", held)
+    yield release
+    release.set()
+
+
+def _softcap(score, b, h, q_idx, kv_idx):
+    return 15.0 * torch.tanh(score / 15.0)
+
+
+def _launches(monkeypatch) -> list:
+    """The kernels launched by the calling thread (forwards, backwards), not the worker's compile-only calls."""
+    seen = []
+    for name in ("_run_forward", "launch_backward"):
+        real = getattr(api, name)
+
+        def spy(*args, real=real, name=name, **kwargs):
+            if not threading.current_thread().name.startswith("flexlite-compile"):
+                seen.append(name)
+            return real(*args, **kwargs)
+        monkeypatch.setattr(api, name, spy)
+    return seen
+
+
+@pytest.mark.parametrize("with_mask", [False, True], ids=["a new score_mod without a block mask",
+                                                          "the first mask_mod of a kind"])
+def test_first_calls_run_in_torch_ops_while_their_kernels_compile(fresh, held_worker, monkeypatch, with_mask):
+    from test_backward import check_backward
+
+    monkeypatch.setattr(first_calls, "EAGER", True)
+    launches = _launches(monkeypatch)
+    L = 96
+    bm = create_block_mask(causal_mask, None, None, L, L, device=DEVICE, BLOCK_SIZE=32) if with_mask else None
+    q, k, v = rand_qkv(1, 4, 2, L, L, 32, seed=13)
+    lse_weight = torch.randn(1, 4, L, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    eager_calls = first_calls.ran_eager()
+    # the first training steps: forward and backward in torch ops while the worker (held) has the kernels queued
+    first = check_backward(q, k, v, score_mod=_softcap, block_mask=bm, enable_gqa=True, lse_weight=lse_weight,
+                           name="first step")
+    check_backward(q, k, v, score_mod=_softcap, block_mask=bm, enable_gqa=True, name="second step")
+    assert launches == [] and first_calls.ran_eager() == eager_calls + 4
+    assert {key[0] for key in first_calls._pending} == {"fwd", "bwd"}
+    held_worker.set()
+    first_calls.wait()
+    # compiled: later calls launch them; their results are the kernels' (within tolerance of the torch ops')
+    later = check_backward(q, k, v, score_mod=_softcap, block_mask=bm, enable_gqa=True, lse_weight=lse_weight,
+                           name="later step")
+    assert launches == ["_run_forward", "launch_backward"] and first_calls.ran_eager() == eager_calls + 4
+    for a, b in zip(first, later):
+        assert_close(a, b, *TOLERANCES[torch.float32])
+    assert not first_calls._failed
+    if with_mask:  # the worker compiled the bits' kernels too: the next mask_mod's first call runs them
+        bits_calls = first_calls.ran_bits()
+        window = create_block_mask(generate_sliding_window(20), None, None, L, L, device=DEVICE, BLOCK_SIZE=32)
+        flex_attention(q, k, v, score_mod=_softcap, block_mask=window, enable_gqa=True)
+        assert first_calls.ran_bits() == bits_calls + 1 and first_calls.ran_eager() == eager_calls + 4
+
+
+def test_first_calls_whose_torch_ops_raise_run_their_kernels(fresh, monkeypatch):
+    from flexlite import eager
+
+    monkeypatch.setattr(first_calls, "EAGER", True)
+    monkeypatch.setattr(eager, "forward", lambda *args: 1 / 0)
+    launches = _launches(monkeypatch)
+    q, k, v = rand_qkv(1, 2, 2, 64, 64, 16, seed=14)
+    eager_calls = first_calls.ran_eager()
+    out = flex_attention(q, k, v, score_mod=_softcap)
+    assert launches == ["_run_forward"] and first_calls.ran_eager() == eager_calls
+    assert_close(out, attention_reference(q, k, v, score_mod=_softcap)[0], *TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("why", ["EAGER off", "too large for a chunk", "kernel_options"])
+def test_where_first_calls_do_not_run_in_torch_ops(fresh, monkeypatch, why):
+    from flexlite import eager
+
+    monkeypatch.setattr(first_calls, "EAGER", why != "EAGER off")
+    if why == "too large for a chunk":
+        monkeypatch.setattr(eager, "CHUNK_SCORES", 2 * 64 - 1)  # a query row of 2 heads x 64 keys is 128 scores
+    launches = _launches(monkeypatch)
+    q, k, v = rand_qkv(1, 2, 2, 64, 64, 16, seed=15)
+    eager_calls = first_calls.ran_eager()
+    options = {"BLOCK_M": 32, "BLOCK_N": 32} if why == "kernel_options" else None
+    out = flex_attention(q, k, v, score_mod=_softcap, kernel_options=options)
+    assert launches == ["_run_forward"] and first_calls.ran_eager() == eager_calls
+    assert_close(out, attention_reference(q, k, v, score_mod=_softcap)[0], *TOLERANCES[torch.float32])
+
+
+def test_the_harness_checks_the_kernels_not_a_first_calls_torch_ops(fresh, monkeypatch):
+    from flexlite import bench
+
+    monkeypatch.setattr(first_calls, "EAGER", True)
+    eager_calls = first_calls.ran_eager()
+    errors = bench.check_against_reference(bench.mask_cases(128, 2, DEVICE)["softcap30_causal"], 16, DEVICE,
+                                           torch.float32, backward=True, S=128)
+    assert first_calls.ran_eager() == eager_calls and first_calls.EAGER is True
+    assert max(errors.values()) < 1e-4 and set(errors) == {"max_err_vs_fp64", "max_dq_err_vs_fp64",
+                                                           "max_dk_err_vs_fp64", "max_dv_err_vs_fp64"}

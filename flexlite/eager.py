@@ -1,0 +1,172 @@
+"""Attention in torch ops, a chunk of query rows at a time: the first calls of a mod whose kernels compile beside them.
+
+A new score_mod (or the first mask_mod of a kind of input) needs its kernels compiled: 1.8-5 s on a GPU host
+(benchmarks/NOTES.md 50, 67, 69). :mod:`flexlite.first_calls` runs such calls here instead while a worker thread
+compiles the kernels (NOTES 78). The semantics are the kernels' and the fp64 reference's (flexlite.reference): the
+mods are evaluated through vmap over each chunk's positions, a position is kept if its block is full, or partial and
+the mask_mod keeps it, and a query row with nothing kept gives out 0 and LSE -inf. The arithmetic is float32 (scores,
+softmax and both matmuls; the kernels round P to the input dtype before P @ V), so outputs agree with the kernels' to
+their tolerances, not bit for bit. Each chunk walks only the keys its query blocks' block lists reach.
+
+Memory: float32 copies of key and value, and a few float32 temporaries of :data:`CHUNK_SCORES` scores.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from ._vmap import index_vectors, vmap_bhqkv
+
+# scores per chunk (batch x heads x query rows x keys walked): 2**26 float32 = 256 MB a temporary
+CHUNK_SCORES = 2 ** 26
+
+
+def fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether a call can run here: a chunk of one query row within :data:`CHUNK_SCORES` scores."""
+    return query.shape[0] * query.shape[1] * key.shape[2] <= CHUNK_SCORES
+
+
+class _Chunks:
+    """The chunks of a call: query rows [q0, q1), the keys [k0, k1) their block lists reach, and which of those
+    positions are kept (:meth:`keep`)."""
+
+    def __init__(self, block_mask, B: int, H: int, Lq: int, Lkv: int, device: torch.device):
+        self.block_mask, self.B, self.H, self.device = block_mask, B, H, device
+        self.rows = max(1, CHUNK_SCORES // (B * H * Lkv))
+        self.Lq, self.Lkv = Lq, Lkv
+        if block_mask is None:
+            return
+        self.partial = block_mask.dense_blocks(full=False).to(device)
+        self.full = block_mask.dense_blocks(full=True).to(device)
+        # q block -> (first, last + 1) kv block any batch or head reaches (one copy to the host)
+        reached = (self.partial | self.full).any(dim=1).any(dim=0)  # [nQ, nKV]
+        cols = torch.arange(reached.shape[1], device=device)
+        first = torch.where(reached, cols, reached.shape[1]).amin(dim=1)
+        last = torch.where(reached, cols + 1, 0).amax(dim=1)
+        self.reach = torch.stack([first, last], dim=1).tolist()
+
+    def __iter__(self) -> Iterator[tuple]:
+        for q0 in range(0, self.Lq, self.rows):
+            q1 = min(self.Lq, q0 + self.rows)
+            if self.block_mask is None:
+                yield q0, q1, 0, self.Lkv
+                continue
+            bq, bkv = self.block_mask.BLOCK_SIZE
+            spans = self.reach[q0 // bq:(q1 - 1) // bq + 1]
+            first, last = min(s[0] for s in spans), max(s[1] for s in spans)
+            if first < last:  # (no block reached: the rows stay out 0, LSE -inf)
+                yield q0, q1, first * bkv, min(self.Lkv, last * bkv)
+
+    def keep(self, q0: int, q1: int, k0: int, k1: int) -> Optional[torch.Tensor]:
+        """bool [B or 1, H or 1, q1 - q0, k1 - k0]: the positions kept (None: all)."""
+        if self.block_mask is None:
+            return None
+        bq, bkv = self.block_mask.BLOCK_SIZE
+        qb = torch.arange(q0, q1, device=self.device) // bq
+        kb = torch.arange(k0, k1, device=self.device) // bkv
+        full = self.full[:, :, qb][:, :, :, kb]
+        partial = self.partial[:, :, qb][:, :, :, kb]
+        mask_mod = self.block_mask.mask_mod
+        if mask_mod is not None:
+            # the kernels call mask_mod with the real (b, h) even where the block structure broadcasts
+            mask = vmap_bhqkv(mask_mod)(*index_vectors(self.B, self.H, q1 - q0, k1 - k0, self.device,
+                                                        q_start=q0, kv_start=k0))
+            partial = partial & mask.to(torch.bool)
+        return full | partial
+
+
+def _grouped(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, Hkv * groups, R, X] -> [B, Hkv, groups * R, X]: query rows next to their kv head's (no copy of key and
+    value per query head)."""
+    B, H, R, X = t.shape
+    return t.reshape(B, H // groups, groups * R, X)
+
+
+def _ungrouped(t: torch.Tensor, groups: int) -> torch.Tensor:
+    B, Hkv, GR, X = t.shape
+    return t.reshape(B, Hkv * groups, GR // groups, X)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, groups: int, scale: float, score_mod: Optional[Callable],
+            q0: int, k0: int) -> tuple:
+    """(the scaled scores q @ k^T [B, H, R, K] as they enter score_mod, what score_mod makes of them)."""
+    B, H, R, _ = q.shape
+    raw = _ungrouped(_grouped(q, groups) @ k.transpose(-1, -2), groups) * scale
+    if score_mod is None:
+        return raw, raw
+    if torch.is_grad_enabled():
+        raw.requires_grad_(True)
+    modded = vmap_bhqkv(score_mod, prefix=(0,))(raw, *index_vectors(B, H, R, k.shape[2], q.device, q_start=q0,
+                                                                     kv_start=k0))
+    return raw, modded.to(torch.float32)
+
+
+def _safe(lse: torch.Tensor) -> torch.Tensor:
+    """lse with -inf (rows with nothing kept) as 0, so that their weights are 0, not NaN."""
+    return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+
+
+def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Optional[Callable], block_mask,
+            scale: float, max_scores: bool = False) -> tuple:
+    """(out in the input dtype, LSE float32 natural log, row maxima float32 or None), as flex_attention's kernels
+    return them."""
+    B, H, Lq, _ = query.shape
+    groups, Lkv = H // key.shape[1], key.shape[2]
+    out = torch.zeros((B, H, Lq, value.shape[-1]), dtype=torch.float32, device=query.device)
+    lse = torch.full((B, H, Lq), float("-inf"), dtype=torch.float32, device=query.device)
+    row_max = lse.clone() if max_scores else None
+    k, v = key.float(), value.float()
+    chunks = _Chunks(block_mask, B, H, Lq, Lkv, query.device)
+    with torch.no_grad():
+        for q0, q1, k0, k1 in chunks:
+            _, s = _scores(query[:, :, q0:q1].float(), k[:, :, k0:k1], groups, scale, score_mod, q0, k0)
+            keep = chunks.keep(q0, q1, k0, k1)
+            if keep is not None:
+                s = s.masked_fill(~keep, float("-inf"))
+            lse[:, :, q0:q1] = torch.logsumexp(s, dim=-1)
+            p = torch.exp(s - _safe(lse[:, :, q0:q1]).unsqueeze(-1))
+            out[:, :, q0:q1] = _ungrouped(_grouped(p, groups) @ v[:, :, k0:k1], groups)
+            if max_scores:
+                row_max[:, :, q0:q1] = s.amax(dim=-1)
+    return out.to(query.dtype), lse, row_max
+
+
+def backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+             grad_out: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor], score_mod: Optional[Callable],
+             block_mask, scale: float) -> tuple:
+    """(dq, dk, dv) in the inputs' dtypes from the forward's out and LSE: each chunk's scores recomputed, dS from the
+    weights (P = exp(S - LSE)), and score_mod's derivative by autograd over its vmapped ops."""
+    B, H, Lq, _ = query.shape
+    groups, Lkv = H // key.shape[1], key.shape[2]
+    k, v = key.float(), value.float()
+    dq = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    do = grad_out.float() if grad_out is not None else torch.zeros_like(out, dtype=torch.float32)
+    delta = (do * out.float()).sum(-1)  # [B, H, Lq]: rowsum(dO * O)
+    chunks = _Chunks(block_mask, B, H, Lq, Lkv, query.device)
+    for q0, q1, k0, k1 in chunks:
+        q = query[:, :, q0:q1].float()
+        with torch.enable_grad():
+            raw, s = _scores(q, k[:, :, k0:k1], groups, scale, score_mod, q0, k0)
+        keep = chunks.keep(q0, q1, k0, k1)
+        with torch.no_grad():
+            p = torch.exp(s - _safe(lse[:, :, q0:q1]).unsqueeze(-1))
+            if keep is not None:
+                p = p.masked_fill(~keep, 0.0)
+            dp = _ungrouped(_grouped(do[:, :, q0:q1], groups) @ v[:, :, k0:k1].transpose(-1, -2), groups)
+            ds = p * (dp - delta[:, :, q0:q1].unsqueeze(-1))
+            if grad_lse is not None:
+                ds = ds + p * grad_lse[:, :, q0:q1].float().unsqueeze(-1)
+        if score_mod is not None:  # dS through score_mod's ops to the raw scores (none where it ignores them)
+            ds = torch.autograd.grad(s, raw, ds, allow_unused=True)[0] if s.requires_grad else None
+            ds = torch.zeros_like(raw) if ds is None else ds
+            if keep is not None:  # (a masked position's derivative may be NaN, its dS is 0)
+                ds = ds.masked_fill(~keep, 0.0)
+        with torch.no_grad():
+            ds = ds * scale
+            dq[:, :, q0:q1] = _ungrouped(_grouped(ds, groups) @ k[:, :, k0:k1], groups)
+            dk[:, :, k0:k1] += _grouped(ds, groups).transpose(-1, -2) @ _grouped(q, groups)
+            dv[:, :, k0:k1] += _grouped(p, groups).transpose(-1, -2) @ _grouped(do[:, :, q0:q1], groups)
+    return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)

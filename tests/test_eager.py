@@ -1,0 +1,151 @@
+"""flexlite.eager: attention in torch ops, a chunk of query rows at a time (a new mod's first calls while its kernels
+compile: first_calls.EAGER). Its forward and backward against the fp64 reference, over the masks' semantics (full and
+partial blocks, broadcast block masks, rows with nothing kept), GQA, keys shared by the batch, lengths that differ
+and chunks that split the rows and walk part of the keys. Pure torch: no kernel runs here."""
+
+import pytest
+import torch
+
+from flexlite import attention_reference, create_block_mask, eager
+from flexlite.masks import causal_mask, generate_doc_mask_mod, generate_prefix_lm_mask, generate_sliding_window
+
+from helpers import DEVICE, TOLERANCES, assert_close, assert_grad_close, rand_qkv
+
+
+def _softcap(score, b, h, q_idx, kv_idx):
+    return 20.0 * torch.tanh(score / 20.0)
+
+
+def _alibi(score, b, h, q_idx, kv_idx):
+    return score - (h + 1) * 0.1 * (q_idx - kv_idx).abs()
+
+
+def _table_bias():
+    table = torch.randn(3, 5, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+
+    def table_bias(score, b, h, q_idx, kv_idx):  # a captured tensor, indexed per position
+        return score + table[h % 3, (q_idx + kv_idx) % 5]
+    return table_bias
+
+
+def _holes(b, h, q_idx, kv_idx):  # causal, and every seventh query row keeps nothing
+    return (kv_idx <= q_idx) & (q_idx % 7 != 3)
+
+
+def _per_head(b, h, q_idx, kv_idx):
+    return ((q_idx + b) % (h + 2)) != (kv_idx % 3)
+
+
+def _document(L):
+    ids = torch.arange(L, device=DEVICE, dtype=torch.int32) * 3 // L
+    return generate_doc_mask_mod(causal_mask, ids)
+
+
+CASES = {  # name -> (B, Hq, Hkv, Lq, Lkv, score_mod, (mask_mod, B and H of the mask, BLOCK_SIZE) or None)
+    "causal softcap gqa": (2, 4, 2, 200, 200, _softcap, (causal_mask, (None, None), 64)),
+    "document": (1, 2, 2, 111, 111, None, (_document(111), (None, None), 32)),
+    "prefix-lm per head": (2, 2, 2, 63, 63, _alibi, (generate_prefix_lm_mask(20), (None, 2), (32, 16))),
+    "per (b, h) mask": (2, 3, 3, 96, 96, _table_bias(), (_per_head, (2, 3), 32)),
+    "rows with nothing kept": (1, 2, 1, 100, 100, None, (_holes, (None, None), 16)),
+    "sliding window, lengths differ": (1, 2, 2, 80, 140, None, (generate_sliding_window(24), (None, None), 16)),
+    "no block mask": (2, 2, 1, 63, 100, _alibi, None),
+}
+
+
+def _inputs(name, dtype=torch.float32):
+    B, Hq, Hkv, Lq, Lkv, score_mod, mask = CASES[name]
+    q, k, v = rand_qkv(B, Hq, Hkv, Lq, Lkv, 32, Dv=24, dtype=dtype, seed=len(name))
+    bm = None
+    if mask is not None:
+        mod, (Bm, Hm), block = mask
+        bm = create_block_mask(mod, Bm, Hm, Lq, Lkv, device=DEVICE, BLOCK_SIZE=block)
+    return q, k, v, score_mod, bm
+
+
+@pytest.fixture(params=[None, 700], ids=["one chunk", "chunks of a few rows"])
+def chunk_scores(request, monkeypatch):
+    if request.param is not None:
+        monkeypatch.setattr(eager, "CHUNK_SCORES", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_forward_is_the_references(name, chunk_scores):
+    q, k, v, score_mod, bm = _inputs(name)
+    out, lse, row_max = eager.forward(q, k, v, score_mod, bm, 0.3, max_scores=True)
+    ref_out, ref_lse, ref_max = attention_reference(q, k, v, score_mod=score_mod, block_mask=bm, scale=0.3,
+                                                    enable_gqa=True, return_max=True)
+    atol, rtol = TOLERANCES[torch.float32]
+    assert out.dtype == q.dtype and lse.dtype == row_max.dtype == torch.float32
+    assert_close(out, ref_out, atol, rtol)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)) and torch.equal(torch.isneginf(row_max),
+                                                                                      torch.isneginf(ref_max))
+    assert_close(lse, ref_lse, atol, rtol, "lse")
+    assert_close(row_max, ref_max, atol, rtol, "max_scores")
+    if name == "rows with nothing kept":
+        assert torch.isneginf(lse[:, :, 3::7]).all() and (out[:, :, 3::7] == 0).all()
+
+
+@pytest.mark.parametrize("lse_grad", [False, True], ids=["out", "out and lse"])
+@pytest.mark.parametrize("name", CASES)
+def test_backward_is_the_references(name, lse_grad, chunk_scores):
+    q, k, v, score_mod, bm = _inputs(name)
+    out, lse, _ = eager.forward(q, k, v, score_mod, bm, 0.3)
+    g = torch.Generator().manual_seed(1)
+    grad_out = torch.randn(out.shape, generator=g).to(DEVICE)
+    grad_lse = torch.randn(lse.shape, generator=g).to(DEVICE) if lse_grad else None
+    grads = eager.backward(q, k, v, out, lse, grad_out, grad_lse, score_mod, bm, 0.3)
+    q, k, v = (t.double().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = attention_reference(q, k, v, score_mod=score_mod, block_mask=bm, scale=0.3, enable_gqa=True)
+    loss = (ref_out * grad_out.double()).sum()
+    if lse_grad:  # (rows with nothing kept: lse -inf, no gradient)
+        loss = loss + torch.where(torch.isinf(ref_lse), 0.0, ref_lse * grad_lse.double()).sum()
+    for label, got, want, t in zip(("dq", "dk", "dv"), grads, torch.autograd.grad(loss, (q, k, v)), (q, k, v)):
+        assert got.shape == t.shape and got.dtype == torch.float32 and not got.isnan().any()
+        assert_grad_close(got, want, torch.float32, label)
+
+
+def test_bfloat16_inputs_give_bfloat16_outputs_within_the_kernels_tolerance():
+    q, k, v, score_mod, bm = _inputs("causal softcap gqa", torch.bfloat16)
+    out, lse, _ = eager.forward(q, k, v, score_mod, bm, 0.25)
+    ref_out, _ = attention_reference(q, k, v, score_mod=score_mod, block_mask=bm, scale=0.25, enable_gqa=True)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert_close(out, ref_out, *TOLERANCES[torch.bfloat16])
+    grads = eager.backward(q, k, v, out, lse, torch.ones_like(out), None, score_mod, bm, 0.25)
+    assert [t.dtype for t in grads] == [torch.bfloat16] * 3
+
+
+def test_keys_shared_by_the_batch():
+    # flex_attention hands key and value of batch 1 on as stride-0 views of the query's batch
+    q, k, v = rand_qkv(3, 2, 2, 64, 64, 16, seed=4)
+    k, v = k[:1].expand(3, -1, -1, -1), v[:1].expand(3, -1, -1, -1)
+    bm = create_block_mask(causal_mask, None, None, 64, 64, device=DEVICE, BLOCK_SIZE=16)
+    out, lse, _ = eager.forward(q, k, v, _softcap, bm, 0.25)
+    ref_out, _ = attention_reference(q, k.contiguous(), v.contiguous(), score_mod=_softcap, block_mask=bm, scale=0.25)
+    assert_close(out, ref_out, *TOLERANCES[torch.float32])
+    dq, dk, dv = eager.backward(q, k, v, out, lse, torch.ones_like(out), None, _softcap, bm, 0.25)
+    assert dk.shape == dv.shape == (3, 2, 64, 16)
+
+
+def test_a_score_mod_that_ignores_the_score():
+    def only_bias(score, b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx).float() * 0.01
+    q, k, v = rand_qkv(1, 1, 1, 32, 32, 16, seed=5)
+    out, lse, _ = eager.forward(q, k, v, only_bias, None, 1.0)
+    dq, dk, dv = eager.backward(q, k, v, out, lse, torch.ones_like(out), None, only_bias, None, 1.0)
+    assert (dq == 0).all() and (dk == 0).all() and dv.abs().sum() > 0
+
+
+def test_chunks_walk_only_the_keys_their_blocks_reach(monkeypatch):
+    monkeypatch.setattr(eager, "CHUNK_SCORES", 2 * 2 * 256)  # two query rows a chunk (2 heads, 256 keys)
+    bm = create_block_mask(generate_sliding_window(16), 1, 2, 256, 256, device=DEVICE, BLOCK_SIZE=32)
+    chunks = list(eager._Chunks(bm, 1, 2, 256, 256, torch.device(DEVICE)))
+    assert len(chunks) == 128
+    for q0, q1, k0, k1 in chunks:
+        assert k0 == max(0, (q0 // 32 - 1) * 32) and k1 == min(256, (q0 // 32 + 1) * 32)
+
+
+def test_fits():
+    q, k, v = rand_qkv(1, 4, 4, 8, 100, 16)
+    assert eager.fits(q, k, v)
+    assert not eager.fits(q.expand(2 ** 20, -1, -1, -1), k, v)  # a row of a chunk past CHUNK_SCORES
