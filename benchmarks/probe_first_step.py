@@ -1,7 +1,9 @@
 """First training steps of new mods on a GPU, each process with its own caches (NOTES 73).
 
-1. ``cold on`` / ``cold off``: a fresh process with empty flexlite and Triton caches, ``first_calls.ENABLED`` True /
-   False; a training step (forward, ``out.sum().backward()``) of
+1. ``cold on`` / ``cold bits`` / ``cold off``: a fresh process with empty flexlite and Triton caches,
+   ``first_calls.ENABLED`` True / True / False, ``first_calls.EAGER`` True / False / False (NOTES 78: calls whose
+   kernels are not compiled and that no bits serve run in torch ops); a training step (forward,
+   ``out.sum().backward()``) of
    a. causal (the process's first mask_mod: its own kernels compile in the call; with first_calls on its backward
       compiles in the worker beside the forward's compile),
    b. a sliding window of 512 (with first_calls on: the bits' kernels, its own compiling in the worker),
@@ -34,6 +36,7 @@ torch.ones(1, device="cuda").matmul(torch.ones(1, 1, device="cuda"))  # CUDA and
 torch.cuda.synchronize()
 from flexlite import create_block_mask, first_calls, flex_attention
 first_calls.ENABLED = mode != "cold off"
+first_calls.EAGER = mode not in ("cold off", "cold bits")
 L, D = 4096, 128
 def inputs():
     return [torch.randn(1, 16, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
@@ -58,7 +61,7 @@ def profiled(name, fn):
         print(f"===== {mode}: {name}", file=sys.stderr)
         pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(40)
 def step(mask, score_mod=None):
-    bits0 = first_calls.ran_bits()
+    bits0, eager0 = first_calls.ran_bits(), first_calls.ran_eager()
     t0 = time.perf_counter()
     bm = profiled(f"{mask.__name__} create_block_mask",
                   lambda: create_block_mask(mask, None, None, L, L, device="cuda"))
@@ -74,7 +77,7 @@ def step(mask, score_mod=None):
     t4 = time.perf_counter()
     return {"mask_s": round(t1 - t0, 3), "fwd_s": round(t2 - t1, 3), "bwd_s": round(t3 - t2, 3),
             "step_s": round(t3 - t0, 3), "worker_after_s": round(t4 - t3, 3),
-            "bits_calls": first_calls.ran_bits() - bits0}
+            "bits_calls": first_calls.ran_bits() - bits0, "eager_calls": first_calls.ran_eager() - eager0}
 rows = {}
 if mode.startswith("cold"):
     rows["a causal (first mask_mod)"] = step(causal)
@@ -145,9 +148,9 @@ def main():
     out_dir = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else None
     table, results = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        modes = [m for m in ("cold off", "cold on", "later", "graph") if not ONLY or m in ONLY]
+        modes = [m for m in ("cold off", "cold bits", "cold on", "later", "graph") if not ONLY or m in ONLY]
         for mode in modes:
-            caches = "off" if mode == "cold off" else "on"
+            caches = {"cold off": "off", "cold bits": "bits"}.get(mode, "on")
             env = dict(os.environ, FLEXLITE_CACHE_DIR=os.path.join(tmp, caches, "flexlite"),
                        TRITON_CACHE_DIR=os.path.join(tmp, caches, "triton"))
             proc = subprocess.run([sys.executable, "-c", CHILD, mode], env=env, capture_output=True, text=True)
