@@ -611,7 +611,7 @@ def test_first_calls_run_in_torch_ops_while_their_kernels_compile(fresh, held_wo
                            name="first step")
     check_backward(q, k, v, score_mod=_softcap, block_mask=bm, enable_gqa=True, name="second step")
     assert launches == [] and first_calls.ran_eager() == eager_calls + 4
-    assert {key[0] for key in first_calls._pending} == {"fwd", "bwd"}
+    assert {key[0] for key in first_calls._pending} - {"mask"} == {"fwd", "bwd"}  # (CUDA: the block mask's, NOTES 74)
     held_worker.set()
     first_calls.wait()
     # compiled: later calls launch them; their results are the kernels' (within tolerance of the torch ops')
