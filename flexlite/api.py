@@ -424,11 +424,16 @@ class _FirstCall:
             self.bits = bits
             first_calls.count_bits_call()
             self._compile_other_bits()  # (the call runs the bits: done() is not called)
-        elif new and eager and first_calls.compile_beside(key, lambda: run(None)):
-            self.eager = True
-            if bits_key is not None and not first_calls.ready(bits_key, on_disk=True):  # (for the next mask_mod)
-                first_calls.compile_beside(bits_key, lambda: run(bits), persist=True)
-                self._compile_other_bits()
+        elif new and eager and not first_calls.failed(key):
+            self.eager = True  # (its kernels then compile beside: compile_beside, after the torch ops)
+
+    def compile_beside(self):
+        """An eager call's kernels (and the bits', for the next mask_mod) to the worker: after the call's torch ops,
+        which would wait for the GIL while the worker runs the compile's Python (benchmarks/NOTES.md 78)."""
+        first_calls.compile_beside(self.key, lambda: self._run(None))
+        if self._bits_key is not None and not first_calls.ready(self._bits_key, on_disk=True):
+            first_calls.compile_beside(self._bits_key, lambda: self._run(self._bits), persist=True)
+            self._compile_other_bits()
 
     def done(self):
         if self.new:  # the bits' kernels serve every later mask_mod, in later processes too (Triton's disk cache)
@@ -484,6 +489,9 @@ def _run_eager(first: _FirstCall, run: Callable, *args):
     try:
         result = run(*args)
     except Exception:  # noqa: BLE001 - the torch ops are a shortcut; the kernels' path reports what is wrong
+        result = None
+    first.compile_beside()
+    if result is None:
         first_calls.wait_for(first.key)
         return None
     first_calls.count_eager_call()

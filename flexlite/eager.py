@@ -160,7 +160,10 @@ def backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: t
             if grad_lse is not None:
                 ds = ds + p * grad_lse[:, :, q0:q1].float().unsqueeze(-1)
         if score_mod is not None:  # dS through score_mod's ops to the raw scores (none where it ignores them)
-            ds = torch.autograd.grad(s, raw, ds, allow_unused=True)[0] if s.requires_grad else None
+            # (grad of sum(s * dS), not grad_outputs=dS: autograd.grad imports sympy for grad_outputs, 2 s on a GPU
+            # host the first time: NOTES 78)
+            with torch.enable_grad():  # (a backward runs with grad mode off)
+                ds = torch.autograd.grad((s * ds).sum(), raw, allow_unused=True)[0] if s.requires_grad else None
             ds = torch.zeros_like(raw) if ds is None else ds
             if keep is not None:  # (a masked position's derivative may be NaN, its dS is 0)
                 ds = ds.masked_fill(~keep, 0.0)

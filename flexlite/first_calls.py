@@ -225,6 +225,11 @@ def count_eager_call() -> None:
     _eager_calls[0] += 1
 
 
+def failed(key: tuple) -> bool:
+    """Whether the worker's compile of ``key`` raised (the calls then compile it themselves)."""
+    return key in _failed
+
+
 def pending(key: tuple) -> bool:
     """Whether the worker is compiling ``key`` (or has it queued)."""
     return key in _pending
