@@ -8,7 +8,8 @@ the mask_mod keeps it, and a query row with nothing kept gives out 0 and LSE -in
 softmax and both matmuls; the kernels round P to the input dtype before P @ V), so outputs agree with the kernels' to
 their tolerances, not bit for bit. Each chunk walks only the keys its query blocks' block lists reach.
 
-Memory: float32 copies of key and value, and a few float32 temporaries of :data:`CHUNK_SCORES` scores.
+Memory: float32 copies of key and value, and a few float32 temporaries of :data:`CHUNK_SCORES` scores. Calls that
+walk more than :data:`MAX_SCORES` scores raise :class:`TooLarge` (first_calls then waits for the kernels).
 """
 
 from __future__ import annotations
@@ -21,6 +22,13 @@ from ._vmap import index_vectors, vmap_bhqkv
 
 # scores per chunk (batch x heads x query rows x keys walked): 2**26 float32 = 256 MB a temporary
 CHUNK_SCORES = 2 ** 26
+# scores a call walks at most (its chunks' rows x keys x batch x heads): beyond, the torch ops would take longer than
+# a compile (the harness's D64 shape, 2**34 scores, took 0.36-0.49 s a forward on the H200: NOTES 78)
+MAX_SCORES = 2 ** 35
+
+
+class TooLarge(RuntimeError):
+    """A call that walks more than :data:`MAX_SCORES` scores: its kernels are the faster way."""
 
 
 def fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
@@ -58,6 +66,12 @@ class _Chunks:
             first, last = min(s[0] for s in spans), max(s[1] for s in spans)
             if first < last:  # (no block reached: the rows stay out 0, LSE -inf)
                 yield q0, q1, first * bkv, min(self.Lkv, last * bkv)
+
+    def check_size(self) -> None:
+        """:class:`TooLarge` where the chunks walk more than :data:`MAX_SCORES` scores."""
+        walked = self.B * self.H * sum((q1 - q0) * (k1 - k0) for q0, q1, k0, k1 in self)
+        if walked > MAX_SCORES:
+            raise TooLarge(f"{walked} scores to walk, more than eager.MAX_SCORES = {MAX_SCORES}")
 
     def keep(self, q0: int, q1: int, k0: int, k1: int) -> Optional[torch.Tensor]:
         """bool [B or 1, H or 1, q1 - q0, k1 - k0]: the positions kept (None: all)."""
@@ -108,17 +122,24 @@ def _safe(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
 
 
+def _start(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask) -> tuple:
+    """A pass's chunks (:class:`TooLarge` where they walk too many scores), query heads per kv head, and key and
+    value in float32."""
+    B, H, Lq, _ = query.shape
+    chunks = _Chunks(block_mask, B, H, Lq, key.shape[2], query.device)
+    chunks.check_size()
+    return chunks, H // key.shape[1], key.float(), value.float()
+
+
 def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Optional[Callable], block_mask,
             scale: float, max_scores: bool = False) -> tuple:
     """(out in the input dtype, LSE float32 natural log, row maxima float32 or None), as flex_attention's kernels
     return them."""
+    chunks, groups, k, v = _start(query, key, value, block_mask)
     B, H, Lq, _ = query.shape
-    groups, Lkv = H // key.shape[1], key.shape[2]
     out = torch.zeros((B, H, Lq, value.shape[-1]), dtype=torch.float32, device=query.device)
     lse = torch.full((B, H, Lq), float("-inf"), dtype=torch.float32, device=query.device)
     row_max = lse.clone() if max_scores else None
-    k, v = key.float(), value.float()
-    chunks = _Chunks(block_mask, B, H, Lq, Lkv, query.device)
     with torch.no_grad():
         for q0, q1, k0, k1 in chunks:
             _, s = _scores(query[:, :, q0:q1].float(), k[:, :, k0:k1], groups, scale, score_mod, q0, k0)
@@ -138,14 +159,11 @@ def backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: t
              block_mask, scale: float) -> tuple:
     """(dq, dk, dv) in the inputs' dtypes from the forward's out and LSE: each chunk's scores recomputed, dS from the
     weights (P = exp(S - LSE)), and score_mod's derivative by autograd over its vmapped ops."""
-    B, H, Lq, _ = query.shape
-    groups, Lkv = H // key.shape[1], key.shape[2]
-    k, v = key.float(), value.float()
+    chunks, groups, k, v = _start(query, key, value, block_mask)
     dq = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     do = grad_out.float() if grad_out is not None else torch.zeros_like(out, dtype=torch.float32)
     delta = (do * out.float()).sum(-1)  # [B, H, Lq]: rowsum(dO * O)
-    chunks = _Chunks(block_mask, B, H, Lq, Lkv, query.device)
     for q0, q1, k0, k1 in chunks:
         q = query[:, :, q0:q1].float()
         with torch.enable_grad():

@@ -150,3 +150,16 @@ def test_fits():
     q, k, v = rand_qkv(1, 4, 4, 8, 100, 16)
     assert eager.fits(q, k, v)
     assert not eager.fits(q.expand(2 ** 20, -1, -1, -1), k, v)  # a row of a chunk past CHUNK_SCORES
+
+
+def test_calls_that_walk_too_many_scores_are_refused(monkeypatch):
+    # counted over the keys the chunks walk: a sliding window walks a band, so its limit is not the dense one's
+    q, k, v = rand_qkv(1, 2, 2, 256, 256, 16, seed=6)
+    window = create_block_mask(generate_sliding_window(16), None, None, 256, 256, device=DEVICE, BLOCK_SIZE=32)
+    monkeypatch.setattr(eager, "CHUNK_SCORES", 2 * 256 * 32)  # chunks of 32 rows
+    monkeypatch.setattr(eager, "MAX_SCORES", 2 * 256 * 256 - 1)
+    with pytest.raises(eager.TooLarge, match="MAX_SCORES"):
+        eager.forward(q, k, v, None, None, 0.25)
+    out, lse, _ = eager.forward(q, k, v, None, window, 0.25)  # 2 heads x 256 rows x 64 keys (96 for the edges)
+    with pytest.raises(eager.TooLarge):
+        eager.backward(q, k, v, out, lse, torch.ones_like(out), None, None, None, 0.25)
