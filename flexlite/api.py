@@ -458,7 +458,8 @@ def _first_call(kind: str, sources: tuple, query, key, value, block_mask, option
     else picks the kernels (:func:`first_calls.signature`); ``other_bits(bits)``: (sources, compile) pairs of the
     bits' kernels another block mask of this kind of input may take instead (:func:`_forward`). With
     :data:`first_calls.EAGER`, a call whose kernels are new, or still compiling in the worker, and that no bits serve
-    runs in torch ops (:mod:`flexlite.eager`) instead of waiting for them."""
+    runs in torch ops (:mod:`flexlite.eager`) instead of waiting for them; not under
+    ``torch.use_deterministic_algorithms(True)``, where every call gives the kernels' results."""
     if not first_calls.applies(query, block_mask, options):
         return None
     sig = first_calls.signature(query, key, value, block_mask, *extra)
@@ -466,7 +467,7 @@ def _first_call(kind: str, sources: tuple, query, key, value, block_mask, option
     if first_calls.ready(own):  # (a call of known kernels: one set lookup)
         return _FirstCall(own, run, False)
     eager = (first_calls.EAGER and not _launch.compiling_only() and not isinstance(block_mask, first_calls.BitsMask)
-             and _eager.fits(query, key, value))
+             and not torch.are_deterministic_algorithms_enabled() and _eager.fits(query, key, value))
     if not _launch.compiling_only() and not (eager and first_calls.pending(own)):
         first_calls.wait_for(own)  # (the worker compiling this call's kernels already: a backward's, say)
     new = not first_calls.ready(own)

@@ -641,11 +641,14 @@ def test_first_calls_whose_torch_ops_raise_run_their_kernels(fresh, monkeypatch)
     assert_close(out, attention_reference(q, k, v, score_mod=_softcap)[0], *TOLERANCES[torch.float32])
 
 
-@pytest.mark.parametrize("why", ["EAGER off", "too large for a chunk", "too many scores", "kernel_options"])
+@pytest.mark.parametrize("why", ["EAGER off", "too large for a chunk", "too many scores", "kernel_options",
+                                 "deterministic algorithms"])
 def test_where_first_calls_do_not_run_in_torch_ops(fresh, monkeypatch, why):
     from flexlite import eager
 
     monkeypatch.setattr(first_calls, "EAGER", why != "EAGER off")
+    if why == "deterministic algorithms":  # (every call the kernels' results, to the bit)
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     if why == "too large for a chunk":
         monkeypatch.setattr(eager, "CHUNK_SCORES", 2 * 64 - 1)  # a query row of 2 heads x 64 keys is 128 scores
     if why == "too many scores":  # (eager.TooLarge: the call waits for the kernels the worker compiles)
