@@ -224,8 +224,9 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
                   TypeError)
         if t.device != query.device:
             _fail(f"{name} is on {t.device} but query is on {query.device}; move them to one device")
-    if query.dtype not in SUPPORTED_DTYPES:
-        _fail(f"dtype {query.dtype} is not supported; use float16, bfloat16 or float32", TypeError)
+    if query.dtype not in SUPPORTED_DTYPES + (torch.float64,):
+        _fail(f"dtype {query.dtype} is not supported; use float16, bfloat16, float32 (the kernels) or float64 (torch "
+              f"ops: for gradcheck and tests)", TypeError)
     (B, Hq, _, E), (Bk, Hkv, Lkv, Ek), (Bv, Hv, Lv, Ev) = query.shape, key.shape, value.shape
     if not (B == Bk == Bv or Bk == Bv == 1):
         _fail(f"batch sizes differ: query {B}, key {Bk}, value {Bv}; key and value need the query's batch size, or "
@@ -588,6 +589,8 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options, ma
         out = query.new_zeros((B, Hq, Lq, value.shape[-1]))
         lse = torch.full((B, Hq, Lq), float("-inf"), dtype=torch.float32, device=query.device)
         return out, lse, lse.clone() if max_scores else None
+    if query.dtype == torch.float64:  # no kernel takes float64: torch ops, as torch's flex_attention's math path
+        return _eager.forward(query, key, value, score_mod, block_mask, scale, max_scores, limit=False)
     options = kernel_options or {}
     if max_scores and not _launch.WS_FWD_MAX_SCORES:
         options = {**options, "WARP_SPECIALIZE": False}
@@ -796,6 +799,11 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
                 [torch.zeros_like(t) for t in captured])
     if grad_out is None:
         grad_out = torch.zeros_like(out)
+    if query.dtype == torch.float64:  # (as its forward: torch ops)
+        dq, dk, dv, grads = _eager.backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_mask,
+                                            scale, tuple(want), limit=False)
+        grads = iter(grads)
+        return dq, dk, dv, [next(grads) if need else None for need in need_captured]
     interpret = query.device.type != "cuda"
     options = kernel_options or {}
     deterministic = bool(want) and _deterministic_captured_grads(options)
@@ -829,7 +837,7 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
         grads = _run_eager(first, _eager.backward, query, key, value, out, lse, grad_out, grad_lse, score_mod,
                            block_mask, scale)
         if grads is not None:
-            return (*grads, [None] * len(need_captured))  # (no captured tensor wants a gradient: first calls only)
+            return (*grads[:3], [None] * len(need_captured))  # (no captured tensor wants a gradient: first calls only)
     buffers = [torch.zeros(t.shape, dtype=torch.float32, device=query.device) for t in scatter]
     ds = torch.zeros((B, Hq, Lq, Lkv), dtype=torch.float32, device=query.device) if deterministic else None
 
@@ -1120,14 +1128,16 @@ def flex_attention(
         query: [B, Hq, Lq, E]; key: [B, Hkv, Lkv, E]; value: [B, Hkv, Lkv, Ev] (key and value may both have
             batch 1: one sequence shared by the batch, as torch's broadcast). float16, bfloat16 or
             float32, all on one device: CUDA runs compiled Triton kernels, CPU the same kernels through
-            Triton's interpreter (exact but slow: for debugging and tests).
+            Triton's interpreter (exact but slow: for debugging and tests). float64 runs in torch ops
+            (:mod:`flexlite.eager`, chunked, block-sparse) on either device, as torch's flex_attention runs it on its
+            math path: for gradcheck and tests; kernel_options do not apply to it.
         score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, applied to the scaled score.
         block_mask: a :class:`flexlite.BlockMask` from :func:`flexlite.create_block_mask` (or torch's BlockMask,
             used as it is); None = no mask.
         scale: multiplies ``q @ k^T``; default ``1 / sqrt(E)``. A number, or a 0-d tensor as torch's takes (read
             on the host: on CUDA that waits for the GPU and cannot be captured in a CUDA graph; pass a float there).
         enable_gqa: allow Hq to be a multiple of Hkv (query head h uses kv head ``h // (Hq // Hkv)``).
-        return_lse: also return the log-sum-exp [B, Hq, Lq] (fp32, natural log).
+        return_lse: also return the log-sum-exp [B, Hq, Lq] (fp32, natural log; float64 for float64 inputs).
         kernel_options: pin tile sizes: ``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``; for the
             backward ``BLOCK_M1``, ``BLOCK_N1`` (dK/dV: kv tile, q step), ``BLOCK_M2``, ``BLOCK_N2`` (dQ);
             ``DETERMINISTIC_CAPTURED_GRADS`` (see Gradients); ``AUTOTUNE`` (time a small config space

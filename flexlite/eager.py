@@ -8,7 +8,10 @@ the mask_mod keeps it, and a query row with nothing kept gives out 0 and LSE -in
 softmax and both matmuls; the kernels round P to the input dtype before P @ V), so outputs agree with the kernels' to
 their tolerances, not bit for bit. Each chunk walks only the keys its query blocks' block lists reach.
 
-Memory: float32 copies of key and value, and a few float32 temporaries of :data:`CHUNK_SCORES` scores. Calls that
+float64 inputs, which no kernel takes, run here in float64 on every device, as torch's flex_attention runs them on
+its math path (gradcheck, tests), with score_mod's captured tensors' gradients too.
+
+Memory: copies of key and value in the compute dtype, and a few temporaries of :data:`CHUNK_SCORES` scores. Calls that
 walk more than :data:`MAX_SCORES` scores raise :class:`TooLarge` (first_calls then waits for the kernels).
 """
 
@@ -105,7 +108,8 @@ def _ungrouped(t: torch.Tensor, groups: int) -> torch.Tensor:
 
 def _scores(q: torch.Tensor, k: torch.Tensor, groups: int, scale: float, score_mod: Optional[Callable],
             q0: int, k0: int) -> tuple:
-    """(the scaled scores q @ k^T [B, H, R, K] as they enter score_mod, what score_mod makes of them)."""
+    """(the scaled scores q @ k^T [B, H, R, K] as they enter score_mod, what score_mod makes of them), in q's
+    dtype."""
     B, H, R, _ = q.shape
     raw = _ungrouped(_grouped(q, groups) @ k.transpose(-1, -2), groups) * scale
     if score_mod is None:
@@ -114,7 +118,7 @@ def _scores(q: torch.Tensor, k: torch.Tensor, groups: int, scale: float, score_m
         raw.requires_grad_(True)
     modded = vmap_bhqkv(score_mod, prefix=(0,))(raw, *index_vectors(B, H, R, k.shape[2], q.device, q_start=q0,
                                                                      kv_start=k0))
-    return raw, modded.to(torch.float32)
+    return raw, modded.to(raw.dtype)
 
 
 def _safe(lse: torch.Tensor) -> torch.Tensor:
@@ -122,27 +126,34 @@ def _safe(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
 
 
-def _start(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask) -> tuple:
-    """A pass's chunks (:class:`TooLarge` where they walk too many scores), query heads per kv head, and key and
-    value in float32."""
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the passes compute in for inputs of ``dtype``: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _start(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask, limit: bool) -> tuple:
+    """A pass's chunks (``limit``: :class:`TooLarge` where they walk too many scores), query heads per kv head, and
+    key and value in the compute dtype."""
     B, H, Lq, _ = query.shape
     chunks = _Chunks(block_mask, B, H, Lq, key.shape[2], query.device)
-    chunks.check_size()
-    return chunks, H // key.shape[1], key.float(), value.float()
+    if limit:
+        chunks.check_size()
+    dtype = compute_dtype(query.dtype)
+    return chunks, H // key.shape[1], key.to(dtype), value.to(dtype)
 
 
 def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Optional[Callable], block_mask,
-            scale: float, max_scores: bool = False) -> tuple:
-    """(out in the input dtype, LSE float32 natural log, row maxima float32 or None), as flex_attention's kernels
-    return them."""
-    chunks, groups, k, v = _start(query, key, value, block_mask)
+            scale: float, max_scores: bool = False, limit: bool = True) -> tuple:
+    """(out in the input dtype, LSE in natural log and row maxima or None, both in the compute dtype), as
+    flex_attention's kernels return them. ``limit``: refuse calls past :data:`MAX_SCORES`."""
+    chunks, groups, k, v = _start(query, key, value, block_mask, limit)
     B, H, Lq, _ = query.shape
-    out = torch.zeros((B, H, Lq, value.shape[-1]), dtype=torch.float32, device=query.device)
-    lse = torch.full((B, H, Lq), float("-inf"), dtype=torch.float32, device=query.device)
+    out = torch.zeros((B, H, Lq, value.shape[-1]), dtype=k.dtype, device=query.device)
+    lse = torch.full((B, H, Lq), float("-inf"), dtype=k.dtype, device=query.device)
     row_max = lse.clone() if max_scores else None
     with torch.no_grad():
         for q0, q1, k0, k1 in chunks:
-            _, s = _scores(query[:, :, q0:q1].float(), k[:, :, k0:k1], groups, scale, score_mod, q0, k0)
+            _, s = _scores(query[:, :, q0:q1].to(k.dtype), k[:, :, k0:k1], groups, scale, score_mod, q0, k0)
             keep = chunks.keep(q0, q1, k0, k1)
             if keep is not None:
                 s = s.masked_fill(~keep, float("-inf"))
@@ -156,33 +167,32 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
 
 def backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
              grad_out: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor], score_mod: Optional[Callable],
-             block_mask, scale: float) -> tuple:
-    """(dq, dk, dv) in the inputs' dtypes from the forward's out and LSE: each chunk's scores recomputed, dS from the
-    weights (P = exp(S - LSE)), and score_mod's derivative by autograd over its vmapped ops."""
-    chunks, groups, k, v = _start(query, key, value, block_mask)
-    dq = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+             block_mask, scale: float, captured: tuple = (), limit: bool = True) -> tuple:
+    """(dq, dk, dv, [the gradients of ``captured``, tensors score_mod reads]) in the inputs' dtypes from the
+    forward's out and LSE: each chunk's scores recomputed, dS from the weights (P = exp(S - LSE)), and score_mod's
+    derivative by autograd over its vmapped ops. ``limit``: as :func:`forward`'s."""
+    chunks, groups, k, v = _start(query, key, value, block_mask, limit)
+    dq = torch.zeros(query.shape, dtype=k.dtype, device=query.device)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-    do = grad_out.float() if grad_out is not None else torch.zeros_like(out, dtype=torch.float32)
-    delta = (do * out.float()).sum(-1)  # [B, H, Lq]: rowsum(dO * O)
+    dcaptured = [torch.zeros(t.shape, dtype=k.dtype, device=t.device) for t in captured]
+    do = grad_out.to(k.dtype) if grad_out is not None else torch.zeros_like(out, dtype=k.dtype)
+    delta = (do * out.to(k.dtype)).sum(-1)  # [B, H, Lq]: rowsum(dO * O)
     for q0, q1, k0, k1 in chunks:
-        q = query[:, :, q0:q1].float()
+        q = query[:, :, q0:q1].to(k.dtype)
         with torch.enable_grad():
             raw, s = _scores(q, k[:, :, k0:k1], groups, scale, score_mod, q0, k0)
         keep = chunks.keep(q0, q1, k0, k1)
         with torch.no_grad():
-            p = torch.exp(s - _safe(lse[:, :, q0:q1]).unsqueeze(-1))
+            p = torch.exp(s - _safe(lse[:, :, q0:q1]).to(k.dtype).unsqueeze(-1))
             if keep is not None:
                 p = p.masked_fill(~keep, 0.0)
             dp = _ungrouped(_grouped(do[:, :, q0:q1], groups) @ v[:, :, k0:k1].transpose(-1, -2), groups)
             ds = p * (dp - delta[:, :, q0:q1].unsqueeze(-1))
             if grad_lse is not None:
-                ds = ds + p * grad_lse[:, :, q0:q1].float().unsqueeze(-1)
-        if score_mod is not None:  # dS through score_mod's ops to the raw scores (none where it ignores them)
-            # (grad of sum(s * dS), not grad_outputs=dS: autograd.grad imports sympy for grad_outputs, 2 s on a GPU
-            # host the first time: NOTES 78)
-            with torch.enable_grad():  # (a backward runs with grad mode off)
-                ds = torch.autograd.grad((s * ds).sum(), raw, allow_unused=True)[0] if s.requires_grad else None
-            ds = torch.zeros_like(raw) if ds is None else ds
+                ds = ds + p * grad_lse[:, :, q0:q1].to(k.dtype).unsqueeze(-1)
+        if score_mod is not None:  # dS through score_mod's ops to the raw scores and the captured tensors
+            ds, grads = _through_score_mod(raw, s, ds, captured)
+            dcaptured = [total + g.to(total.dtype) for total, g in zip(dcaptured, grads)]
             if keep is not None:  # (a masked position's derivative may be NaN, its dS is 0)
                 ds = ds.masked_fill(~keep, 0.0)
         with torch.no_grad():
@@ -190,4 +200,18 @@ def backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: t
             dq[:, :, q0:q1] = _ungrouped(_grouped(ds, groups) @ k[:, :, k0:k1], groups)
             dk[:, :, k0:k1] += _grouped(ds, groups).transpose(-1, -2) @ _grouped(q, groups)
             dv[:, :, k0:k1] += _grouped(p, groups).transpose(-1, -2) @ _grouped(do[:, :, q0:q1], groups)
-    return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
+    return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype),
+            [g.to(t.dtype) for g, t in zip(dcaptured, captured)])
+
+
+def _through_score_mod(raw: torch.Tensor, modded: torch.Tensor, ds: torch.Tensor, captured: tuple) -> tuple:
+    """(dS at score_mod's input, the gradients of ``captured``) from dS at its output ``modded``: autograd of
+    sum(modded * dS) (not grad_outputs=dS: autograd.grad imports sympy for grad_outputs, 2 s on a GPU host the first
+    time: NOTES 78); zeros for what score_mod does not depend on."""
+    inputs = (raw, *captured)
+    grads = [None] * len(inputs)
+    if modded.requires_grad:
+        with torch.enable_grad():  # (a backward runs with grad mode off)
+            grads = torch.autograd.grad((modded * ds).sum(), inputs, allow_unused=True)
+    return (torch.zeros_like(raw) if grads[0] is None else grads[0],
+            [torch.zeros_like(t) if g is None else g for g, t in zip(grads[1:], captured)])

@@ -6,7 +6,7 @@ and chunks that split the rows and walk part of the keys. Pure torch: no kernel 
 import pytest
 import torch
 
-from flexlite import attention_reference, create_block_mask, eager
+from flexlite import AuxRequest, attention_reference, create_block_mask, eager, flex_attention
 from flexlite.masks import causal_mask, generate_doc_mask_mod, generate_prefix_lm_mask, generate_sliding_window
 
 from helpers import DEVICE, TOLERANCES, assert_close, assert_grad_close, rand_qkv
@@ -113,7 +113,7 @@ def test_bfloat16_inputs_give_bfloat16_outputs_within_the_kernels_tolerance():
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     assert_close(out, ref_out, *TOLERANCES[torch.bfloat16])
     grads = eager.backward(q, k, v, out, lse, torch.ones_like(out), None, score_mod, bm, 0.25)
-    assert [t.dtype for t in grads] == [torch.bfloat16] * 3
+    assert [t.dtype for t in grads[:3]] == [torch.bfloat16] * 3 and grads[3] == []
 
 
 def test_keys_shared_by_the_batch():
@@ -124,7 +124,7 @@ def test_keys_shared_by_the_batch():
     out, lse, _ = eager.forward(q, k, v, _softcap, bm, 0.25)
     ref_out, _ = attention_reference(q, k.contiguous(), v.contiguous(), score_mod=_softcap, block_mask=bm, scale=0.25)
     assert_close(out, ref_out, *TOLERANCES[torch.float32])
-    dq, dk, dv = eager.backward(q, k, v, out, lse, torch.ones_like(out), None, _softcap, bm, 0.25)
+    dq, dk, dv, _ = eager.backward(q, k, v, out, lse, torch.ones_like(out), None, _softcap, bm, 0.25)
     assert dk.shape == dv.shape == (3, 2, 64, 16)
 
 
@@ -133,7 +133,7 @@ def test_a_score_mod_that_ignores_the_score():
         return (q_idx - kv_idx).float() * 0.01
     q, k, v = rand_qkv(1, 1, 1, 32, 32, 16, seed=5)
     out, lse, _ = eager.forward(q, k, v, only_bias, None, 1.0)
-    dq, dk, dv = eager.backward(q, k, v, out, lse, torch.ones_like(out), None, only_bias, None, 1.0)
+    dq, dk, dv, _ = eager.backward(q, k, v, out, lse, torch.ones_like(out), None, only_bias, None, 1.0)
     assert (dq == 0).all() and (dk == 0).all() and dv.abs().sum() > 0
 
 
@@ -163,3 +163,53 @@ def test_calls_that_walk_too_many_scores_are_refused(monkeypatch):
     out, lse, _ = eager.forward(q, k, v, None, window, 0.25)  # 2 heads x 256 rows x 64 keys (96 for the edges)
     with pytest.raises(eager.TooLarge):
         eager.backward(q, k, v, out, lse, torch.ones_like(out), None, None, None, 0.25)
+
+
+def _float64_case(name):
+    B, Hq, Hkv, Lq, Lkv, score_mod, mask = CASES[name]
+    q, k, v = (t.double().requires_grad_() for t in rand_qkv(1, Hq, Hkv, 40, 56, 8, seed=7))
+    bm = None
+    if mask is not None:
+        mod, (Bm, Hm), _ = mask
+        bm = create_block_mask(mod, None if Bm is None else 1, Hm, 40, 56, device=DEVICE, BLOCK_SIZE=16)
+    return q, k, v, score_mod, bm
+
+
+@pytest.mark.parametrize("name", ["causal softcap gqa", "prefix-lm per head", "rows with nothing kept",
+                                  "sliding window, lengths differ", "no block mask"])
+def test_flex_attention_takes_float64_through_torch_ops(name):
+    # as torch's flex_attention (its math path): float64 for gradcheck; out, lse and max_scores in float64
+    q, k, v, score_mod, bm = _float64_case(name)
+    out, aux = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True, scale=0.4,
+                              return_aux=AuxRequest(lse=True, max_scores=True))
+    ref_out, ref_lse, ref_max = attention_reference(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True,
+                                                    scale=0.4, return_max=True)
+    assert out.dtype == aux.lse.dtype == aux.max_scores.dtype == torch.float64
+    for got, want in ((out, ref_out), (aux.lse, ref_lse), (aux.max_scores, ref_max)):
+        assert torch.equal(torch.isneginf(got), torch.isneginf(want))
+        assert_close(got, want, 1e-12, 1e-12)
+
+    def attention(q, k, v):
+        out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True, scale=0.4,
+                                  return_lse=True)
+        return out, torch.where(torch.isinf(lse), 0.0, lse)  # (rows with nothing kept: lse -inf, no gradient)
+    assert torch.autograd.gradcheck(attention, (q, k, v), fast_mode=True)
+
+
+def test_float64_gradients_reach_tensors_a_score_mod_captures():
+    bias = torch.randn(2, 40, 56, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    slopes = torch.tensor([0.5, -0.25], dtype=torch.float64, device=DEVICE, requires_grad=True)
+
+    def learned(score, b, h, q_idx, kv_idx):
+        return score * slopes[h] + bias[h, q_idx, kv_idx]
+    q, k, v = (t.double().requires_grad_() for t in rand_qkv(1, 2, 2, 40, 56, 8, seed=8))
+    bm = create_block_mask(causal_mask, None, None, 40, 56, device=DEVICE, BLOCK_SIZE=16)
+    assert torch.autograd.gradcheck(lambda q, k, v, bias, slopes: flex_attention(q, k, v, score_mod=learned,
+                                                                               block_mask=bm),
+                                    (q, k, v, bias, slopes), fast_mode=True)
+
+
+def test_other_dtypes_are_refused_with_the_ones_taken():
+    q, k, v = rand_qkv(1, 1, 1, 8, 8, 8)
+    with pytest.raises(TypeError, match="float16, bfloat16, float32 .* or float64"):
+        flex_attention(*(t.to(torch.complex64) for t in (q, k, v)))
