@@ -450,14 +450,15 @@ class _FirstCall:
 
 
 def _first_call(kind: str, sources: tuple, query, key, value, block_mask, options, gathers: bool,
-                bits_sources: Callable, run: Callable, *extra, other_bits: Optional[Callable] = None
-                ) -> Optional[_FirstCall]:
+                bits_sources: Callable, run: Callable, *extra, other_bits: Optional[Callable] = None,
+                with_bits: bool = True) -> Optional[_FirstCall]:
     """The :class:`_FirstCall` of a call (``kind``: "fwd" or "bwd") whose kernels have ``sources``, or None where
     :func:`first_calls.applies` says no. ``gathers``: whether its mask_mod reads captured tensors;
     ``bits_sources(bits)``: the sources of the kernels the call would run with block mask ``bits``; ``run(bits)``:
     the call with ``bits`` (None: with its own block mask), for the worker (which compiles only); ``extra``: what
     else picks the kernels (:func:`first_calls.signature`); ``other_bits(bits)``: (sources, compile) pairs of the
-    bits' kernels another block mask of this kind of input may take instead (:func:`_forward`). With
+    bits' kernels another block mask of this kind of input may take instead (:func:`_forward`); ``with_bits``:
+    whether the bits may serve the call (not a backward adding captured tensors' gradients). With
     :data:`first_calls.EAGER`, a call whose kernels are new, or still compiling in the worker, and that no bits serve
     runs in torch ops (:mod:`flexlite.eager`) instead of waiting for them; not under
     ``torch.use_deterministic_algorithms(True)``, where every call gives the kernels' results."""
@@ -472,8 +473,8 @@ def _first_call(kind: str, sources: tuple, query, key, value, block_mask, option
     if not _launch.compiling_only() and not (eager and first_calls.pending(own)):
         first_calls.wait_for(own)  # (the worker compiling this call's kernels already: a backward's, say)
     new = not first_calls.ready(own)
-    if (not new or block_mask is None or block_mask.mask_mod is None or isinstance(block_mask, first_calls.BitsMask)
-            or _launch.compiling_only()):  # (no bits without a mask_mod)
+    if (not new or not with_bits or block_mask is None or block_mask.mask_mod is None
+            or isinstance(block_mask, first_calls.BitsMask) or _launch.compiling_only()):  # (no bits without a mask_mod)
         return _FirstCall(own, run, new, of_bits=isinstance(block_mask, first_calls.BitsMask), eager=eager)
     try:
         bits = first_calls.bits_mask(block_mask, query.shape[0], query.shape[1], gathers)
@@ -800,10 +801,8 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     if query.dtype == torch.float64:  # (as its forward: torch ops)
-        dq, dk, dv, grads = _eager.backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_mask,
-                                            scale, tuple(want), limit=False)
-        grads = iter(grads)
-        return dq, dk, dv, [next(grads) if need else None for need in need_captured]
+        return _wanted(_eager.backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_mask, scale,
+                                       tuple(want), limit=False), need_captured)
     interpret = query.device.type != "cuda"
     options = kernel_options or {}
     deterministic = bool(want) and _deterministic_captured_grads(options)
@@ -822,22 +821,22 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
     config = backward_config(query, value, sparse, options,
                              gathers=bool(kernel.score_mod.tensors) or _mask_gathers(kernel, block_mask))
     ws_module = None if ws_kernel is None else load_module(ws_kernel.source, interpret=interpret)
-    first = None if want else _first_call(
+    first = None if deterministic else _first_call(  # (captured gradients: no bits, which add none)
         "bwd", (kernel.source, ws_kernel and ws_kernel.source), query, key, value, block_mask, kernel_options,
         _mask_gathers(kernel, block_mask),
         lambda bits: tuple(k and k.source for k in _backward_kernels(
             (traced[0], trace_mod(bits.mask_mod, "mask_mod")), query, key, value, sparse, options, interpret)),
         lambda bits: _backward(query, key, value, out, lse, grad_out, grad_lse, traced[0], bits or block_mask, scale,
                                kernel_options, captured, need_dq, need_captured),
-        need_dq, grad_lse is not None)
+        need_dq, grad_lse is not None, with_bits=not want)
     if first is not None and first.bits is not None:  # a new mask_mod's first calls: its kernels compile beside
         return _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, first.bits, scale,
                          kernel_options, captured, need_dq, need_captured)
     if first is not None and first.eager:  # in torch ops while the kernels compile beside
         grads = _run_eager(first, _eager.backward, query, key, value, out, lse, grad_out, grad_lse, score_mod,
-                           block_mask, scale)
+                           block_mask, scale, tuple(want))
         if grads is not None:
-            return (*grads[:3], [None] * len(need_captured))  # (no captured tensor wants a gradient: first calls only)
+            return _wanted(grads, need_captured)
     buffers = [torch.zeros(t.shape, dtype=torch.float32, device=query.device) for t in scatter]
     ds = torch.zeros((B, Hq, Lq, Lkv), dtype=torch.float32, device=query.device) if deterministic else None
 
@@ -863,6 +862,14 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
         wanted = iter(_captured_grads_from_ds(score_mod, query, key, scale, ds, want))
     else:
         wanted = iter(b.to(t.dtype) for b, t in zip(buffers, want))
+    return dq, dk, dv, [next(wanted) if need else None for need in need_captured]
+
+
+def _wanted(grads: tuple, need_captured: tuple) -> tuple:
+    """:func:`flexlite.eager.backward`'s (dq, dk, dv, gradients of the captured tensors wanted) as :func:`_backward`
+    returns them: a gradient or None for every captured tensor."""
+    dq, dk, dv, wanted = grads
+    wanted = iter(wanted)
     return dq, dk, dv, [next(wanted) if need else None for need in need_captured]
 
 

@@ -672,3 +672,30 @@ def test_the_harness_checks_the_kernels_not_a_first_calls_torch_ops(fresh, monke
     assert first_calls.ran_eager() == eager_calls and first_calls.EAGER is True
     assert max(errors.values()) < 1e-4 and set(errors) == {"max_err_vs_fp64", "max_dq_err_vs_fp64",
                                                            "max_dk_err_vs_fp64", "max_dv_err_vs_fp64"}
+
+
+def test_a_first_backward_into_captured_tensors_runs_in_torch_ops(fresh, held_worker, monkeypatch):
+    # a learnable bias table and slopes: the first step's gradients reach them from the torch ops, the later steps'
+    # from the kernels that add them up (compiled meanwhile)
+    from test_backward import check_backward
+
+    monkeypatch.setattr(first_calls, "EAGER", True)
+    launches = _launches(monkeypatch)
+    L = 64
+    g = torch.Generator().manual_seed(4)
+    table = torch.randn(2, L, L, generator=g).to(DEVICE).requires_grad_()
+    slopes = torch.tensor([0.5, -0.25], device=DEVICE, requires_grad=True)
+
+    def learned(score, b, h, q_idx, kv_idx):
+        return score * slopes[h] + table[h, q_idx, kv_idx]
+    bm = create_block_mask(causal_mask, None, None, L, L, device=DEVICE, BLOCK_SIZE=32)
+    q, k, v = rand_qkv(1, 2, 2, L, L, 16, seed=16)
+    eager_calls = first_calls.ran_eager()
+    first = check_backward(q, k, v, score_mod=learned, block_mask=bm, captured=(table, slopes), name="first step")
+    assert launches == [] and first_calls.ran_eager() == eager_calls + 2
+    held_worker.set()
+    first_calls.wait()
+    later = check_backward(q, k, v, score_mod=learned, block_mask=bm, captured=(table, slopes), name="later step")
+    assert launches == ["_run_forward", "launch_backward"] and first_calls.ran_eager() == eager_calls + 2
+    for a, b in zip(first, later):
+        assert_close(a, b, *TOLERANCES[torch.float32])
