@@ -131,10 +131,23 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _check_listed(block_mask, B: int, H: int) -> None:
+    """:class:`TooLarge` where the scores of the blocks ``block_mask`` lists pass :data:`MAX_SCORES` (at most what
+    the chunks walk)."""
+    listed = sum(int(t.sum(dtype=torch.int64)) for t in (block_mask.kv_num_blocks, block_mask.full_kv_num_blocks)
+                 if t is not None)
+    Bm, Hm = block_mask.kv_num_blocks.shape[:2]
+    scores = listed * block_mask.BLOCK_SIZE[0] * block_mask.BLOCK_SIZE[1] * (B // Bm) * (H // Hm)
+    if scores > MAX_SCORES:
+        raise TooLarge(f"{scores} scores in the listed blocks, more than eager.MAX_SCORES = {MAX_SCORES}")
+
+
 def _start(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask, limit: bool) -> tuple:
     """A pass's chunks (``limit``: :class:`TooLarge` where they walk too many scores), query heads per kv head, and
     key and value in the compute dtype."""
     B, H, Lq, _ = query.shape
+    if limit and block_mask is not None and B * H * Lq * key.shape[2] > MAX_SCORES:
+        _check_listed(block_mask, B, H)  # (before the chunks' dense block flags, which are large where this fails)
     chunks = _Chunks(block_mask, B, H, Lq, key.shape[2], query.device)
     if limit:
         chunks.check_size()

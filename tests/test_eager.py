@@ -213,3 +213,12 @@ def test_other_dtypes_are_refused_with_the_ones_taken():
     q, k, v = rand_qkv(1, 1, 1, 8, 8, 8)
     with pytest.raises(TypeError, match="float16, bfloat16, float32 .* or float64"):
         flex_attention(*(t.to(torch.complex64) for t in (q, k, v)))
+
+
+def test_large_block_masks_are_refused_before_their_dense_flags(monkeypatch):
+    q, k, v = rand_qkv(2, 2, 2, 256, 256, 16, seed=9)
+    causal = create_block_mask(causal_mask, 2, 2, 256, 256, device=DEVICE, BLOCK_SIZE=32)  # 36 blocks a (b, h)
+    monkeypatch.setattr(eager, "MAX_SCORES", 4 * 36 * 32 * 32 - 1)
+    monkeypatch.setattr(causal, "dense_blocks", lambda full: pytest.fail("the dense flags were built"))
+    with pytest.raises(eager.TooLarge, match="listed blocks"):
+        eager.forward(q, k, v, None, causal, 0.25)
