@@ -588,7 +588,7 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options, ma
     Lkv = key.shape[2]
     if B * Hq * Lq == 0 or Lkv == 0:
         out = query.new_zeros((B, Hq, Lq, value.shape[-1]))
-        lse = torch.full((B, Hq, Lq), float("-inf"), dtype=torch.float32, device=query.device)
+        lse = torch.full((B, Hq, Lq), float("-inf"), dtype=_eager.compute_dtype(query.dtype), device=query.device)
         return out, lse, lse.clone() if max_scores else None
     if query.dtype == torch.float64:  # no kernel takes float64: torch ops, as torch's flex_attention's math path
         return _eager.forward(query, key, value, score_mod, block_mask, scale, max_scores, limit=False)

@@ -106,18 +106,33 @@ def _ungrouped(t: torch.Tensor, groups: int) -> torch.Tensor:
     return t.reshape(B, Hkv * groups, GR // groups, X)
 
 
+def _by_kv_head(x: torch.Tensor, t: torch.Tensor, groups: int) -> torch.Tensor:
+    """x [B, H, R, X] (query heads) @ t [B, Hkv, X, N] (each kv head's for the query heads it serves) -> [B, H, R, N].
+    A key or value shared by the batch (a stride-0 batch: flex_attention hands one of batch 1 on so) is multiplied
+    once for the whole batch, not copied to it."""
+    g = _grouped(x, groups)  # [B, Hkv, G * R, X]
+    B, Hkv, M, X = g.shape
+    if B > 1 and t.stride(0) == 0:
+        folded = g.transpose(0, 1).reshape(1, Hkv, B * M, X) @ t[:1]
+        return _ungrouped(folded.reshape(Hkv, B, M, -1).transpose(0, 1), groups)
+    return _ungrouped(g @ t, groups)
+
+
 def _scores(q: torch.Tensor, k: torch.Tensor, groups: int, scale: float, score_mod: Optional[Callable],
             q0: int, k0: int) -> tuple:
     """(the scaled scores q @ k^T [B, H, R, K] as they enter score_mod, what score_mod makes of them), in q's
-    dtype."""
+    dtype. Under grad mode score_mod gets a copy of the scores, so that one changing them in place (``score *= 2``)
+    leaves autograd the scores its derivative is taken at."""
     B, H, R, _ = q.shape
-    raw = _ungrouped(_grouped(q, groups) @ k.transpose(-1, -2), groups) * scale
+    raw = _by_kv_head(q, k.transpose(-1, -2), groups) * scale
     if score_mod is None:
         return raw, raw
+    given = raw
     if torch.is_grad_enabled():
         raw.requires_grad_(True)
-    modded = vmap_bhqkv(score_mod, prefix=(0,))(raw, *index_vectors(B, H, R, k.shape[2], q.device, q_start=q0,
-                                                                     kv_start=k0))
+        given = raw.clone()
+    modded = vmap_bhqkv(score_mod, prefix=(0,))(given, *index_vectors(B, H, R, k.shape[2], q.device, q_start=q0,
+                                                                       kv_start=k0))
     return raw, modded.to(raw.dtype)
 
 
@@ -152,7 +167,14 @@ def _start(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_ma
     if limit:
         chunks.check_size()
     dtype = compute_dtype(query.dtype)
-    return chunks, H // key.shape[1], key.to(dtype), value.to(dtype)
+    return chunks, H // key.shape[1], _cast(key, dtype), _cast(value, dtype)
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``; one shared by the batch (stride 0) cast once and expanded again, not copied per batch."""
+    if t.shape[0] > 1 and t.stride(0) == 0:
+        return t[:1].to(dtype).expand(t.shape)
+    return t.to(dtype)
 
 
 def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Optional[Callable], block_mask,
@@ -172,7 +194,7 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
                 s = s.masked_fill(~keep, float("-inf"))
             lse[:, :, q0:q1] = torch.logsumexp(s, dim=-1)
             p = torch.exp(s - _safe(lse[:, :, q0:q1]).unsqueeze(-1))
-            out[:, :, q0:q1] = _ungrouped(_grouped(p, groups) @ v[:, :, k0:k1], groups)
+            out[:, :, q0:q1] = _by_kv_head(p, v[:, :, k0:k1], groups)
             if max_scores:
                 row_max[:, :, q0:q1] = s.amax(dim=-1)
     return out.to(query.dtype), lse, row_max
@@ -186,7 +208,7 @@ def backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: t
     derivative by autograd over its vmapped ops. ``limit``: as :func:`forward`'s."""
     chunks, groups, k, v = _start(query, key, value, block_mask, limit)
     dq = torch.zeros(query.shape, dtype=k.dtype, device=query.device)
-    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))  # (full batch: autograd sums)
     dcaptured = [torch.zeros(t.shape, dtype=k.dtype, device=t.device) for t in captured]
     do = grad_out.to(k.dtype) if grad_out is not None else torch.zeros_like(out, dtype=k.dtype)
     delta = (do * out.to(k.dtype)).sum(-1)  # [B, H, Lq]: rowsum(dO * O)
@@ -199,7 +221,7 @@ def backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: t
             p = torch.exp(s - _safe(lse[:, :, q0:q1]).to(k.dtype).unsqueeze(-1))
             if keep is not None:
                 p = p.masked_fill(~keep, 0.0)
-            dp = _ungrouped(_grouped(do[:, :, q0:q1], groups) @ v[:, :, k0:k1].transpose(-1, -2), groups)
+            dp = _by_kv_head(do[:, :, q0:q1], v[:, :, k0:k1].transpose(-1, -2), groups)
             ds = p * (dp - delta[:, :, q0:q1].unsqueeze(-1))
             if grad_lse is not None:
                 ds = ds + p * grad_lse[:, :, q0:q1].to(k.dtype).unsqueeze(-1)
@@ -210,7 +232,7 @@ def backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: t
                 ds = ds.masked_fill(~keep, 0.0)
         with torch.no_grad():
             ds = ds * scale
-            dq[:, :, q0:q1] = _ungrouped(_grouped(ds, groups) @ k[:, :, k0:k1], groups)
+            dq[:, :, q0:q1] = _by_kv_head(ds, k[:, :, k0:k1], groups)
             dk[:, :, k0:k1] += _grouped(ds, groups).transpose(-1, -2) @ _grouped(q, groups)
             dv[:, :, k0:k1] += _grouped(p, groups).transpose(-1, -2) @ _grouped(do[:, :, q0:q1], groups)
     return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype),

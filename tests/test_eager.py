@@ -28,6 +28,12 @@ def _table_bias():
     return table_bias
 
 
+def _in_place(score, b, h, q_idx, kv_idx):  # (the derivative must be taken at the scores before the change)
+    score *= 1.5
+    score += 0.1 * h
+    return score
+
+
 def _holes(b, h, q_idx, kv_idx):  # causal, and every seventh query row keeps nothing
     return (kv_idx <= q_idx) & (q_idx % 7 != 3)
 
@@ -49,6 +55,7 @@ CASES = {  # name -> (B, Hq, Hkv, Lq, Lkv, score_mod, (mask_mod, B and H of the 
     "rows with nothing kept": (1, 2, 1, 100, 100, None, (_holes, (None, None), 16)),
     "sliding window, lengths differ": (1, 2, 2, 80, 140, None, (generate_sliding_window(24), (None, None), 16)),
     "no block mask": (2, 2, 1, 63, 100, _alibi, None),
+    "score_mod in place": (1, 2, 2, 64, 64, _in_place, (causal_mask, (None, None), 16)),
 }
 
 
@@ -117,15 +124,23 @@ def test_bfloat16_inputs_give_bfloat16_outputs_within_the_kernels_tolerance():
 
 
 def test_keys_shared_by_the_batch():
-    # flex_attention hands key and value of batch 1 on as stride-0 views of the query's batch
-    q, k, v = rand_qkv(3, 2, 2, 64, 64, 16, seed=4)
-    k, v = k[:1].expand(3, -1, -1, -1), v[:1].expand(3, -1, -1, -1)
+    # flex_attention hands key and value of batch 1 on as stride-0 views of the query's batch: cast and multiplied
+    # once for the batch, not copied to it; their gradients per batch, which autograd sums
+    q, k1, v1 = rand_qkv(3, 4, 2, 64, 64, 16, seed=4)
+    k, v = k1[:1].expand(3, -1, -1, -1), v1[:1].expand(3, -1, -1, -1)
+    assert eager._cast(k1[:1].bfloat16().expand(3, -1, -1, -1), torch.float32).stride(0) == 0
     bm = create_block_mask(causal_mask, None, None, 64, 64, device=DEVICE, BLOCK_SIZE=16)
     out, lse, _ = eager.forward(q, k, v, _softcap, bm, 0.25)
-    ref_out, _ = attention_reference(q, k.contiguous(), v.contiguous(), score_mod=_softcap, block_mask=bm, scale=0.25)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    dq, dk, dv, _ = eager.backward(q, k, v, out, lse, grad_out, None, _softcap, bm, 0.25)
+    q, k1, v1 = (t[:1].double().requires_grad_() if t is not q else t.double().requires_grad_() for t in (q, k1, v1))
+    ref_out, _ = attention_reference(q, k1.expand(3, -1, -1, -1), v1.expand(3, -1, -1, -1), score_mod=_softcap,
+                                     block_mask=bm, scale=0.25, enable_gqa=True)
     assert_close(out, ref_out, *TOLERANCES[torch.float32])
-    dq, dk, dv, _ = eager.backward(q, k, v, out, lse, torch.ones_like(out), None, _softcap, bm, 0.25)
+    want = torch.autograd.grad((ref_out * grad_out.double()).sum(), (q, k1, v1))
     assert dk.shape == dv.shape == (3, 2, 64, 16)
+    for label, got, w in zip(("dq", "dk", "dv"), (dq, dk.sum(0, keepdim=True), dv.sum(0, keepdim=True)), want):
+        assert_grad_close(got, w, torch.float32, label)
 
 
 def test_a_score_mod_that_ignores_the_score():
@@ -207,6 +222,12 @@ def test_float64_gradients_reach_tensors_a_score_mod_captures():
     assert torch.autograd.gradcheck(lambda q, k, v, bias, slopes: flex_attention(q, k, v, score_mod=learned,
                                                                                block_mask=bm),
                                     (q, k, v, bias, slopes), fast_mode=True)
+
+
+def test_float64_without_keys_gives_a_float64_lse():
+    q, k, v = (t.double() for t in rand_qkv(1, 2, 2, 8, 0, 8))
+    out, lse = flex_attention(q, k, v, return_lse=True)
+    assert lse.dtype == torch.float64 and torch.isneginf(lse).all() and (out == 0).all()
 
 
 def test_other_dtypes_are_refused_with_the_ones_taken():
