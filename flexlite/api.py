@@ -816,11 +816,6 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
     kernel, ws_kernel = _backward_kernels(traced, query, key, value, sparse, options, interpret, scatter,
                                           deterministic)
     check_captured(kernel.captured, query.device, "flex_attention")
-    module = load_module(kernel.source, interpret=interpret)
-    q_blocks = _q_block_tensors(block_mask, Lq, Lkv, query.device)
-    config = backward_config(query, value, sparse, options,
-                             gathers=bool(kernel.score_mod.tensors) or _mask_gathers(kernel, block_mask))
-    ws_module = None if ws_kernel is None else load_module(ws_kernel.source, interpret=interpret)
     first = None if deterministic else _first_call(  # (captured gradients: no bits, which add none)
         "bwd", (kernel.source, ws_kernel and ws_kernel.source), query, key, value, block_mask, kernel_options,
         _mask_gathers(kernel, block_mask),
@@ -837,6 +832,12 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
                            block_mask, scale, tuple(want))
         if grads is not None:
             return _wanted(grads, need_captured)
+    # (the kernels' modules loaded once the call runs them: not for the bits' or torch ops' calls)
+    module = load_module(kernel.source, interpret=interpret)
+    q_blocks = _q_block_tensors(block_mask, Lq, Lkv, query.device)
+    config = backward_config(query, value, sparse, options,
+                             gathers=bool(kernel.score_mod.tensors) or _mask_gathers(kernel, block_mask))
+    ws_module = None if ws_kernel is None else load_module(ws_kernel.source, interpret=interpret)
     buffers = [torch.zeros(t.shape, dtype=torch.float32, device=query.device) for t in scatter]
     ds = torch.zeros((B, Hq, Lq, Lkv), dtype=torch.float32, device=query.device) if deterministic else None
 
