@@ -740,11 +740,9 @@ def _block_flags(mask_mod: _MaskMod, B: int, H: int, Q_LEN: int, KV_LEN: int, de
     from . import first_calls  # (it imports this module)
 
     device = check_device("create_block_mask", device)  # "cuda" names the current GPU, as captures do
-    kernel = _generate_mask_kernel(mask_mod, device)
+    kernel, module = _mask_kernel(mask_mod, device)
     key = first_calls.block_mask_key(kernel.source, H, Q_LEN, KV_LEN, device, block_size)
-    # (its module loaded where it runs: in the worker where the flags are evaluated in torch, so that the call does
-    # not wait for the first module load, which waits for Triton's cache key: ~0.45 s in a process's first call)
-    run = functools.partial(_run_mask_kernel, kernel, B, H, Q_LEN, KV_LEN, device, block_size)
+    run = functools.partial(_run_mask_kernel, kernel, module, B, H, Q_LEN, KV_LEN, device, block_size)
     if first_calls.block_flags_in_torch(key, run, B * H * Q_LEN * KV_LEN):
         try:
             return _block_flags_vmap(mask_mod, B, H, Q_LEN, KV_LEN, device, block_size, _CUDA_CHUNK_ELEMENTS)
@@ -755,16 +753,18 @@ def _block_flags(mask_mod: _MaskMod, B: int, H: int, Q_LEN: int, KV_LEN: int, de
     return flags
 
 
-def _generate_mask_kernel(mask_mod: _MaskMod, device: torch.device):
-    """The generated block-mask kernel of ``mask_mod`` (checked: a bool result, captured tensors on ``device``)."""
+def _mask_kernel(mask_mod: _MaskMod, device: torch.device) -> tuple:
+    """(the generated block-mask kernel of ``mask_mod``, its loaded module)."""
     from .api import check_captured  # api imports this module
     from .codegen.kernel import generate
+    from .runtime.compile import load_module
 
-    kernel = generate("block_mask.py.jinja", None, mask_mod, interpret=device.type != "cuda")
+    interpret = device.type != "cuda"
+    kernel = generate("block_mask.py.jinja", None, mask_mod, interpret=interpret)
     if kernel.mask_mod.result_dtype not in (None, torch.bool):
         raise TypeError(f"create_block_mask: mask_mod must return a bool tensor; got {kernel.mask_mod.result_dtype}")
     check_captured(kernel.captured, device, "create_block_mask", "mask_mod")
-    return kernel
+    return kernel, load_module(kernel.source, interpret=interpret)
 
 
 def _block_flags_kernel(mask_mod: _MaskMod, B: int, H: int, Q_LEN: int, KV_LEN: int, device: torch.device,
@@ -772,15 +772,11 @@ def _block_flags_kernel(mask_mod: _MaskMod, B: int, H: int, Q_LEN: int, KV_LEN: 
     """:func:`_block_flags` by the generated block-mask kernel (the same codegen as the attention
     kernels): O(number of blocks) memory. On CPU it runs through Triton's interpreter (tests)."""
     device = check_device("create_block_mask", device)  # "cuda" names the current GPU, as captures do
-    return _run_mask_kernel(_generate_mask_kernel(mask_mod, device), B, H, Q_LEN, KV_LEN, device, block_size)
+    return _run_mask_kernel(*_mask_kernel(mask_mod, device), B, H, Q_LEN, KV_LEN, device, block_size)
 
 
-def _run_mask_kernel(kernel, B: int, H: int, Q_LEN: int, KV_LEN: int, device: torch.device,
+def _run_mask_kernel(kernel, module, B: int, H: int, Q_LEN: int, KV_LEN: int, device: torch.device,
                      block_size: tuple[int, int]) -> tuple[Tensor, Tensor]:
-    """``kernel``'s flags (its module loaded here: where it runs)."""
-    from .runtime.compile import load_module
-
-    module = load_module(kernel.source, interpret=device.type != "cuda")
     with on_device(device):
         return launch_block_mask(module, kernel.mod_args(), B, H, Q_LEN, KV_LEN, block_size, device)
 
