@@ -13,7 +13,6 @@ import torch
 
 from . import eager as _eager
 from . import first_calls
-from ._vmap import index_vectors, vmap_bhqkv
 from .block_mask import (BlockMask, check_block_tensors, check_device, check_mod_output, from_torch_block_mask,
                          is_torch_block_mask, kept_on, q_sides)
 from .codegen.kernel import GeneratedKernel, generate, generate_backward
@@ -769,23 +768,19 @@ _DS_CHUNK_ELEMENTS = 2 ** 24
 
 def _captured_grads_from_ds(score_mod, query, key, scale, ds, captured) -> list:
     """Deterministic gradients of ``captured`` from dS [B, Hq, Lq, Lkv] (d loss / d score_mod output):
-    score_mod re-runs in torch over the recomputed fp32 scores (vmap, as the reference does), a chunk of
-    query rows at a time, and autograd backpropagates dS; the chunks are summed in order."""
+    score_mod re-runs in torch over the recomputed fp32 scores (vmap, as the reference does: flexlite.eager's), a
+    chunk of query rows at a time, and autograd backpropagates dS; the chunks are summed in order."""
     B, Hq, Lq, _ = query.shape
-    Lkv = key.shape[2]
-    k = key.detach().float().repeat_interleave(Hq // key.shape[1], dim=1)
-    rows = max(1, _DS_CHUNK_ELEMENTS // max(1, B * Hq * Lkv))
-    mod = vmap_bhqkv(score_mod, prefix=(0,))
-    total = [None] * len(captured)
+    k = key.detach().float()
+    rows = max(1, _DS_CHUNK_ELEMENTS // max(1, B * Hq * key.shape[2]))
+    total = [torch.zeros(c.shape, dtype=c.dtype, device=c.device) for c in captured]
     with torch.enable_grad(), _deterministic_algorithms():
         for start in range(0, Lq, rows):
             q = query.detach()[:, :, start:start + rows].float()
-            scores = (q @ k.transpose(-1, -2)) * scale
-            out = mod(scores, *index_vectors(B, Hq, q.shape[2], Lkv, query.device, q_start=start))
-            grads = torch.autograd.grad(out, captured, grad_outputs=ds[:, :, start:start + rows].to(out.dtype),
-                                        allow_unused=True)
-            total = [t if g is None else (g if t is None else t + g) for t, g in zip(total, grads)]
-    return [torch.zeros_like(c) if g is None else g.to(c.dtype) for g, c in zip(total, captured)]
+            raw, out = _eager.scores(q, k, Hq // key.shape[1], scale, score_mod, start, 0)
+            _, grads = _eager.through_score_mod(raw, out, ds[:, :, start:start + rows].to(out.dtype), captured)
+            total = [t + g.to(t.dtype) for t, g in zip(total, grads)]
+    return total
 
 
 def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_mask, scale, kernel_options,
@@ -860,15 +855,15 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
     if first is not None:
         first.done()
     if deterministic:
-        wanted = iter(_captured_grads_from_ds(score_mod, query, key, scale, ds, want))
+        wanted = _captured_grads_from_ds(score_mod, query, key, scale, ds, want)
     else:
-        wanted = iter(b.to(t.dtype) for b, t in zip(buffers, want))
-    return dq, dk, dv, [next(wanted) if need else None for need in need_captured]
+        wanted = [b.to(t.dtype) for b, t in zip(buffers, want)]
+    return _wanted((dq, dk, dv, wanted), need_captured)
 
 
 def _wanted(grads: tuple, need_captured: tuple) -> tuple:
-    """:func:`flexlite.eager.backward`'s (dq, dk, dv, gradients of the captured tensors wanted) as :func:`_backward`
-    returns them: a gradient or None for every captured tensor."""
+    """(dq, dk, dv, gradients of the captured tensors wanted, in order) as :func:`_backward` returns them: a gradient
+    or None for every captured tensor."""
     dq, dk, dv, wanted = grads
     wanted = iter(wanted)
     return dq, dk, dv, [next(wanted) if need else None for need in need_captured]

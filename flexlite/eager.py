@@ -118,7 +118,7 @@ def _by_kv_head(x: torch.Tensor, t: torch.Tensor, groups: int) -> torch.Tensor:
     return _ungrouped(g @ t, groups)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, groups: int, scale: float, score_mod: Optional[Callable],
+def scores(q: torch.Tensor, k: torch.Tensor, groups: int, scale: float, score_mod: Optional[Callable],
             q0: int, k0: int) -> tuple:
     """(the scaled scores q @ k^T [B, H, R, K] as they enter score_mod, what score_mod makes of them), in q's
     dtype. Under grad mode score_mod gets a copy of the scores, so that one changing them in place (``score *= 2``)
@@ -188,7 +188,7 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
     row_max = lse.clone() if max_scores else None
     with torch.no_grad():
         for q0, q1, k0, k1 in chunks:
-            _, s = _scores(query[:, :, q0:q1].to(k.dtype), k[:, :, k0:k1], groups, scale, score_mod, q0, k0)
+            _, s = scores(query[:, :, q0:q1].to(k.dtype), k[:, :, k0:k1], groups, scale, score_mod, q0, k0)
             keep = chunks.keep(q0, q1, k0, k1)
             if keep is not None:
                 s = s.masked_fill(~keep, float("-inf"))
@@ -215,7 +215,7 @@ def backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: t
     for q0, q1, k0, k1 in chunks:
         q = query[:, :, q0:q1].to(k.dtype)
         with torch.enable_grad():
-            raw, s = _scores(q, k[:, :, k0:k1], groups, scale, score_mod, q0, k0)
+            raw, s = scores(q, k[:, :, k0:k1], groups, scale, score_mod, q0, k0)
         keep = chunks.keep(q0, q1, k0, k1)
         with torch.no_grad():
             p = torch.exp(s - _safe(lse[:, :, q0:q1]).to(k.dtype).unsqueeze(-1))
@@ -226,7 +226,7 @@ def backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: t
             if grad_lse is not None:
                 ds = ds + p * grad_lse[:, :, q0:q1].to(k.dtype).unsqueeze(-1)
         if score_mod is not None:  # dS through score_mod's ops to the raw scores and the captured tensors
-            ds, grads = _through_score_mod(raw, s, ds, captured)
+            ds, grads = through_score_mod(raw, s, ds, captured)
             dcaptured = [total + g.to(total.dtype) for total, g in zip(dcaptured, grads)]
             if keep is not None:  # (a masked position's derivative may be NaN, its dS is 0)
                 ds = ds.masked_fill(~keep, 0.0)
@@ -239,7 +239,7 @@ def backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: t
             [g.to(t.dtype) for g, t in zip(dcaptured, captured)])
 
 
-def _through_score_mod(raw: torch.Tensor, modded: torch.Tensor, ds: torch.Tensor, captured: tuple) -> tuple:
+def through_score_mod(raw: torch.Tensor, modded: torch.Tensor, ds: torch.Tensor, captured: tuple) -> tuple:
     """(dS at score_mod's input, the gradients of ``captured``) from dS at its output ``modded``: autograd of
     sum(modded * dS) (not grad_outputs=dS: autograd.grad imports sympy for grad_outputs, 2 s on a GPU host the first
     time: NOTES 78); zeros for what score_mod does not depend on."""
