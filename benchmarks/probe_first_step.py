@@ -1,14 +1,17 @@
 """First training steps of new mods on a GPU, each process with its own caches (NOTES 73).
 
-1. ``cold on`` / ``cold bits`` / ``cold off``: a fresh process with empty flexlite and Triton caches,
-   ``first_calls.ENABLED`` True / True / False, ``first_calls.EAGER`` True / False / False (NOTES 78: calls whose
-   kernels are not compiled and that no bits serve run in torch ops); a training step (forward,
-   ``out.sum().backward()``) of
+1. ``cold on`` / ``cold thread`` / ``cold bits`` / ``cold off``: a fresh process with empty flexlite and Triton
+   caches, ``first_calls.ENABLED`` True / True / True / False, ``first_calls.EAGER`` True / True / False / False
+   (NOTES 78: calls whose kernels are not compiled and that no bits serve run in torch ops), the worker's compiles in
+   compile servers but for ``cold thread`` (``first_calls.COMPILE_PROCESSES = 0``: in the worker thread, NOTES 79);
+   a training step (forward, ``out.sum().backward()``) of
    a. causal (the process's first mask_mod: its own kernels compile in the call; with first_calls on its backward
       compiles in the worker beside the forward's compile),
    b. a sliding window of 512 (with first_calls on: the bits' kernels, its own compiling in the worker),
    c. causal with a new score_mod (a distance bias: its own kernels compile; the backward beside).
-   The worker is waited for between steps (not counted).
+   The worker is waited for between steps (not counted), the main thread meanwhile running a host loop (200 small
+   torch ops on the GPU, ~2 ms alone) again and again: how long the worker's compiles stall a training loop beside
+   them (``loop_max_ms``, and ``loop_mean_x``: the mean loop's time over its time alone).
 2. ``later``: a fresh process on the caches ``cold on`` left: a new mask_mod (prefix-LM 777 | causal) and a step;
    its first calls should take the bits' kernels from Triton's disk cache (the markers); then a block mask's flags
    at 8192 x 8192 in torch (a new mask_mod's, while its kernel compiles: NOTES 74) and by the kernel, warm.
@@ -37,6 +40,17 @@ torch.cuda.synchronize()
 from flexlite import create_block_mask, first_calls, flex_attention
 first_calls.ENABLED = mode != "cold off"
 first_calls.EAGER = mode not in ("cold off", "cold bits")
+if mode == "cold thread":
+    first_calls.COMPILE_PROCESSES = 0
+small = torch.ones(64, device="cuda")
+def host_loop():
+    t, x = time.perf_counter(), small
+    for _ in range(200):
+        x = x * 1.0001 + 0.1
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+host_loop()
+LOOP_ALONE = min(host_loop() for _ in range(5))
 L, D = 4096, 128
 def inputs():
     return [torch.randn(1, 16, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
@@ -73,11 +87,16 @@ def step(mask, score_mod=None):
     profiled(f"{mask.__name__} backward", lambda: out.sum().backward())
     torch.cuda.synchronize()
     t3 = time.perf_counter()
+    loops = []
+    while first_calls._pending:
+        loops.append(host_loop())
     first_calls.wait()
     t4 = time.perf_counter()
+    stalls = {"loop_max_ms": round(1e3 * max(loops), 1), "loop_mean_x": round(sum(loops) / len(loops) / LOOP_ALONE, 2)
+              } if loops else {}
     return {"mask_s": round(t1 - t0, 3), "fwd_s": round(t2 - t1, 3), "bwd_s": round(t3 - t2, 3),
             "step_s": round(t3 - t0, 3), "worker_after_s": round(t4 - t3, 3),
-            "bits_calls": first_calls.ran_bits() - bits0, "eager_calls": first_calls.ran_eager() - eager0}
+            "bits_calls": first_calls.ran_bits() - bits0, "eager_calls": first_calls.ran_eager() - eager0, **stalls}
 rows = {}
 if mode.startswith("cold"):
     rows["a causal (first mask_mod)"] = step(causal)
@@ -148,9 +167,10 @@ def main():
     out_dir = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else None
     table, results = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        modes = [m for m in ("cold off", "cold bits", "cold on", "later", "graph") if not ONLY or m in ONLY]
+        modes = [m for m in ("cold off", "cold bits", "cold thread", "cold on", "later", "graph")
+                 if not ONLY or m in ONLY]
         for mode in modes:
-            caches = {"cold off": "off", "cold bits": "bits"}.get(mode, "on")
+            caches = {"cold off": "off", "cold bits": "bits", "cold thread": "thread"}.get(mode, "on")
             env = dict(os.environ, FLEXLITE_CACHE_DIR=os.path.join(tmp, caches, "flexlite"),
                        TRITON_CACHE_DIR=os.path.join(tmp, caches, "triton"))
             proc = subprocess.run([sys.executable, "-c", CHILD, mode], env=env, capture_output=True, text=True)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import hashlib
+import os
 import threading
 from pathlib import Path
 from typing import Callable, Optional
@@ -43,7 +44,7 @@ import torch
 
 from .block_mask import BlockMask, kept_on
 from .codegen.trace import MASK_MOD_ARGS, trace_mod, tracing_refused
-from .runtime import launch
+from .runtime import compile_processes, launch
 from .runtime.autotune import autotune_enabled
 from .runtime.compile import cache_dir, source_hash
 
@@ -61,6 +62,10 @@ MAX_TORCH_POSITIONS = 2 ** 26
 # what a marker file promises, in its name: 2 since the bits' backward compiles both grids of the warp-specialized
 # backward (benchmarks/NOTES.md 73), where 1's compiled the first mask_mod's
 _MARKER_VERSION = 2
+# the worker's Triton compiles run in up to this many processes of their own (runtime/compile_processes.py), a mod's
+# kernels in parallel: in the worker thread Triton's C++ passes held the GIL for up to ~0.7 s at a time, and the calls
+# beside waited (benchmarks/NOTES.md 79); 0: in the worker thread
+COMPILE_PROCESSES = min(4, max(1, (os.cpu_count() or 2) // 2))
 _CHUNK_BLOCKS = 256  # partial blocks evaluated at a time (4M positions at 128 x 128: ~100 MB of temporaries)
 
 _lock = threading.Lock()
@@ -190,7 +195,7 @@ def _compile(key: tuple, compile_: Callable[[], None], device: Optional[int], pe
         if device is not None:
             torch.cuda.set_device(device)
         with launch.compile_only(), tracing_refused():  # (the calls' traces are made on their thread)
-            compile_()
+            compile_processes.run(compile_, COMPILE_PROCESSES)
         mark_ready(key, persist)
     except Exception:  # noqa: BLE001 - the call that needs these kernels compiles them itself and raises there
         _failed.add(key)

@@ -181,7 +181,9 @@ def _launch(kernel, grid, args, kwargs: dict):
     if not compiling_only():
         return kernel[grid](*args, **kwargs)
     if isinstance(kernel, triton.runtime.jit.JITFunction):  # (not the interpreter's)
-        _build_launcher(kernel.run(*args, grid=grid, warmup=True, **kwargs))
+        compiled = kernel.run(*args, grid=grid, warmup=True, **kwargs)
+        if compiled is not None:  # (None: the compile was captured for a compile server, compile_processes)
+            _build_launcher(compiled)
     return None
 
 

@@ -1,0 +1,149 @@
+"""Triton compiles of the first_calls worker in processes of their own (compile servers).
+
+The worker thread of :mod:`flexlite.first_calls` compiles a mod's kernels while the calls go on. Triton's compile
+holds the GIL through its C++ passes (MLIR, LLVM) for up to ~0.7 s at a time, and the calling thread's torch ops wait
+for it (benchmarks/NOTES.md 79). :func:`run` takes those compiles out of the process: it runs the worker's
+compile-only launches once with Triton's compiles recorded instead of run (:func:`capturing`: the JIT function and
+Triton's specialization data of each, what ``knobs.runtime.jit_cache_hook`` is handed), has compile servers
+(runtime/compile_server.py, ``JITFunction.preload``) compile them into Triton's cache directory, several at a time,
+and then runs the launches again, each of which now finds its kernel there and only loads it. A kernel the servers
+did not compile (an error, a server that could not start) compiles in the second pass as before, which raises
+where a compile fails.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+from typing import Callable, Iterator, Optional
+
+import triton
+
+_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compile_server.py")
+_THREAD = threading.local()
+_lock = threading.Lock()
+_servers: list = []
+_previous_hook: list = [None]  # a jit_cache_hook that was installed before :func:`_hook`
+
+
+def _hook(**kwargs):
+    captured = getattr(_THREAD, "captured", None)
+    if captured is None:
+        previous = _previous_hook[0]
+        return previous(**kwargs) if previous is not None else None
+    captured.append((kwargs["fn"].jit_function, kwargs["compile"]["specialization_data"],
+                     triton.runtime.driver.active.get_current_target()))
+    return True  # (Triton then compiles nothing: the launch returns None)
+
+
+@contextlib.contextmanager
+def capturing() -> Iterator[list]:
+    """In this thread, while inside: each Triton compile recorded in the list yielded, as (JIT function,
+    specialization data, target), instead of run (a compile-only launch then returns None). Other threads compile as
+    before."""
+    hooks = triton.knobs.runtime
+    if hooks.jit_cache_hook is not _hook:
+        _previous_hook[0] = hooks.jit_cache_hook
+        hooks.jit_cache_hook = _hook
+    _THREAD.captured = []
+    try:
+        yield _THREAD.captured
+    finally:
+        _THREAD.captured = None
+
+
+class _Server:
+    """One compile server process (runtime/compile_server.py), spoken to in JSON lines."""
+
+    def __init__(self):
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        self.process = subprocess.Popen([sys.executable, _SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.DEVNULL, text=True, env=env)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def send(self, request: dict) -> None:
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+
+    def receive(self) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError("the compile server exited")
+        return json.loads(line)
+
+    def close(self) -> None:
+        try:
+            self.process.stdin.close()
+            self.process.wait(timeout=2)
+        except Exception:  # noqa: BLE001 - at exit: whatever is left is killed
+            self.process.kill()
+
+
+def _request(function, specialization: str, target) -> dict:
+    module = sys.modules[function.fn.__module__]
+    return dict(path=module.__file__, module=module.__name__, function=function.fn.__qualname__,
+                specialization=specialization, target=[target.backend, target.arch, target.warp_size],
+                cache_dir=triton.knobs.cache.dir)
+
+
+def compile_in_processes(captured: list, processes: int) -> int:
+    """Compile each of ``captured`` (:func:`capturing`'s) into Triton's cache in up to ``processes`` compile servers
+    at once; returns how many compiled. The others are left to the caller's own compile (a
+    compile error, a server that could not start or died: it is started again next time)."""
+    if not captured or processes < 1:
+        return 0
+    requests = [_request(*entry) for entry in captured]
+    with _lock:
+        _servers[:] = [s for s in _servers if s.alive()]
+        try:
+            while len(_servers) < min(processes, len(requests)):
+                _servers.append(_Server())
+        except OSError:
+            if not _servers:
+                return 0
+        sent = [[] for _ in _servers]
+        for i, request in enumerate(requests):
+            sent[i % len(_servers)].append(request)
+        compiled = 0
+        for server, share in zip(list(_servers), sent):
+            try:
+                for request in share:
+                    server.send(request)
+                compiled += sum(server.receive()["ok"] for _ in share)
+            except (OSError, RuntimeError, ValueError):
+                server.process.kill()
+        return compiled
+
+
+def run(compile_: Callable[[], None], processes: int) -> Optional[int]:
+    """``compile_()`` (compile-only launches) with its Triton compiles in compile servers: once captured, compiled by
+    up to ``processes`` servers, then run again here, where each launch loads what the servers compiled (or compiles
+    what they did not); where nothing was captured (every kernel loaded already, or the interpreter's), the first
+    pass was the whole of it. Returns how many kernels the servers compiled (None: ``processes`` is 0 or the capture
+    raised, and everything compiled here)."""
+    if processes > 0:
+        try:
+            with capturing() as captured:
+                compile_()
+            if not captured:
+                return 0
+            compiled = compile_in_processes(captured, processes)
+        except Exception:  # noqa: BLE001 - the second pass compiles everything itself, and raises what is wrong
+            compiled = None
+    else:
+        compiled = None
+    compile_()
+    return compiled
+
+
+@atexit.register
+def _close() -> None:
+    for server in _servers:
+        server.close()

@@ -1,0 +1,77 @@
+"""A compile server: Triton compiles of flexlite's kernels in a process of their own (runtime/compile_processes.py).
+
+Run by path (``python .../compile_server.py``), so that it imports Triton alone, not flexlite and torch. It reads one
+JSON request a line from stdin — a kernel module's file and name, a ``@jit`` function's qualified name, Triton's
+specialization data for it (what ``knobs.runtime.jit_cache_hook`` is handed: the signature, constexprs, attributes
+and options of one compile), the target and Triton's cache directory — compiles it into that cache with
+``JITFunction.preload`` and answers one JSON line (``{"ok": true}`` or ``{"ok": false, "error": ...}``). No GPU is
+touched: a stand-in driver names the target, as for an offline compile. It exits at the end of its input.
+"""
+
+import importlib.util
+import json
+import sys
+import traceback
+
+
+class _TargetDriver:
+    """What a compile asks Triton's active driver: the target; device 0 and stream 0 (nothing runs)."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def is_active(self):
+        return True
+
+
+def _module(name: str, path: str):
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[name] = module
+    return module
+
+
+def _compile(request: dict) -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    triton.knobs.cache.dir = request["cache_dir"]
+    triton.runtime.driver.set_active(_TargetDriver(GPUTarget(*request["target"])))
+    fn = _module(request["module"], request["path"])
+    for part in request["function"].split("."):
+        fn = getattr(fn, part)
+    fn.preload(request["specialization"])
+
+
+def main() -> None:
+    import triton  # noqa: F401 - before the first request: what every compile needs
+    try:  # (Gluon's packages, as flexlite imports them before a Gluon kernel's module)
+        import triton.experimental.gluon.language  # noqa: F401
+        import triton.experimental.gluon.nvidia.hopper  # noqa: F401
+    except ImportError:
+        pass
+    for line in sys.stdin:
+        try:
+            _compile(json.loads(line))
+            answer = {"ok": True}
+        except Exception:  # noqa: BLE001 - reported to the caller, which compiles the kernel itself
+            answer = {"ok": False, "error": traceback.format_exc()}
+        sys.stdout.write(json.dumps(answer) + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    sys.path.pop(0)  # (this file's directory: its modules are flexlite's, not for importing bare)
+    main()

@@ -1,0 +1,126 @@
+"""The first_calls worker's compiles in compile servers (flexlite/runtime/compile_processes.py), without a GPU.
+
+Each check compiles real kernels for Hopper (sm_90a) through the launch path with benchmarks/offline_compile.py's
+stand-in driver, in a fresh Python process of its own (as test_gpu_compile's: the interpreter's patches of
+triton.language must not be in place) with an empty Triton cache directory: the compile captured on the calling
+thread, compiled by a server process into that cache, and the second pass finding it there (no new cache entry)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+L = 256
+
+
+def _child(case: str, cache: str) -> dict:
+    """Runs in the fresh process: ``case``'s compiles into the Triton cache directory ``cache``; what the test
+    checks."""
+    import importlib.util
+    import threading
+
+    import triton
+
+    from flexlite import create_block_mask
+    from flexlite.masks import causal_mask
+    from flexlite.mods import generate_alibi_bias, generate_tanh_softcap
+    from flexlite.runtime import compile_processes
+
+    spec = importlib.util.spec_from_file_location(
+        "offline_compile", Path(__file__).resolve().parent.parent / "benchmarks" / "offline_compile.py")
+    offline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(offline)
+    causal = create_block_mask(causal_mask, None, None, L, L, device="cpu")
+    entries = lambda: sorted(os.listdir(cache)) if os.path.isdir(cache) else []  # noqa: E731
+
+    def forward(score_mod=None):
+        return offline.compile_forward(score_mod, causal, 64, (128, 64, 4, 2), False, L=L)
+
+    def forward_ws():
+        return offline.compile_forward_ws(generate_tanh_softcap(30.0, approx=True), causal, 64, L=L)
+
+    kernels, seen = [], []
+    facts = {}
+    if case in ("triton", "gluon"):
+        compile_ = (lambda: kernels.append(forward())) if case == "triton" else (lambda: kernels.append(forward_ws()))
+        with compile_processes.capturing() as captured:
+            compile_()
+        facts.update(captured=len(captured), after_capture=entries())
+        facts["servers_compiled"] = compile_processes.compile_in_processes(captured, 2)
+        facts["after_servers"] = entries()
+        compile_()
+        facts.update(after_second=entries(), kernels=[k is not None for k in kernels])
+    elif case == "run":
+        facts["servers_compiled"] = compile_processes.run(lambda: kernels.append(forward()), 2)
+        facts.update(kernels=[k is not None for k in kernels], entries=entries())
+    elif case == "fallback":  # a server that cannot compile what it is asked: the second pass compiles it here
+        request = compile_processes._request
+        compile_processes._request = lambda *entry: dict(request(*entry), function="no_such_kernel")
+        facts["servers_compiled"] = compile_processes.run(lambda: kernels.append(forward()), 1)
+        facts.update(kernels=[k is not None for k in kernels], entries=entries())
+    elif case == "in thread":
+        facts["servers_compiled"] = compile_processes.run(lambda: kernels.append(forward()), 0)
+        facts.update(kernels=[k is not None for k in kernels], entries=entries())
+    elif case == "other threads":  # a hook installed before; another thread's compile while this one captures
+        triton.knobs.runtime.jit_cache_hook = lambda **kwargs: seen.append(kwargs["fn"].name) and None
+        with compile_processes.capturing() as captured:
+            other = threading.Thread(target=lambda: kernels.append(forward(generate_alibi_bias(2))))
+            other.start()
+            other.join()
+            forward()
+        facts.update(captured=len(captured), kernels=[k is not None for k in kernels], hooked=seen)
+    return facts
+
+
+def _in_fresh_process(case: str, tmp_path) -> dict:
+    cache = str(tmp_path / "triton")
+    code = (f"import json, sys; sys.path[:0] = [{str(Path(__file__).parent)!r}]; "
+            f"import test_compile_processes as t; print('FACTS ' + json.dumps(t._child({case!r}, {cache!r})))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "TRITON_INTERPRET": "1", "TRITON_CACHE_DIR": cache})
+    assert run.returncode == 0, f"{case}:\n{run.stderr[-4000:]}"
+    return json.loads(next(line for line in run.stdout.splitlines() if line.startswith("FACTS "))[6:])
+
+
+@pytest.mark.parametrize("case", ["triton", "gluon"])
+def test_capture_compile_in_server_and_load(case, tmp_path):
+    facts = _in_fresh_process(case, tmp_path)
+    assert facts["captured"] == 1 and facts["after_capture"] == []  # recorded, nothing compiled here
+    assert facts["servers_compiled"] == 1 and len(facts["after_servers"]) == 1
+    # the second pass loads the server's kernel: the same cache entry, no compile of its own
+    assert facts["after_second"] == facts["after_servers"]
+    assert facts["kernels"] == [False, True]  # (the captured launch returned nothing)
+
+
+def test_run_compiles_in_servers(tmp_path):
+    facts = _in_fresh_process("run", tmp_path)
+    assert facts["servers_compiled"] == 1 and len(facts["entries"]) == 1 and facts["kernels"] == [False, True]
+
+
+def test_a_server_that_fails_leaves_the_compile_to_the_caller(tmp_path):
+    facts = _in_fresh_process("fallback", tmp_path)
+    assert facts["servers_compiled"] == 0 and len(facts["entries"]) == 1 and facts["kernels"] == [False, True]
+
+
+def test_no_processes_compiles_in_the_thread(tmp_path):
+    facts = _in_fresh_process("in thread", tmp_path)
+    assert facts["servers_compiled"] is None and len(facts["entries"]) == 1 and facts["kernels"] == [True]
+
+
+def test_only_the_capturing_thread_is_captured(tmp_path):
+    facts = _in_fresh_process("other threads", tmp_path)
+    # the other thread compiled (through the hook installed before), this one's compile was captured
+    assert facts["captured"] == 1 and facts["kernels"] == [True] and facts["hooked"] == ["flex_fwd_kernel"]
+
+
+def test_nothing_captured_runs_once_and_starts_no_server():
+    # the interpreter's launches (the suite's) compile nothing: the capture pass was the whole compile
+    from flexlite.runtime import compile_processes, launch
+
+    calls = []
+    with launch.compile_only():
+        assert compile_processes.run(lambda: calls.append(launch.compiling_only()), 2) == 0
+    assert calls == [True] and compile_processes._servers == []
