@@ -52,7 +52,13 @@ def _child(case: str, cache: str) -> dict:
         facts["servers_compiled"] = compile_processes.compile_in_processes(captured, 2)
         facts["after_servers"] = entries()
         compile_()
-        facts.update(after_second=entries(), kernels=[k is not None for k in kernels])
+        facts.update(after_second=entries(), levels=[entry[3] for entry in captured])
+        # the same kernel compiled in this thread (another cache): the server's build is the very same
+        captured[0][0].device_caches.clear()
+        triton.knobs.cache.dir = cache + "-in-thread"
+        compile_()
+        facts.update(same_cubin=kernels[-1].asm["cubin"] == kernels[1].asm["cubin"],
+                     kernels=[k is not None for k in kernels])
     elif case == "run":
         facts["servers_compiled"] = compile_processes.run(lambda: kernels.append(forward()), 2)
         facts.update(kernels=[k is not None for k in kernels], entries=entries())
@@ -92,7 +98,9 @@ def test_capture_compile_in_server_and_load(case, tmp_path):
     assert facts["servers_compiled"] == 1 and len(facts["after_servers"]) == 1
     # the second pass loads the server's kernel: the same cache entry, no compile of its own
     assert facts["after_second"] == facts["after_servers"]
-    assert facts["kernels"] == [False, True]  # (the captured launch returned nothing)
+    assert facts["kernels"] == [False, True, True]  # (the captured launch returned nothing)
+    # compiled as in the thread: at the LLVM level the Gluon launcher asks for (llvm_level.llvm_opt_level) too
+    assert facts["levels"] == [None if case == "triton" else "O0"] and facts["same_cubin"]
 
 
 def test_run_compiles_in_servers(tmp_path):

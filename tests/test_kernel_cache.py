@@ -10,6 +10,7 @@ import torch
 
 from flexlite import attention_reference, flex_attention
 from flexlite.runtime import compile as compile_module
+from flexlite.runtime import llvm_level
 from helpers import TOLERANCES, assert_close, rand_qkv
 
 SOURCE = "import triton\n\n\n@triton.jit\ndef k(X):\n    pass\n"
@@ -87,7 +88,7 @@ def test_triton_cache_key_is_prewarmed_in_the_background(monkeypatch):
 
 
 def test_llvm_opt_level_applies_to_the_compiles_of_the_thread_that_asked_for_it(monkeypatch):
-    """compile.llvm_opt_level: Triton's NVIDIA backend calls LLVM's optimizer at O3; inside the context the calling
+    """llvm_level.llvm_opt_level: Triton's NVIDIA backend calls LLVM's optimizer at O3; inside the context the calling
     thread's compiles take the level asked for, other threads' and those after it Triton's own, and a nested None
     gives Triton's level back until it ends."""
     import threading
@@ -96,10 +97,10 @@ def test_llvm_opt_level_applies_to_the_compiles_of_the_thread_that_asked_for_it(
     from triton._C.libtriton import llvm
 
     levels = []
-    with compile_module.llvm_opt_level("O0"):  # installs the pass-through in front of the binding
+    with llvm_level.llvm_opt_level("O0"):  # installs the pass-through in front of the binding
         pass
     proxy = nvidia.llvm
-    assert isinstance(proxy, compile_module._LLVMAtLevel) and proxy.OPTIMIZE_O2 is llvm.OPTIMIZE_O2
+    assert isinstance(proxy, llvm_level._LLVMAtLevel) and proxy.OPTIMIZE_O2 is llvm.OPTIMIZE_O2
     monkeypatch.setattr(proxy, "_llvm", type("Binding", (), {
         **{f"OPTIMIZE_{name}": name for name in ("O0", "O1", "O2", "O3")},
         "optimize_module": staticmethod(lambda module, level, *args: levels.append((module, level)))})())
@@ -107,12 +108,12 @@ def test_llvm_opt_level_applies_to_the_compiles_of_the_thread_that_asked_for_it(
     def optimize(module):  # what make_llir does
         nvidia.llvm.optimize_module(module, nvidia.llvm.OPTIMIZE_O3)
 
-    with compile_module.llvm_opt_level("O0"):
+    with llvm_level.llvm_opt_level("O0"):
         optimize("this thread")
         other = threading.Thread(target=optimize, args=("another thread",))
         other.start()
         other.join()
-        with compile_module.llvm_opt_level(None):
+        with llvm_level.llvm_opt_level(None):
             optimize("nested None")
         optimize("after the nested one")
     optimize("after")
@@ -124,7 +125,7 @@ def test_llvm_opt_level_applies_to_the_compiles_of_the_thread_that_asked_for_it(
 def test_llvm_opt_level_names_its_levels(level):
     with pytest.raises(ValueError, match=r"level must be one of \('O0', 'O1', 'O2', 'O3'\) or None \(the values of "
                                          r"launch.WS_FWD_LLVM_OPT_LEVELS / WS_BWD_LLVM_OPT_LEVELS, per head dim\)"):
-        compile_module.llvm_opt_level(level)
+        llvm_level.llvm_opt_level(level)
 
 
 @pytest.mark.parametrize("kernel, setting", [("forward_ws", "WS_FWD_LLVM_OPT_LEVELS"),
@@ -160,7 +161,7 @@ def test_the_gluon_launchers_compile_at_their_head_dims_level(monkeypatch, D, le
 
     class Kernel:
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: seen.append(compile_module._LLVM_LEVEL.level)
+            return lambda *args, **kwargs: seen.append(llvm_level._LLVM_LEVEL.level)
 
     monkeypatch.setattr(launch, "_device_facts", lambda device: (5, 9))
     monkeypatch.setattr(launch, "_ensure_allocator", lambda: None)
@@ -168,7 +169,7 @@ def test_the_gluon_launchers_compile_at_their_head_dims_level(monkeypatch, D, le
     num, idx, full_num, full_idx, sparse = _block_tensors(None, 256, 256, torch.device("cpu"))
     module = type("Module", (), {"flex_fwd_ws_kernel": Kernel(), "LLVM_OPT_LEVELS": {128: "O0"}})
     launch.launch_forward_ws(module, [], q, k, v, num, idx, full_num, full_idx, sparse, 0.125, False, dense=True)
-    assert seen == [level] and getattr(compile_module._LLVM_LEVEL, "level", None) is None
+    assert seen == [level] and getattr(llvm_level._LLVM_LEVEL, "level", None) is None
     # a level that is none of LLVM's, set by hand: refused at the launch, before anything compiles
     module.LLVM_OPT_LEVELS = {D: "O9"}
     with pytest.raises(ValueError, match="launch.WS_FWD_LLVM_OPT_LEVELS / WS_BWD_LLVM_OPT_LEVELS"):

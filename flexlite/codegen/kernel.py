@@ -120,7 +120,7 @@ def _one_in(poly_exp2: Optional[dict]) -> tuple:
 
 def _levels(levels: Optional[dict]) -> tuple:
     """Head dim -> LLVM level as sorted pairs (the render cache's key); the levels themselves are checked where the
-    kernel is launched (:class:`flexlite.runtime.compile.llvm_opt_level`)."""
+    kernel is launched (:class:`flexlite.runtime.llvm_level.llvm_opt_level`)."""
     if levels is None:
         return ()
     if not isinstance(levels, dict):
@@ -147,7 +147,7 @@ def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Ca
     score_mod's folded output factor bounds it (``cap * tanh`` with cap * log2(e) up to :data:`MAX_BOUND`), the
     softmax runs against that bound instead of the running row max. ``llvm_opt_levels`` (fwd_ws.py.jinja): head
     dim -> the LLVM optimization level its launcher compiles it at (others: Triton's own;
-    :class:`flexlite.runtime.compile.llvm_opt_level`). ``poly_exp2`` (fwd_ws.py.jinja): head dim -> N, one of every N
+    :class:`flexlite.runtime.llvm_level.llvm_opt_level`). ``poly_exp2`` (fwd_ws.py.jinja): head dim -> N, one of every N
     of P's exponentials computed by a polynomial on the FMA pipes (:mod:`flexlite.codegen.exp2`). A mod may come as
     its :class:`TracedMod` where the caller has traced it already.
     """

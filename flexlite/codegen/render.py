@@ -50,7 +50,7 @@ def render(template: str, score_mod: LoweredMod, mask_mod: LoweredMod, *, interp
     computed on a compact vector. ``score_bound`` (fwd_ws.py.jinja): a bound of score_mod's output in base 2 that the
     kernel takes instead of the running row max. ``llvm_opt_levels`` (the Gluon templates, fwd_ws.py.jinja and
     bwd_ws.py.jinja): (head dim, LLVM optimization level) pairs, the level the kernel compiles at per head dim (others:
-    Triton's own; compile.llvm_opt_level). ``poly_exp2`` (fwd_ws.py.jinja): (head dim, N) pairs, P's exponentials
+    Triton's own; llvm_level.llvm_opt_level). ``poly_exp2`` (fwd_ws.py.jinja): (head dim, N) pairs, P's exponentials
     one in N by a polynomial on the FMA pipes at that head dim (codegen.exp2; nothing rendered without).
     """
     extra = {}

@@ -24,6 +24,8 @@ from typing import Callable, Iterator, Optional
 
 import triton
 
+from .llvm_level import current_level
+
 _SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compile_server.py")
 _THREAD = threading.local()
 _lock = threading.Lock()
@@ -37,15 +39,15 @@ def _hook(**kwargs):
         previous = _previous_hook[0]
         return previous(**kwargs) if previous is not None else None
     captured.append((kwargs["fn"].jit_function, kwargs["compile"]["specialization_data"],
-                     triton.runtime.driver.active.get_current_target()))
+                     triton.runtime.driver.active.get_current_target(), current_level()))
     return True  # (Triton then compiles nothing: the launch returns None)
 
 
 @contextlib.contextmanager
 def capturing() -> Iterator[list]:
     """In this thread, while inside: each Triton compile recorded in the list yielded, as (JIT function,
-    specialization data, target), instead of run (a compile-only launch then returns None). Other threads compile as
-    before."""
+    specialization data, target, LLVM level: llvm_level.llvm_opt_level's), instead of run (a compile-only launch then
+    returns None). Other threads compile as before."""
     hooks = triton.knobs.runtime
     if hooks.jit_cache_hook is not _hook:
         _previous_hook[0] = hooks.jit_cache_hook
@@ -86,11 +88,11 @@ class _Server:
             self.process.kill()
 
 
-def _request(function, specialization: str, target) -> dict:
+def _request(function, specialization: str, target, llvm_level: Optional[str]) -> dict:
     module = sys.modules[function.fn.__module__]
     return dict(path=module.__file__, module=module.__name__, function=function.fn.__qualname__,
                 specialization=specialization, target=[target.backend, target.arch, target.warp_size],
-                cache_dir=triton.knobs.cache.dir)
+                llvm_level=llvm_level, cache_dir=triton.knobs.cache.dir)
 
 
 def compile_in_processes(captured: list, processes: int) -> int:

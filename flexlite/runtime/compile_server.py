@@ -3,13 +3,14 @@
 Run by path (``python .../compile_server.py``), so that it imports Triton alone, not flexlite and torch. It reads one
 JSON request a line from stdin — a kernel module's file and name, a ``@jit`` function's qualified name, Triton's
 specialization data for it (what ``knobs.runtime.jit_cache_hook`` is handed: the signature, constexprs, attributes
-and options of one compile), the target and Triton's cache directory — compiles it into that cache with
-``JITFunction.preload`` and answers one JSON line (``{"ok": true}`` or ``{"ok": false, "error": ...}``). No GPU is
+and options of one compile), the target, the LLVM level the capturing thread compiled at (llvm_level.py, loaded here
+by path) and Triton's cache directory — compiles it into that cache with ``JITFunction.preload`` and answers one JSON line (``{"ok": true}`` or ``{"ok": false, "error": ...}``). No GPU is
 touched: a stand-in driver names the target, as for an offline compile. It exits at the end of its input.
 """
 
 import importlib.util
 import json
+import os
 import sys
 import traceback
 
@@ -34,6 +35,7 @@ class _TargetDriver:
 
 
 def _module(name: str, path: str):
+    """The module at ``path``, imported as ``name`` (once)."""
     module = sys.modules.get(name)
     if module is None:
         spec = importlib.util.spec_from_file_location(name, path)
@@ -52,7 +54,10 @@ def _compile(request: dict) -> None:
     fn = _module(request["module"], request["path"])
     for part in request["function"].split("."):
         fn = getattr(fn, part)
-    fn.preload(request["specialization"])
+    llvm_level = _module("flexlite_llvm_level", os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                             "llvm_level.py"))
+    with llvm_level.llvm_opt_level(request["llvm_level"]):
+        fn.preload(request["specialization"])
 
 
 def main() -> None:

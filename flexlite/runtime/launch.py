@@ -21,7 +21,8 @@ except ImportError:
 
 from . import autotune
 from .autotune import length_bucket
-from .compile import interpreter_scope, llvm_opt_level
+from .compile import interpreter_scope
+from .llvm_level import llvm_opt_level
 
 # kernel_options keys of torch's FlexAttention that only tune performance there; accepted, no effect
 TORCH_PERF_HINTS = frozenset({
@@ -452,7 +453,7 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
         EVEN_M=Lq % WS_BLOCK_M == 0, EVEN_N=Lkv % sparse_block[1] == 0, HAS_FULL_BLOCKS=has_full,
         HAS_SCORE_MOD=has_score_mod, REVERSE_M=REVERSE_Q_BLOCKS, DENSE=dense, HOST_DESC=host_desc,
         PERSISTENT=persistent, STORE_MAX=max_scores, **tiles, num_warps=4))
-    with llvm_opt_level(module.LLVM_OPT_LEVELS.get(D)):  # the level its source names (compile.llvm_opt_level)
+    with llvm_opt_level(module.LLVM_OPT_LEVELS.get(D)):  # the level its source names (llvm_level.llvm_opt_level)
         launch((programs,), (
             q, k, v, out, *descs, lse, lse if row_max is None else row_max, *blocks, *q.stride()[:3], *k.stride()[:3],
             *v.stride()[:3], *out.stride()[:3], *block_strides, work, n_qblocks, Hq, Hq // Hkv, Lq, Lkv, float(scale),
@@ -513,7 +514,7 @@ WS_FWD_COMPACT_BIAS_HEAD_DIMS = frozenset({128})
 WS_FWD_BOUNDED_SOFTMAX = True
 # per head dim the LLVM optimization level the warp-specialized forward compiles at (head dims not named: Triton's
 # own, O3): at O3 LLVM's SLP vectorizer packs a partial tile's mask compares into a <64 x i1> vector that the NVPTX
-# backend unpacks with ~200 shifts and logic ops per warp and tile (compile.llvm_opt_level); at O0 the tile loops are
+# backend unpacks with ~200 shifts and logic ops per warp and tile (llvm_level.llvm_opt_level); at O0 the tile loops are
 # what ptxas makes of the kernel alone (H200: the document mask's forward 9.8 % faster at D128, 5.9 % at D64, the
 # other harness masks even or up to 4.7 % faster; NOTES 65)
 WS_FWD_LLVM_OPT_LEVELS = {64: "O0", 128: "O0"}
@@ -568,7 +569,7 @@ def _launch_dkdv_ws(module, mod_args: list, grad_args: list, q, k, v, grad_out, 
         BLOCK_N=WS_BWD_BLOCK_N, D=D, DV=v.shape[-1], SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1],
         HAS_FULL_BLOCKS=has_full, HAS_SCORE_MOD=has_score_mod, DENSE=dense, FUSED_DQ=dq_acc is not None, **tiles,
         FULL_FIRST=WS_BWD_FULL_FIRST, PERSISTENT=persistent, num_warps=4))
-    with llvm_opt_level(module.LLVM_OPT_LEVELS.get(D)):  # the level its source names (compile.llvm_opt_level)
+    with llvm_opt_level(module.LLVM_OPT_LEVELS.get(D)):  # the level its source names (llvm_level.llvm_opt_level)
         launch((programs,), (
             *descs, lse, delta, dk, dv, *q_blocks, *_mask_strides(q_blocks[0]),
             *_mask_strides(q_blocks[1]), work, Hq, Hkv, Hq // Hkv, Lq, Lkv, float(scale), *mod_args, *grad_args))
