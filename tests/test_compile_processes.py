@@ -62,6 +62,18 @@ def _child(case: str, cache: str) -> dict:
     elif case == "run":
         facts["servers_compiled"] = compile_processes.run(lambda: kernels.append(forward()), 2)
         facts.update(kernels=[k is not None for k in kernels], entries=entries())
+    elif case == "two threads":  # two kernel sets at once over one server: the second waits for it
+        results = []
+
+        def one(score_mod):
+            results.append(compile_processes.run(lambda: kernels.append(forward(score_mod)), 1))
+        threads = [threading.Thread(target=one, args=(mod,)) for mod in (None, generate_alibi_bias(2))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        facts.update(servers_compiled=results, kernels=sorted(k is not None for k in kernels), entries=entries(),
+                     servers=sum(server is not None for server in compile_processes._slots))
     elif case == "fallback":  # a server that cannot compile what it is asked: the second pass compiles it here
         request = compile_processes._request
         compile_processes._request = lambda *entry: dict(request(*entry), function="no_such_kernel")
@@ -108,6 +120,12 @@ def test_run_compiles_in_servers(tmp_path):
     assert facts["servers_compiled"] == 1 and len(facts["entries"]) == 1 and facts["kernels"] == [False, True]
 
 
+def test_threads_share_the_servers(tmp_path):
+    facts = _in_fresh_process("two threads", tmp_path)
+    assert facts["servers_compiled"] == [1, 1] and facts["servers"] == 1 and len(facts["entries"]) == 2
+    assert facts["kernels"] == [False, False, True, True]
+
+
 def test_a_server_that_fails_leaves_the_compile_to_the_caller(tmp_path):
     facts = _in_fresh_process("fallback", tmp_path)
     assert facts["servers_compiled"] == 0 and len(facts["entries"]) == 1 and facts["kernels"] == [False, True]
@@ -131,4 +149,4 @@ def test_nothing_captured_runs_once_and_starts_no_server():
     calls = []
     with launch.compile_only():
         assert compile_processes.run(lambda: calls.append(launch.compiling_only()), 2) == 0
-    assert calls == [True] and compile_processes._servers == []
+    assert calls == [True] and not any(compile_processes._slots)

@@ -28,8 +28,9 @@ from .llvm_level import current_level
 
 _SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compile_server.py")
 _THREAD = threading.local()
-_lock = threading.Lock()
-_servers: list = []
+_slots: list = []  # a compile server per slot (None until one is needed)
+_busy: set = set()  # the slots a thread holds
+_free = threading.Condition()  # a slot was released
 _previous_hook: list = [None]  # a jit_cache_hook that was installed before :func:`_hook`
 
 
@@ -95,26 +96,50 @@ def _request(function, specialization: str, target, llvm_level: Optional[str]) -
                 llvm_level=llvm_level, cache_dir=triton.knobs.cache.dir)
 
 
+def _acquire(wanted: int, processes: int) -> list:
+    """Up to ``wanted`` of the first ``processes`` server slots for this thread (at least one: waits for a free one)."""
+    with _free:
+        while len(_slots) < processes:
+            _slots.append(None)
+        while True:
+            free = [i for i in range(processes) if i not in _busy]
+            if free:
+                _busy.update(free[:wanted])
+                return free[:wanted]
+            _free.wait()
+
+
+def _release(slots: list) -> None:
+    with _free:
+        _busy.difference_update(slots)
+        _free.notify_all()
+
+
+def _server(slot: int) -> Optional[_Server]:
+    """The server of ``slot`` (held by this thread), started if it has none or it exited; None if it cannot start."""
+    server = _slots[slot]
+    if server is None or not server.alive():
+        try:
+            server = _slots[slot] = _Server()
+        except OSError:
+            return None
+    return server
+
+
 def compile_in_processes(captured: list, processes: int) -> int:
-    """Compile each of ``captured`` (:func:`capturing`'s) into Triton's cache in up to ``processes`` compile servers
-    at once; returns how many compiled. The others are left to the caller's own compile (a
-    compile error, a server that could not start or died: it is started again next time)."""
+    """Compile each of ``captured`` (:func:`capturing`'s) into Triton's cache in compile servers, as many at once as
+    there are free ones of ``processes`` (threads compiling beside each other share them); returns how many compiled.
+    The others are left to the caller's own compile (a compile error, a server that could not start or died: it is
+    started again next time)."""
     if not captured or processes < 1:
         return 0
     requests = [_request(*entry) for entry in captured]
-    with _lock:
-        _servers[:] = [s for s in _servers if s.alive()]
-        try:
-            while len(_servers) < min(processes, len(requests)):
-                _servers.append(_Server())
-        except OSError:
-            if not _servers:
-                return 0
-        sent = [[] for _ in _servers]
-        for i, request in enumerate(requests):
-            sent[i % len(_servers)].append(request)
+    slots = _acquire(len(requests), processes)
+    try:
+        servers = [server for server in map(_server, slots) if server is not None]
         compiled = 0
-        for server, share in zip(list(_servers), sent):
+        for k, server in enumerate(servers):
+            share = requests[k::len(servers)]
             try:
                 for request in share:
                     server.send(request)
@@ -122,6 +147,8 @@ def compile_in_processes(captured: list, processes: int) -> int:
             except (OSError, RuntimeError, ValueError):
                 server.process.kill()
         return compiled
+    finally:
+        _release(slots)
 
 
 def run(compile_: Callable[[], None], processes: int) -> Optional[int]:
@@ -147,5 +174,6 @@ def run(compile_: Callable[[], None], processes: int) -> Optional[int]:
 
 @atexit.register
 def _close() -> None:
-    for server in _servers:
-        server.close()
+    for server in _slots:
+        if server is not None:
+            server.close()
