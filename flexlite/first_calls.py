@@ -33,7 +33,6 @@ in torch (vmapped over chunks, as on CPU) while the worker compiles its block-ma
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import copy
 import hashlib
 import os
@@ -64,8 +63,9 @@ MAX_TORCH_POSITIONS = 2 ** 26
 # backward (benchmarks/NOTES.md 73), where 1's compiled the first mask_mod's
 _MARKER_VERSION = 2
 # the worker's Triton compiles run in up to this many processes of their own (runtime/compile_processes.py), as many
-# kernel sets at once (a worker thread each): in the worker thread Triton's C++ passes held the GIL for up to ~0.7 s at
-# a time, and the calls beside waited (benchmarks/NOTES.md 79); 0: in one worker thread, one set after another
+# kernel sets at once (a worker thread each, their Python passes one at a time): in the worker thread Triton's C++
+# passes held the GIL for up to ~0.7 s at a time, and the calls beside waited (benchmarks/NOTES.md 79); 0: in the
+# worker threads, one kernel set after another
 COMPILE_PROCESSES = min(4, max(1, (os.cpu_count() or 2) // 2))
 _CHUNK_BLOCKS = 256  # partial blocks evaluated at a time (4M positions at 128 x 128: ~100 MB of temporaries)
 
@@ -74,7 +74,6 @@ _ready: set = set()  # kernel keys (pass, sources, signature) compiled in this p
 _pending: dict = {}  # kernel key -> Future of the worker compiling it
 _failed: set = set()  # kernel keys whose compile in the worker raised: compiled in the call from then on
 _worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
-_in_thread = threading.Lock()  # held by the worker thread compiling with COMPILE_PROCESSES 0
 _bits_calls = [0]
 _eager_calls = [0]
 
@@ -197,9 +196,8 @@ def _compile(key: tuple, compile_: Callable[[], None], device: Optional[int], pe
     try:
         if device is not None:
             torch.cuda.set_device(device)
-        processes = COMPILE_PROCESSES
-        with launch.compile_only(), tracing_refused(), (_in_thread if processes < 1 else contextlib.nullcontext()):
-            compile_processes.run(compile_, processes)  # (the calls' traces are made on their thread)
+        with launch.compile_only(), tracing_refused():  # (the calls' traces are made on their thread)
+            compile_processes.run(compile_, COMPILE_PROCESSES)
         mark_ready(key, persist)
     except Exception:  # noqa: BLE001 - the call that needs these kernels compiles them itself and raises there
         _failed.add(key)

@@ -31,6 +31,7 @@ _THREAD = threading.local()
 _slots: list = []  # a compile server per slot (None until one is needed)
 _busy: set = set()  # the slots a thread holds
 _free = threading.Condition()  # a slot was released
+_passes = threading.Lock()  # held by a thread running its compile-only launches (:func:`run`)
 _previous_hook: list = [None]  # a jit_cache_hook that was installed before :func:`_hook`
 
 
@@ -155,20 +156,21 @@ def run(compile_: Callable[[], None], processes: int) -> Optional[int]:
     """``compile_()`` (compile-only launches) with its Triton compiles in compile servers: once captured, compiled by
     up to ``processes`` servers, then run again here, where each launch loads what the servers compiled (or compiles
     what they did not); where nothing was captured (every kernel loaded already, or the interpreter's), the first
-    pass was the whole of it. Returns how many kernels the servers compiled (None: ``processes`` is 0 or the capture
-    raised, and everything compiled here)."""
+    pass was the whole of it. Threads calling this at once take turns for their passes, which are Python (the calls
+    beside wait for the GIL as long as any of them runs one), and wait for the servers together. Returns how many
+    kernels the servers compiled (None: ``processes`` is 0 or the capture raised, and everything compiled here)."""
+    compiled = None
     if processes > 0:
         try:
-            with capturing() as captured:
+            with _passes, capturing() as captured:
                 compile_()
             if not captured:
                 return 0
             compiled = compile_in_processes(captured, processes)
         except Exception:  # noqa: BLE001 - the second pass compiles everything itself, and raises what is wrong
             compiled = None
-    else:
-        compiled = None
-    compile_()
+    with _passes:
+        compile_()
     return compiled
 
 
