@@ -140,7 +140,10 @@ def ready(key: tuple, on_disk: bool = False) -> bool:
 
 def mark_ready(key: tuple, persist: bool = False) -> None:
     """``key``'s kernels are compiled; ``persist``: say so to later processes too (a marker file under flexlite's
-    cache directory, for CUDA keys: the bits' kernels, which serve every later mask_mod)."""
+    cache directory, for CUDA keys: the bits' kernels, which serve every later mask_mod). In a compile server's
+    capture pass, where nothing is compiled yet, kept for later (compile_processes.defer)."""
+    if compile_processes.defer(lambda: mark_ready(key, persist)):
+        return
     _ready.add(key)
     marker = _marker(key) if persist else None
     if marker is not None and not marker.exists():
@@ -176,8 +179,10 @@ def _marker(key: tuple) -> Optional[Path]:
 def compile_beside(key: tuple, compile_: Callable[[], None], persist: bool = False) -> bool:
     """Run ``compile_`` (launches that compile only) in the worker thread unless ``key`` is compiled, being compiled
     or failed; ``key`` is ready once it returns (``persist``: :func:`mark_ready`'s). False where its compile failed
-    before: the call compiles its own."""
+    before: the call compiles its own. In a compile server's capture pass, kept for later (compile_processes.defer)."""
     global _worker
+    if compile_processes.defer(lambda: compile_beside(key, compile_, persist)):
+        return True
     with _lock:
         if key in _failed:
             return False

@@ -150,3 +150,26 @@ def test_nothing_captured_runs_once_and_starts_no_server():
     with launch.compile_only():
         assert compile_processes.run(lambda: calls.append(launch.compiling_only()), 2) == 0
     assert calls == [True] and not any(compile_processes._slots)
+
+
+@pytest.mark.parametrize("captures", [False, True])
+def test_the_capture_pass_says_nothing_is_compiled(monkeypatch, captures):
+    """first_calls' marks (and queued compiles) made in a capture pass wait: dropped where a second pass follows (it
+    makes them again, once the servers compiled), made after it where it captured nothing (it was the whole compile)."""
+    import torch
+
+    from flexlite import first_calls
+    from flexlite.runtime import compile_processes
+
+    key = ("test", ("capture pass",), (torch.device("cpu"), captures))
+    seen = []
+
+    def compile_():
+        if captures and compile_processes._THREAD.captured is not None:
+            compile_processes._THREAD.captured.append("a kernel")  # (as the hook records one)
+        first_calls.mark_ready(key)
+        seen.append(first_calls.ready(key))
+    monkeypatch.setattr(compile_processes, "compile_in_processes", lambda captured, processes: len(captured))
+    monkeypatch.setattr(first_calls, "_ready", set())
+    assert compile_processes.run(compile_, 2) == (1 if captures else 0)
+    assert seen == ([False, True] if captures else [False]) and first_calls.ready(key)

@@ -54,11 +54,22 @@ def capturing() -> Iterator[list]:
     if hooks.jit_cache_hook is not _hook:
         _previous_hook[0] = hooks.jit_cache_hook
         hooks.jit_cache_hook = _hook
-    _THREAD.captured = []
+    _THREAD.captured, _THREAD.deferred = [], []
     try:
         yield _THREAD.captured
     finally:
         _THREAD.captured = None
+
+
+def defer(action: Callable[[], None]) -> bool:
+    """Inside :func:`capturing` (a capture pass, whose kernels are not compiled yet): keep ``action`` (saying that
+    kernels are compiled, or queueing more compiles) for :func:`run`, and True; else False (do it now). :func:`run`
+    does the kept actions where its capture pass captured nothing (so was the whole compile), and drops them where
+    its second pass does them again."""
+    if getattr(_THREAD, "captured", None) is None:
+        return False
+    _THREAD.deferred.append(action)
+    return True
 
 
 class _Server:
@@ -165,6 +176,8 @@ def run(compile_: Callable[[], None], processes: int) -> Optional[int]:
             with _passes, capturing() as captured:
                 compile_()
             if not captured:
+                for action in _THREAD.deferred:
+                    action()
                 return 0
             compiled = compile_in_processes(captured, processes)
         except Exception:  # noqa: BLE001 - the second pass compiles everything itself, and raises what is wrong
