@@ -19,7 +19,8 @@
    and at once a CUDA graph captured of a call with a known mask (causal), replayed and compared with an eager call;
    prints whether the worker was compiling while the capture ran and whether its compile failed.
 
-Usage: python benchmarks/probe_first_step.py [--out DIR] [--only cold_on,later]   (CUDA; temporary caches;
+Usage: python benchmarks/probe_first_step.py [--out DIR] [--only cold_on,later] [--threads 2,4]
+(``--threads``: also ``cold on`` with that many worker threads, ``first_calls.COMPILE_THREADS``, each on its own caches)   (CUDA; temporary caches;
 FIRST_STEP_PROFILE=1: cProfile of each create_block_mask, forward and backward, to DIR/first_step-<mode>.txt)"""
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ first_calls.ENABLED = mode != "cold off"
 first_calls.EAGER = mode not in ("cold off", "cold bits")
 if mode == "cold thread":
     first_calls.COMPILE_PROCESSES = 0
+if mode.startswith("cold on ") and mode.endswith(" threads"):
+    first_calls.COMPILE_THREADS = int(mode.split()[2])
 small = torch.ones(64, device="cuda")
 def host_loop():
     t, x = time.perf_counter(), small
@@ -160,6 +163,7 @@ print(json.dumps(rows))
 """
 
 
+THREADS = sys.argv[sys.argv.index("--threads") + 1].split(",") if "--threads" in sys.argv else []
 ONLY = [m.replace("_", " ") for m in sys.argv[sys.argv.index("--only") + 1].split(",")] if "--only" in sys.argv else []
 
 
@@ -167,10 +171,12 @@ def main():
     out_dir = sys.argv[sys.argv.index("--out") + 1] if "--out" in sys.argv else None
     table, results = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        modes = [m for m in ("cold off", "cold bits", "cold thread", "cold on", "later", "graph")
-                 if not ONLY or m in ONLY]
+        threads = [f"cold on {n} threads" for n in THREADS]
+        modes = [m for m in ("cold off", "cold bits", "cold thread", "cold on", *threads, "later", "graph")
+                 if not ONLY or m in ONLY or m in threads]
         for mode in modes:
-            caches = {"cold off": "off", "cold bits": "bits", "cold thread": "thread"}.get(mode, "on")
+            caches = {"cold off": "off", "cold bits": "bits", "cold thread": "thread"}.get(
+                mode, mode.replace(" ", "_") if mode.endswith("threads") else "on")
             env = dict(os.environ, FLEXLITE_CACHE_DIR=os.path.join(tmp, caches, "flexlite"),
                        TRITON_CACHE_DIR=os.path.join(tmp, caches, "triton"))
             proc = subprocess.run([sys.executable, "-c", CHILD, mode], env=env, capture_output=True, text=True)

@@ -62,11 +62,13 @@ MAX_TORCH_POSITIONS = 2 ** 26
 # what a marker file promises, in its name: 2 since the bits' backward compiles both grids of the warp-specialized
 # backward (benchmarks/NOTES.md 73), where 1's compiled the first mask_mod's
 _MARKER_VERSION = 2
-# the worker's Triton compiles run in up to this many processes of their own (runtime/compile_processes.py), as many
-# kernel sets at once (a worker thread each, their Python passes one at a time): in the worker thread Triton's C++
-# passes held the GIL for up to ~0.7 s at a time, and the calls beside waited (benchmarks/NOTES.md 79); 0: in the
-# worker threads, one kernel set after another
+# the worker's Triton compiles run in up to this many processes of their own (runtime/compile_processes.py), a kernel
+# set's kernels at once: in the worker thread Triton's C++ passes held the GIL for up to ~0.7 s at a time, and the
+# calls beside waited (benchmarks/NOTES.md 79); 0: in the worker thread
 COMPILE_PROCESSES = min(4, max(1, (os.cpu_count() or 2) // 2))
+# worker threads (kernel sets compiling at once; their Python passes take turns, and every one of them running beside
+# a call slows it, the GIL's: NOTES 79)
+COMPILE_THREADS = 1
 _CHUNK_BLOCKS = 256  # partial blocks evaluated at a time (4M positions at 128 x 128: ~100 MB of temporaries)
 
 _lock = threading.Lock()
@@ -189,7 +191,7 @@ def compile_beside(key: tuple, compile_: Callable[[], None], persist: bool = Fal
         if key in _ready or key in _pending:
             return True
         if _worker is None:
-            _worker = concurrent.futures.ThreadPoolExecutor(max(1, COMPILE_PROCESSES),
+            _worker = concurrent.futures.ThreadPoolExecutor(max(1, COMPILE_THREADS),
                                                             thread_name_prefix="flexlite-compile")
         _pending[key] = _worker.submit(_compile, key, compile_, torch.cuda.current_device()
                                        if torch.cuda.is_available() and torch.cuda.is_initialized() else None,
