@@ -66,9 +66,10 @@ _MARKER_VERSION = 2
 # set's kernels at once: in the worker thread Triton's C++ passes held the GIL for up to ~0.7 s at a time, and the
 # calls beside waited (benchmarks/NOTES.md 79); 0: in the worker thread
 COMPILE_PROCESSES = min(4, max(1, (os.cpu_count() or 2) // 2))
-# worker threads (kernel sets compiling at once; their Python passes take turns, and every one of them running beside
-# a call slows it, the GIL's: NOTES 79)
-COMPILE_THREADS = 1
+# worker threads: kernel sets compiling at once (their Python passes take turns; one running beside a call slows it,
+# the GIL's). On the H200 machine 2 took the worker's time after a first step from 17-18 s to ~10 s, 4 no further,
+# with the next steps' backwards 0.05-0.1 s slower (NOTES 79)
+COMPILE_THREADS = 2
 _CHUNK_BLOCKS = 256  # partial blocks evaluated at a time (4M positions at 128 x 128: ~100 MB of temporaries)
 
 _lock = threading.Lock()
