@@ -173,3 +173,25 @@ def test_the_capture_pass_says_nothing_is_compiled(monkeypatch, captures):
     monkeypatch.setattr(first_calls, "_ready", set())
     assert compile_processes.run(compile_, 2) == (1 if captures else 0)
     assert seen == ([False, True] if captures else [False]) and first_calls.ready(key)
+
+
+def test_a_forked_process_starts_its_own_servers(monkeypatch):
+    """A child forked after servers started (a data-loader worker) holds the parent's in its memory: it neither
+    speaks to them nor closes them at exit."""
+    import os
+
+    from flexlite.runtime import compile_processes
+
+    server = compile_processes._Server()
+    try:
+        assert server.alive()
+        closed = []
+        monkeypatch.setattr(compile_processes, "_slots", [server])
+        monkeypatch.setattr(server, "close", lambda: closed.append(True))
+        monkeypatch.setattr(os, "getpid", lambda: server.owner + 1)
+        assert not server.alive()
+        compile_processes._close()
+        assert closed == []
+    finally:
+        server.process.kill()
+        server.process.wait()

@@ -76,12 +76,13 @@ class _Server:
     """One compile server process (runtime/compile_server.py), spoken to in JSON lines."""
 
     def __init__(self):
+        self.owner = os.getpid()  # (a forked child has the parent's servers in its memory, not its own)
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         self.process = subprocess.Popen([sys.executable, _SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=subprocess.DEVNULL, text=True, env=env)
 
     def alive(self) -> bool:
-        return self.process.poll() is None
+        return self.owner == os.getpid() and self.process.poll() is None
 
     def send(self, request: dict) -> None:
         self.process.stdin.write(json.dumps(request) + "\n")
@@ -190,5 +191,5 @@ def run(compile_: Callable[[], None], processes: int) -> Optional[int]:
 @atexit.register
 def _close() -> None:
     for server in _slots:
-        if server is not None:
+        if server is not None and server.owner == os.getpid():
             server.close()
