@@ -34,28 +34,10 @@ from flexlite.codegen.kernel import generate_backward
 from flexlite.masks import causal_mask
 from flexlite.runtime import launch
 from flexlite.runtime.compile import load_module
+from flexlite.runtime.compile_server import TargetDriver
 
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 _SASS_OPS = ("MUFU", "HGMMA", "FFMA", "FMUL", "FADD", "FMNMX", "LDG", "STL", "LDL")
-
-
-class _OfflineDriver:
-    """What JITFunction.run asks the active driver for, answered for an sm_90 target without a GPU."""
-
-    def __init__(self, target: GPUTarget):
-        self.target = target
-
-    def get_current_target(self):
-        return self.target
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def is_active(self):
-        return True
 
 
 def _compiled_lang_helpers() -> list:
@@ -86,7 +68,7 @@ def offline_cuda(capability: int = 90, compiled_launches: bool = False):
     saved = (launch.tma_ok, launch._ensure_allocator, launch.interpreter_scope, launch._device_facts,
              launch.COMPILED_LAUNCHES, launch._current_device_and_stream)
     active = triton.runtime.driver._active  # None until a driver is asked for (reset_active would create one)
-    triton.runtime.driver.set_active(_OfflineDriver(GPUTarget("cuda", capability, 32)))
+    triton.runtime.driver.set_active(TargetDriver(GPUTarget("cuda", capability, 32)))
     JITFunction.run = compile_only
     launch.tma_ok = lambda *tensors: all(t.stride(-1) == 1 for t in tensors)
     launch._ensure_allocator = lambda: None
