@@ -26,6 +26,10 @@ block mask), the call runs in torch ops (:mod:`flexlite.eager`, :data:`EAGER`) w
 (and the bits' for the next mask_mod); so do later calls, forward and backward, until they are compiled. Those calls'
 results agree with the kernels' to their tolerances, not bit for bit (float32 throughout: NOTES 78).
 
+The worker (:data:`COMPILE_THREADS` threads) has Triton's compiles run in compile servers, processes of their own
+(:data:`COMPILE_PROCESSES`, runtime/compile_processes.py), so that they do not hold this process's GIL while the calls
+go on (NOTES 79).
+
 create_block_mask takes the same way on CUDA (:func:`block_flags_in_torch`): a new mask_mod's block mask is evaluated
 in torch (vmapped over chunks, as on CPU) while the worker compiles its block-mask kernel for the next one.
 """
@@ -63,7 +67,7 @@ MAX_TORCH_POSITIONS = 2 ** 26
 # backward (benchmarks/NOTES.md 73), where 1's compiled the first mask_mod's
 _MARKER_VERSION = 2
 # the worker's Triton compiles run in up to this many processes of their own (runtime/compile_processes.py), a kernel
-# set's kernels at once: in the worker thread Triton's C++ passes held the GIL for up to ~0.7 s at a time, and the
+# set's kernels at once: in the worker thread Triton's C++ passes held the GIL 0.4-1 s at a time, and the
 # calls beside waited (benchmarks/NOTES.md 79); 0: in the worker thread
 COMPILE_PROCESSES = min(4, max(1, (os.cpu_count() or 2) // 2))
 # worker threads: kernel sets compiling at once (their Python passes take turns; one running beside a call slows it,

@@ -1,7 +1,7 @@
 """Triton compiles of the first_calls worker in processes of their own (compile servers).
 
 The worker thread of :mod:`flexlite.first_calls` compiles a mod's kernels while the calls go on. Triton's compile
-holds the GIL through its C++ passes (MLIR, LLVM) for up to ~0.7 s at a time, and the calling thread's torch ops wait
+holds the GIL through its C++ passes (MLIR, LLVM), 0.4-1 s at a time, and the calling thread's torch ops wait
 for it (benchmarks/NOTES.md 79). :func:`run` takes those compiles out of the process: it runs the worker's
 compile-only launches once with Triton's compiles recorded instead of run (:func:`capturing`: the JIT function and
 Triton's specialization data of each, what ``knobs.runtime.jit_cache_hook`` is handed), has compile servers

@@ -4,8 +4,9 @@ Run by path (``python .../compile_server.py``), so that it imports Triton alone,
 JSON request a line from stdin — a kernel module's file and name, a ``@jit`` function's qualified name, Triton's
 specialization data for it (what ``knobs.runtime.jit_cache_hook`` is handed: the signature, constexprs, attributes
 and options of one compile), the target, the LLVM level the capturing thread compiled at (llvm_level.py, loaded here
-by path) and Triton's cache directory — compiles it into that cache with ``JITFunction.preload`` and answers one JSON line (``{"ok": true}`` or ``{"ok": false, "error": ...}``). No GPU is
-touched: a stand-in driver names the target, as for an offline compile. It exits at the end of its input.
+by path) and Triton's cache directory — compiles it into that cache with ``JITFunction.preload`` and answers one
+JSON line (``{"ok": true}`` or ``{"ok": false, "error": ...}``). No GPU is touched: a stand-in driver names the
+target, as for an offline compile. It exits at the end of its input.
 """
 
 import importlib.util
