@@ -74,6 +74,12 @@ def _child(case: str, cache: str) -> dict:
             thread.join()
         facts.update(servers_compiled=results, kernels=sorted(k is not None for k in kernels), entries=entries(),
                      servers=sum(server is not None for server in compile_processes._slots))
+    elif case == "environment":  # a variable in Triton's cache keys set after the server started
+        facts["servers_compiled"] = [compile_processes.run(lambda: kernels.append(forward()), 1)]
+        os.environ["TRITON_DISABLE_LINE_INFO"] = "1"
+        facts["servers_compiled"].append(
+            compile_processes.run(lambda: kernels.append(forward(generate_alibi_bias(2))), 1))
+        facts.update(kernels=[k is not None for k in kernels], entries=entries())
     elif case == "fallback":  # a server that cannot compile what it is asked: the second pass compiles it here
         request = compile_processes._request
         compile_processes._request = lambda *entry: dict(request(*entry), function="no_such_kernel")
@@ -124,6 +130,13 @@ def test_threads_share_the_servers(tmp_path):
     facts = _in_fresh_process("two threads", tmp_path)
     assert facts["servers_compiled"] == [1, 1] and facts["servers"] == 1 and len(facts["entries"]) == 2
     assert facts["kernels"] == [False, False, True, True]
+
+
+def test_the_servers_compile_in_the_callers_environment(tmp_path):
+    facts = _in_fresh_process("environment", tmp_path)
+    # the second kernel compiled by the server under the caller's new variable: its second pass compiled nothing
+    assert facts["servers_compiled"] == [1, 1] and len(facts["entries"]) == 2
+    assert facts["kernels"] == [False, True, False, True]
 
 
 def test_a_server_that_fails_leaves_the_compile_to_the_caller(tmp_path):

@@ -23,6 +23,7 @@ import threading
 from typing import Callable, Iterator, Optional
 
 import triton
+from triton._C.libtriton import get_cache_invalidating_env_vars
 
 from .llvm_level import current_level
 
@@ -106,7 +107,7 @@ def _request(function, specialization: str, target, llvm_level: Optional[str]) -
     module = sys.modules[function.fn.__module__]
     return dict(path=module.__file__, module=module.__name__, function=function.fn.__qualname__,
                 specialization=specialization, target=[target.backend, target.arch, target.warp_size],
-                llvm_level=llvm_level, cache_dir=triton.knobs.cache.dir)
+                llvm_level=llvm_level, cache_dir=triton.knobs.cache.dir, env=get_cache_invalidating_env_vars())
 
 
 def _acquire(wanted: int, processes: int) -> list:

@@ -4,7 +4,8 @@ Run by path (``python .../compile_server.py``), so that it imports Triton alone,
 JSON request a line from stdin — a kernel module's file and name, a ``@jit`` function's qualified name, Triton's
 specialization data for it (what ``knobs.runtime.jit_cache_hook`` is handed: the signature, constexprs, attributes
 and options of one compile), the target, the LLVM level the capturing thread compiled at (llvm_level.py, loaded here
-by path) and Triton's cache directory — compiles it into that cache with ``JITFunction.preload`` and answers one
+by path), Triton's cache directory and the environment variables that are part of Triton's cache keys (as the
+capturing process had them then) — compiles it into that cache with ``JITFunction.preload`` and answers one
 JSON line (``{"ok": true}`` or ``{"ok": false, "error": ...}``). No GPU is touched: a stand-in driver names the
 target, as for an offline compile. It exits at the end of its input.
 """
@@ -49,8 +50,13 @@ def _module(name: str, path: str):
 
 def _compile(request: dict) -> None:
     import triton
+    from triton._C.libtriton import get_cache_invalidating_env_vars
     from triton.backends.compiler import GPUTarget
 
+    for name in get_cache_invalidating_env_vars():  # (the capturing process's: its cache keys are this compile's)
+        if name not in request["env"]:
+            del os.environ[name]
+    os.environ.update(request["env"])
     triton.knobs.cache.dir = request["cache_dir"]
     triton.runtime.driver.set_active(TargetDriver(GPUTarget(*request["target"])))
     fn = _module(request["module"], request["path"])
