@@ -1,35 +1,30 @@
-"""Ops that mods may call besides torch's: each is a torch custom op (so torch.fx keeps it as one node
-and vmap / autograd work in the reference) with its own lowering."""
+"""Ops that mods may call besides torch's: each is a torch operator of its own (so torch.fx keeps it as one node)
+with its own lowering, computed by torch ops everywhere else (the reference, flexlite.eager, CPU).
+
+``tanh_approx(x)``: tanh; inside flexlite's GPU kernels the hardware approximation ``tanh.approx.f32`` (max relative
+error about 2**-11, like FlashAttention's softcap). Exact in the reference and on CPU.
+
+Defined with ``torch.library.Library`` and a composite implementation (``torch.tanh``), which gives autograd and
+vmap through tanh's own rules: a ``torch.library.custom_op`` imported torch._dynamo (and sympy) at its first call,
+0.8 s on a fast host and ~5 s on the GPU machine's, which a first call in torch ops (flexlite.eager) paid
+(benchmarks/NOTES.md 79).
+"""
 
 from __future__ import annotations
 
 import torch
 
+_LIBRARY = torch.library.Library("flexlite", "DEF")
+_LIBRARY.define("tanh_approx(Tensor x) -> Tensor")
 
-@torch.library.custom_op("flexlite::tanh_approx", mutates_args=())
-def tanh_approx(x: torch.Tensor) -> torch.Tensor:
-    """tanh; inside flexlite's GPU kernels the hardware approximation ``tanh.approx.f32`` (max relative
-    error about 2**-11, like FlashAttention's softcap). Exact in the reference and on CPU."""
+
+def _tanh(x: torch.Tensor) -> torch.Tensor:
     return torch.tanh(x)
 
 
-@tanh_approx.register_fake
-def _(x):
-    return torch.empty_like(x)
+# the composite kernel serves autograd and fake tensors; under vmap the same composite runs on the batched tensor
+# (without it functorch would loop over the batch)
+_LIBRARY.impl("tanh_approx", _tanh, "CompositeImplicitAutograd")
+_LIBRARY.impl("tanh_approx", _tanh, "FuncTorchBatched")
 
-
-def _tanh_approx_vmap(info, in_dims, x):
-    return tanh_approx(x), in_dims[0]
-
-
-def _tanh_approx_setup(ctx, inputs, output):
-    ctx.save_for_backward(output)
-
-
-def _tanh_approx_backward(ctx, grad):
-    (y,) = ctx.saved_tensors
-    return grad * (1 - y * y)
-
-
-torch.library.register_vmap("flexlite::tanh_approx", _tanh_approx_vmap)
-torch.library.register_autograd("flexlite::tanh_approx", _tanh_approx_backward, setup_context=_tanh_approx_setup)
+tanh_approx = torch.ops.flexlite.tanh_approx.default

@@ -101,7 +101,7 @@ def test_alibi_slopes():
     assert alibi_slopes(4).tolist() == [2.0 ** (-2 * i) for i in range(1, 5)]
 
 
-def test_softcap_approx_is_the_custom_op():
+def test_softcap_approx_is_the_flexlite_op():
     """approx=True keeps flexlite::tanh_approx as one node (the GPU lowering picks tanh.approx.f32)."""
     def targets(mod):
         return {str(n.target) for n in trace_mod(mod, "score_mod").graph_module.graph.nodes}
@@ -170,3 +170,25 @@ BAD_ARGS = [
 def test_bad_arguments(factory, args, exc, match):
     with pytest.raises(exc, match=match):
         factory(*args)
+
+
+def test_tanh_approx_in_torch_is_tanh_and_cheap_to_call_first():
+    """flexlite.ops.tanh_approx outside the kernels: tanh, its gradient and under vmap (nested, as the reference and
+    flexlite.eager evaluate mods), and its first call in a process imports nothing (a torch.library.custom_op
+    imported torch._dynamo there: ~5 s on a GPU host, paid by a softcap's first call in torch ops)."""
+    import subprocess
+    import sys
+
+    from flexlite.ops import tanh_approx
+
+    x = torch.randn(3, 5, 7, dtype=torch.float64, requires_grad=True)
+    y = torch.vmap(torch.vmap(lambda s: 30.0 * tanh_approx(s / 30.0)))(x)
+    assert torch.equal(y, 30.0 * torch.tanh(x / 30.0))
+    (g,) = torch.autograd.grad(y.sum(), x)
+    torch.testing.assert_close(g, 1 - torch.tanh(x / 30.0) ** 2)
+    code = ("import sys, torch, flexlite; from flexlite.ops import tanh_approx; before = set(sys.modules); "
+            "tanh_approx(torch.ones(2)); torch.vmap(tanh_approx)(torch.ones(2, 2)); "
+            "print(sorted(set(sys.modules) - before))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "[]"
