@@ -7,11 +7,11 @@ the SM clock (%clock64) of each of its first NSLOT ring slot uses (tiles, over t
   turn (ping-pong) came; ``s``: S(j) done; ``sm``: its softmax done; ``pv``: P V(j-1) done;
 - per q block, at its first tile's slot: ``item``: before waiting for Q, ``q``: Q landed, ``first``: the first tile's
   S and softmax done; at its last tile's slot: ``last``: the last P V done, ``out``: OUT / LSE stored.
-Printed per mask (the harness shape at D128, the default grid): each phase's median clocks per tile and warpgroup,
+Printed per mask and head dim (the harness shapes, the default grid): each phase's median clocks per tile and warpgroup,
 the two warpgroups' offset, and per q block the clocks of its parts outside the loop, its span beyond its tiles
 (span - tiles x the median tile) in clocks and in tiles, and its tile count.
 
-Usage: python benchmarks/probe_fwd_phases.py [mask,mask,...]"""
+Usage: python benchmarks/probe_fwd_phases.py [mask,mask,...] [D,D,...]"""
 
 import sys
 from pathlib import Path
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tabulate import tabulate
 
-from flexlite import flex_attention
+from flexlite import first_calls, flex_attention
 from flexlite.bench import probe_args, probe_cases
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -97,9 +97,9 @@ HEADERS = ["clocks per tile (median)", "top->issue", "issue->s", "s->sm", "sm->p
 
 
 def main():
-    masks, _ = probe_args(sys.argv)
+    masks, dims = probe_args(sys.argv)
     rows = []
-    for D, q, k, v, case, bm in probe_cases(masks, [128], requires_grad=False):
+    for D, q, k, v, case, bm in probe_cases(masks, dims, requires_grad=False):
         buf = torch.zeros(NPROG, 2, NSLOT, len(FIELDS), dtype=torch.int64, device="cuda")
         path = Path(f"/tmp/fwd_ws_stamped_{case.name}.py.jinja")
         path.write_text(stamped_template(buf.data_ptr()))
@@ -107,10 +107,11 @@ def main():
             for _ in range(3):  # (the last run's stamps are kept: warm caches)
                 buf.zero_()
                 flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm)
+                first_calls.wait()  # (a first call may run in torch ops while its kernel compiles: NOTES 78)
             torch.cuda.synchronize()
-        rows.append([case.name] + [round(x, 1) if x == x else "" for x in summarize(buf.cpu().double())])
+        rows.append([case.name, f"D{D}"] + [round(x, 1) if x == x else "" for x in summarize(buf.cpu().double())])
         print(rows[-1], flush=True)
-    print(tabulate(rows, headers=["mask", *HEADERS], tablefmt="github"), flush=True)
+    print(tabulate(rows, headers=["mask", "D", *HEADERS], tablefmt="github"), flush=True)
 
 
 if __name__ == "__main__":
