@@ -208,3 +208,65 @@ def test_a_forked_process_starts_its_own_servers(monkeypatch):
     finally:
         server.process.kill()
         server.process.wait()
+
+
+def _wait_for_exit(process, seconds: float = 120.0) -> int:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return process.poll()
+
+
+def test_a_server_answers_each_line_and_exits_when_idle():
+    """Two requests in one write get two answers (the server's own line reading); then, with nothing more to read
+    for its idle seconds, it exits by itself."""
+    from flexlite.runtime import compile_processes
+
+    server = subprocess.Popen([sys.executable, compile_processes._SCRIPT, "1.0"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        server.stdin.write('{"path": "/no/such/module.py"}\n[]\n')
+        server.stdin.flush()
+        answers = [json.loads(server.stdout.readline()) for _ in range(2)]
+        assert [a["ok"] for a in answers] == [False, False] and "Error" in answers[0]["error"]
+        assert _wait_for_exit(server) == 0
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_an_idle_server_is_replaced_by_the_next_compile(monkeypatch):
+    """A server that exited idle, or is near its idle exit (a request then could cross it), is not used: the next
+    compile starts another (and closes the old one)."""
+    import time
+
+    from flexlite.runtime import compile_processes
+
+    monkeypatch.setattr(compile_processes, "IDLE_SECONDS", 1.0)
+    monkeypatch.setattr(compile_processes, "_slots", [])
+    started = []
+    try:
+        first = compile_processes._Server()
+        started.append(first)
+        assert first.alive()
+        assert _wait_for_exit(first.process) == 0 and not first.alive()
+        compile_processes._slots.append(first)
+        second = compile_processes._server(0)
+        started.append(second)
+        assert second is not first and second.alive() and compile_processes._slots == [second]
+        second.last = time.monotonic() - 0.9  # (0.9 of its idle second gone: too near its exit)
+        assert not second.alive()
+        third = compile_processes._server(0)
+        started.append(third)
+        assert third is not second and second.process.poll() is not None and third.alive()
+        monkeypatch.setattr(compile_processes, "IDLE_SECONDS", 0.0)  # never idle out
+        fourth = compile_processes._Server()
+        started.append(fourth)
+        fourth.last = time.monotonic() - 1e6
+        assert fourth.alive()
+    finally:
+        for server in started:
+            server.process.kill()
+            server.process.wait()

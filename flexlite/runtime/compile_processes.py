@@ -8,7 +8,8 @@ Triton's specialization data of each, what ``knobs.runtime.jit_cache_hook`` is h
 (runtime/compile_server.py, ``JITFunction.preload``) compile them into Triton's cache directory, several at a time,
 and then runs the launches again, each of which now finds its kernel there and only loads it. A kernel the servers
 did not compile (an error, a server that could not start) compiles in the second pass as before, which raises
-where a compile fails.
+where a compile fails. A server exits once it has waited :data:`IDLE_SECONDS` for a request; the next compile
+starts another.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from typing import Callable, Iterator, Optional
 
 import triton
@@ -28,6 +30,10 @@ from triton._C.libtriton import get_cache_invalidating_env_vars
 from .llvm_level import current_level
 
 _SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compile_server.py")
+# seconds a compile server waits for its next request before it exits, giving back its memory (~0.1-0.3 GB); the
+# next compile starts one again (Triton's import, ~1 s, before its first kernel; the compile waits for it, the calls
+# beside do not). 0: the servers stay up as long as the process
+IDLE_SECONDS = 120.0
 _THREAD = threading.local()
 _slots: list = []  # a compile server per slot (None until one is needed)
 _busy: set = set()  # the slots a thread holds
@@ -79,11 +85,15 @@ class _Server:
     def __init__(self):
         self.owner = os.getpid()  # (a forked child has the parent's servers in its memory, not its own)
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        self.process = subprocess.Popen([sys.executable, _SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=subprocess.DEVNULL, text=True, env=env)
+        self.idle = float(IDLE_SECONDS)
+        self.process = subprocess.Popen([sys.executable, _SCRIPT, repr(self.idle)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        self.last = time.monotonic()  # its last answer (its idle time counts from there)
 
     def alive(self) -> bool:
-        return self.owner == os.getpid() and self.process.poll() is None
+        """Whether it is this process's and running, and not so near its idle exit that a request could cross it."""
+        near_exit = self.idle > 0 and time.monotonic() - self.last > 0.8 * self.idle
+        return self.owner == os.getpid() and self.process.poll() is None and not near_exit
 
     def send(self, request: dict) -> None:
         self.process.stdin.write(json.dumps(request) + "\n")
@@ -93,6 +103,7 @@ class _Server:
         line = self.process.stdout.readline()
         if not line:
             raise RuntimeError("the compile server exited")
+        self.last = time.monotonic()
         return json.loads(line)
 
     def close(self) -> None:
@@ -133,6 +144,8 @@ def _server(slot: int) -> Optional[_Server]:
     """The server of ``slot`` (held by this thread), started if it has none or it exited; None if it cannot start."""
     server = _slots[slot]
     if server is None or not server.alive():
+        if server is not None and server.owner == os.getpid():
+            server.close()  # (near its idle exit, or exited: reaped)
         try:
             server = _slots[slot] = _Server()
         except OSError:

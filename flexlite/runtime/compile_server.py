@@ -7,12 +7,14 @@ and options of one compile), the target, the LLVM level the capturing thread com
 by path), Triton's cache directory and the environment variables that are part of Triton's cache keys (as the
 capturing process had them then) — compiles it into that cache with ``JITFunction.preload`` and answers one
 JSON line (``{"ok": true}`` or ``{"ok": false, "error": ...}``). No GPU is touched: a stand-in driver names the
-target, as for an offline compile. It exits at the end of its input.
+target, as for an offline compile. It exits at the end of its input, or once it has waited its first argument's
+seconds (if above 0) for a request.
 """
 
 import importlib.util
 import json
 import os
+import select
 import sys
 import traceback
 
@@ -68,14 +70,29 @@ def _compile(request: dict) -> None:
         fn.preload(request["specialization"])
 
 
-def main() -> None:
+def _requests(idle: float):
+    """stdin's lines (bytes), until its end or, with ``idle`` above 0, until no line came for ``idle`` seconds."""
+    pending = b""
+    while True:
+        while b"\n" not in pending:
+            if idle > 0 and not select.select([0], [], [], idle)[0]:
+                return
+            chunk = os.read(0, 1 << 16)
+            if not chunk:
+                return
+            pending += chunk
+        line, pending = pending.split(b"\n", 1)
+        yield line
+
+
+def main(idle: float) -> None:
     import triton  # noqa: F401 - before the first request: what every compile needs
     try:  # (Gluon's packages, as flexlite imports them before a Gluon kernel's module)
         import triton.experimental.gluon.language  # noqa: F401
         import triton.experimental.gluon.nvidia.hopper  # noqa: F401
     except ImportError:
         pass
-    for line in sys.stdin:
+    for line in _requests(idle):
         try:
             _compile(json.loads(line))
             answer = {"ok": True}
@@ -87,4 +104,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     sys.path.pop(0)  # (this file's directory: its modules are flexlite's, not for importing bare)
-    main()
+    main(float(sys.argv[1]) if len(sys.argv) > 1 else 0.0)
