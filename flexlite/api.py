@@ -17,7 +17,7 @@ from .block_mask import (BlockMask, check_block_tensors, check_device, check_mod
                          is_torch_block_mask, kept_on, q_sides)
 from .codegen.kernel import GeneratedKernel, generate, generate_backward
 from .codegen.lower import FLOAT32_EXACT_INT
-from .codegen.trace import check_arity, trace_mod
+from .codegen.trace import check_arity, same_trace, trace_mod
 from .runtime.compile import load_module, write_source
 from .runtime import launch as _launch
 from .runtime.guards import autocast_on, opaque_to_compile, work_scope
@@ -1093,7 +1093,7 @@ def _check_unchanged_since_forward(ctx) -> None:
     mods = ((ctx.score_mod, ctx.traced[0], "score_mod"),
             (ctx.block_mask.mask_mod if ctx.block_mask is not None else None, ctx.traced[1], "mask_mod"))
     retraced = [kind for mod, traced, kind in mods if (mod is None) != (traced is None) or (
-        mod is not None and trace_mod(mod, kind) is not traced)]
+        mod is not None and not same_trace(trace_mod(mod, kind), traced))]
     if changed or retraced:
         what = (f"a tensor of shape {tuple(changed[0].shape)} that a mod captures or the block mask holds was "
                 f"modified by an inplace operation" if changed else

@@ -350,3 +350,65 @@ def test_what_the_forward_read_changed_after_its_backward_is_fine():
         for g, w in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
             assert_close(g, w, *TOLERANCES[torch.float32], name=f"step {step}")
         bias.add_(1.0)  # after the backward: the next step's forward reads it
+
+
+class _Attention(nn.Module):
+    """A module passing its own method as the score_mod (slopes learned), from a forward that calls flex_attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.slopes = nn.Parameter(torch.rand(H + 1, device=DEVICE))
+
+    def score_mod(self, s, b, h, q_idx, kv_idx):
+        return s - self.slopes[h] * (q_idx - kv_idx)
+
+    def forward(self, q, k, v):
+        return flex_attention(q, k, v, score_mod=self.score_mod)
+
+
+class _Table:
+    def __init__(self):
+        self.t = torch.randn(L, device=DEVICE)
+
+    def score_mod(self, s, b, h, q_idx, kv_idx):
+        return s + self.t[kv_idx]
+
+
+@pytest.mark.parametrize("how", ["module method", "method taken per call"])
+def test_a_method_as_score_mod_trains_and_is_traced_once(how, traces):
+    """A training loop over a module's method (its fingerprint reaches flex_attention itself through forward, whose
+    caches change as it runs) and over ``obj.method`` taken anew per call (an equal method object each time): each
+    step's backward runs (no 'changed since the forward'), its gradients are the reference's, and the mod is traced
+    once."""
+    module, table = _Attention(), _Table()
+    q, k, v = (t.requires_grad_() for t in rand_qkv(B, H, H, L, L, D, seed=11))
+    previous = []  # the last step's output and method object
+    for step in range(3):
+        score_mod = module.score_mod if how == "module method" else table.score_mod
+        out = module(q, k, v) if how == "module method" else flex_attention(q, k, v, score_mod=score_mod)
+        previous.clear()  # (the last step's graph and method object go between this forward and its backward)
+        ref = attention_reference(q, k, v, score_mod=score_mod)[0]
+        grad = torch.randn_like(out)
+        wrt = (q, k, v, module.slopes) if how == "module method" else (q, k, v)
+        got = torch.autograd.grad(out, wrt, grad, retain_graph=True)
+        for g, w, tolerances in zip(got, torch.autograd.grad(ref, wrt, grad),
+                                    [TOLERANCES[torch.float32]] * 3 + [(1e-3, 1e-3)]):  # (slopes: a sum of 4k terms)
+            assert_close(g, w, *tolerances, name=f"step {step}")
+        previous[:] = [out, score_mod]
+        del out, ref, score_mod
+    assert len(traces) == 1, traces
+
+
+def test_a_retrace_of_an_unchanged_mod_is_the_same_trace():
+    """The backward's check compares traces, not trace objects: a cache entry lost between forward and backward
+    (the mod traced again) is no change; a new constant still is."""
+    cfg = types.SimpleNamespace(cap=2.0)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return cfg.cap * torch.tanh(score / cfg.cap)
+    first = trace_module.trace_mod(score_mod, "score_mod")
+    trace_module._TRACE_CACHE.clear()
+    again = trace_module.trace_mod(score_mod, "score_mod")
+    assert again is not first and trace_module.same_trace(again, first)
+    cfg.cap = 3.0
+    assert not trace_module.same_trace(trace_module.trace_mod(score_mod, "score_mod"), first)

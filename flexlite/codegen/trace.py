@@ -174,6 +174,12 @@ def _state_fingerprint(obj, seen: set, depth: int) -> list:
     return parts
 
 
+# flexlite's modules whose functions a mod's fingerprint does not walk into (the mod libraries, flexlite.masks and
+# flexlite.mods, and varlen's masks it does: their closures hold the values)
+_OPAQUE_MODULES = ("flexlite.api", "flexlite.block_mask", "flexlite.first_calls", "flexlite.eager", "flexlite.bench",
+                   "flexlite.viz", "flexlite.reference", "flexlite._vmap", "flexlite.runtime.", "flexlite.codegen.")
+
+
 def _fingerprint(obj, seen: set, depth: int = 0) -> tuple:
     if depth > _MAX_DEPTH or id(obj) in seen:
         return ()
@@ -190,6 +196,10 @@ def _fingerprint(obj, seen: set, depth: int = 0) -> tuple:
         return (id(obj), _fingerprint(obj.func, seen, depth + 1), _fingerprint(obj.args, seen, depth + 1),
                 _fingerprint(obj.keywords, seen, depth + 1))
     fn = obj.__func__ if isinstance(obj, types.MethodType) else obj  # bound methods
+    if isinstance(fn, types.FunctionType) and (fn.__module__ or "").startswith(_OPAQUE_MODULES):
+        # flexlite's own entry points and machinery (a module's forward calling flex_attention): their caches fill
+        # as they run, and no mod's values come from them
+        return (id(fn.__code__),)
     if isinstance(fn, types.FunctionType):
         parts = [id(fn.__code__)]
         for cell in fn.__closure__ or ():
@@ -280,14 +290,32 @@ def _example_inputs(kind: str):
 
 _TRACE_CACHE: "weakref.WeakKeyDictionary[Callable, tuple]" = weakref.WeakKeyDictionary()
 _TRACE_CACHE_STRONG: dict = {}  # for callables that cannot be weakly referenced
+# bound methods per function, then per object: ``obj.mod`` makes a new method object at each access (equal to the
+# others), which a weak key would lose as soon as the first one died
+_METHOD_CACHE: "weakref.WeakKeyDictionary[Callable, weakref.WeakKeyDictionary]" = weakref.WeakKeyDictionary()
 
 
-def _cache_for(fn):
+def _cache_for(fn) -> tuple:
+    """(the cache dict, the key) that ``fn``'s trace is kept under."""
+    if isinstance(fn, types.MethodType):
+        try:
+            weakref.ref(fn.__self__)
+            return _METHOD_CACHE.setdefault(fn.__func__, weakref.WeakKeyDictionary()), fn.__self__
+        except TypeError:
+            pass
     try:
         weakref.ref(fn)
-        return _TRACE_CACHE
+        return _TRACE_CACHE, fn
     except TypeError:
-        return _TRACE_CACHE_STRONG
+        return _TRACE_CACHE_STRONG, fn
+
+
+def same_trace(a: TracedMod, b: TracedMod) -> bool:
+    """Whether two traces compute the same scores: the same graph code (constants in it) over the same captured
+    tensors."""
+    return a is b or (a.kind == b.kind and a.graph_module.code == b.graph_module.code
+                      and a.captured.keys() == b.captured.keys()
+                      and all(a.captured[k] is b.captured[k] for k in a.captured))
 
 
 def trace_mod(fn: Callable, kind: str) -> TracedMod:
@@ -299,12 +327,12 @@ def trace_mod(fn: Callable, kind: str) -> TracedMod:
         return fn
     check_arity(fn, kind)
     fp = capture_fingerprint(fn)
-    cache = _cache_for(fn)
-    hit = cache.get(fn)
+    cache, key = _cache_for(fn)
+    hit = cache.get(key)
     if hit is not None and hit[0] == fp:
         return hit[1]
     traced = _trace(fn, kind)
-    cache[fn] = (fp, traced)
+    cache[key] = (fp, traced)
     return traced
 
 
