@@ -412,3 +412,56 @@ def test_a_retrace_of_an_unchanged_mod_is_the_same_trace():
     assert again is not first and trace_module.same_trace(again, first)
     cfg.cap = 3.0
     assert not trace_module.same_trace(trace_module.trace_mod(score_mod, "score_mod"), first)
+
+
+_FRESH_PROCESS_STEPS = """
+import torch, torch.nn as nn
+from flexlite import flex_attention, create_block_mask
+from flexlite.masks import causal_mask
+
+class Attn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.slopes = nn.Parameter(torch.rand(2))
+
+    def score_mod(self, s, b, h, q, kv):
+        return s - self.slopes[h] * (q - kv)
+
+    def forward(self, q, k, v):
+        bm = create_block_mask(causal_mask, None, None, q.shape[2], q.shape[2], device="cpu", BLOCK_SIZE=32)
+        return flex_attention(q, k, v, score_mod=self.score_mod, block_mask=bm)
+
+class Table:
+    def __init__(self):
+        self.t = torch.randn(64)
+
+    def score_mod(self, s, b, h, q, kv):
+        return s + self.t[kv]
+
+m, table = Attn(), Table()
+q = torch.randn(1, 2, 64, 16, requires_grad=True)
+for step in range(3):
+    m(q, q, q).sum().backward()
+    loss = flex_attention(q, q, q, score_mod=table.score_mod).sum()
+    loss.backward()
+print("TRAINED", m.slopes.grad is not None)
+"""
+
+
+def test_methods_as_mods_train_in_a_fresh_process():
+    """As a user's first steps see it (flexlite's caches filling as its entry points run, which a warm test process
+    hides): a module's method over three training steps, and ``obj.method`` taken per call."""
+    import os
+    import subprocess
+
+    run = subprocess.run([sys.executable, "-c", _FRESH_PROCESS_STEPS], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert run.returncode == 0 and "TRAINED True" in run.stdout, run.stderr[-3000:]
+
+
+def test_flexlites_entry_points_are_opaque_to_fingerprints():
+    # (their globals reach caches that fill as they run: a forward calling them would look changed at every call)
+    from flexlite.codegen.trace import capture_fingerprint
+
+    for fn in (flex_attention, create_block_mask):
+        assert capture_fingerprint(fn) == (id(fn.__code__),)
