@@ -76,15 +76,27 @@ class _Chunks:
         if walked > MAX_SCORES:
             raise TooLarge(f"{walked} scores to walk, more than eager.MAX_SCORES = {MAX_SCORES}")
 
+    def _blocks(self, q0: int, q1: int, k0: int, k1: int) -> tuple:
+        """(full, partial): bool [B or 1, H or 1, q1 - q0, k1 - k0], whether a position's block is in its query block's
+        lists, as full or as partial."""
+        bq, bkv = self.block_mask.BLOCK_SIZE
+        qb = torch.arange(q0, q1, device=self.device) // bq
+        kb = torch.arange(k0, k1, device=self.device) // bkv
+        return self.full[:, :, qb][:, :, :, kb], self.partial[:, :, qb][:, :, :, kb]
+
+    def reached(self, q0: int, q1: int, k0: int, k1: int) -> Optional[torch.Tensor]:
+        """bool [B or 1, H or 1, q1 - q0, k1 - k0]: the positions whose block the kernels read for the row, masked
+        or not (None: all)."""
+        if self.block_mask is None:
+            return None
+        full, partial = self._blocks(q0, q1, k0, k1)
+        return full | partial
+
     def keep(self, q0: int, q1: int, k0: int, k1: int) -> Optional[torch.Tensor]:
         """bool [B or 1, H or 1, q1 - q0, k1 - k0]: the positions kept (None: all)."""
         if self.block_mask is None:
             return None
-        bq, bkv = self.block_mask.BLOCK_SIZE
-        qb = torch.arange(q0, q1, device=self.device) // bq
-        kb = torch.arange(k0, k1, device=self.device) // bkv
-        full = self.full[:, :, qb][:, :, :, kb]
-        partial = self.partial[:, :, qb][:, :, :, kb]
+        full, partial = self._blocks(q0, q1, k0, k1)
         mask_mod = self.block_mask.mask_mod
         if mask_mod is not None:
             # the kernels call mask_mod with the real (b, h) even where the block structure broadcasts
@@ -134,6 +146,33 @@ def scores(q: torch.Tensor, k: torch.Tensor, groups: int, scale: float, score_mo
     modded = vmap_bhqkv(score_mod, prefix=(0,))(given, *index_vectors(B, H, R, k.shape[2], q.device, q_start=q0,
                                                                        kv_start=k0))
     return raw, modded.to(raw.dtype)
+
+
+def _nonfinite(chunks: _Chunks, v: torch.Tensor) -> Optional[torch.Tensor]:
+    """Where a chunk's values ``v`` are NaN or inf, if anywhere and a block mask decides which rows read them (None
+    otherwise: every row reads every key, and the plain products are the kernels')."""
+    if chunks.block_mask is None:
+        return None
+    bad = ~torch.isfinite(v)
+    return bad if bool(bad.any()) else None
+
+
+def _read_values(p: torch.Tensor, v: torch.Tensor, bad: torch.Tensor, reached: torch.Tensor,
+                 groups: int) -> torch.Tensor:
+    """P @ V where some of V is NaN or inf, as the kernels compute it: a row reads the values of the blocks its
+    query block's lists hold (0 * NaN is NaN there) and never those of the others (where P @ V would give 0 * NaN
+    too). The finite values by a matmul; per output element, NaN where a read value is NaN, an inf times a weight of
+    0, or infs of both signs, else the read infs' sign."""
+    B, H, R, K = p.shape
+    reached = reached.expand(B, H, R, K)
+    out = _by_kv_head(p, v.masked_fill(bad, 0.0), groups)
+
+    def any_read(rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return _by_kv_head(rows.to(p.dtype), values.to(p.dtype), groups) > 0
+    nan = any_read(reached, v.isnan()) | any_read(reached & (p == 0), v.isinf())
+    pos, neg = (any_read(reached & (p > 0), v == sign * float("inf")) for sign in (1, -1))
+    out = torch.where(pos, float("inf"), torch.where(neg, float("-inf"), out))
+    return out.masked_fill(nan | (pos & neg), float("nan"))
 
 
 def _safe(lse: torch.Tensor) -> torch.Tensor:
@@ -194,7 +233,9 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
                 s = s.masked_fill(~keep, float("-inf"))
             lse[:, :, q0:q1] = torch.logsumexp(s, dim=-1)
             p = torch.exp(s - _safe(lse[:, :, q0:q1]).unsqueeze(-1))
-            out[:, :, q0:q1] = _by_kv_head(p, v[:, :, k0:k1], groups)
+            bad = _nonfinite(chunks, v[:, :, k0:k1])
+            out[:, :, q0:q1] = (_by_kv_head(p, v[:, :, k0:k1], groups) if bad is None else
+                                _read_values(p, v[:, :, k0:k1], bad, chunks.reached(q0, q1, k0, k1), groups))
             if max_scores:
                 row_max[:, :, q0:q1] = s.amax(dim=-1)
     return out.to(query.dtype), lse, row_max
@@ -221,7 +262,13 @@ def backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: t
             p = torch.exp(s - _safe(lse[:, :, q0:q1]).to(k.dtype).unsqueeze(-1))
             if keep is not None:
                 p = p.masked_fill(~keep, 0.0)
-            dp = _by_kv_head(do[:, :, q0:q1], v[:, :, k0:k1].transpose(-1, -2), groups)
+            bad = _nonfinite(chunks, v[:, :, k0:k1])
+            if bad is None:
+                dp = _by_kv_head(do[:, :, q0:q1], v[:, :, k0:k1].transpose(-1, -2), groups)
+            else:  # (as the forward's: dP NaN where a row reads a NaN or inf value, 0 * it never where it does not)
+                dp = _by_kv_head(do[:, :, q0:q1], v[:, :, k0:k1].masked_fill(bad, 0.0).transpose(-1, -2), groups)
+                bad_key = bad.any(-1).repeat_interleave(groups, dim=1).unsqueeze(2)  # [B, H, 1, K]
+                dp = dp.masked_fill(chunks.reached(q0, q1, k0, k1) & bad_key, float("nan"))
             ds = p * (dp - delta[:, :, q0:q1].unsqueeze(-1))
             if grad_lse is not None:
                 ds = ds + p * grad_lse[:, :, q0:q1].to(k.dtype).unsqueeze(-1)

@@ -243,3 +243,31 @@ def test_large_block_masks_are_refused_before_their_dense_flags(monkeypatch):
     monkeypatch.setattr(causal, "dense_blocks", lambda full: pytest.fail("the dense flags were built"))
     with pytest.raises(eager.TooLarge, match="listed blocks"):
         eager.forward(q, k, v, None, causal, 0.25)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # (numpy, on the NaNs we feed)
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_a_nonfinite_value_reaches_only_the_rows_whose_blocks_read_it(value, chunk_scores):
+    """As the kernels: a NaN / inf value spreads to the rows of the query blocks whose lists hold its block (0 * NaN
+    there), never to the others, forward and backward (P @ V over a chunk's keys would give 0 * NaN to every row)."""
+    q, k, v = rand_qkv(1, 2, 1, 200, 256, 16, seed=4)
+    v[0, 0, 190, 3] = float(value)  # kv block 2 of 64: read by query blocks 2 and 3 (rows 128-199) only
+    bm = create_block_mask(causal_mask, None, None, 200, 256, device=DEVICE, BLOCK_SIZE=64)
+    out, lse, _ = eager.forward(q, k, v, None, bm, 0.25)
+    kernel = flex_attention(q, k, v, block_mask=bm, scale=0.25, enable_gqa=True)
+    assert torch.equal(out.isnan(), kernel.isnan()) and torch.equal(out.isinf(), kernel.isinf())
+    assert out[:, :, 128:].isnan().any() or out[:, :, 128:].isinf().any()
+    clean = v.clone()
+    clean[0, 0, 190, 3] = 0.0
+    ref = attention_reference(q, k, clean, block_mask=bm, scale=0.25, enable_gqa=True)[0]
+    assert_close(out[:, :, :128], ref[:, :, :128], *TOLERANCES[torch.float32])
+    finite = torch.isfinite(kernel)
+    assert_close(out[finite], kernel[finite], *TOLERANCES[torch.float32], name="finite part")
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    with torch.no_grad():
+        dq, dk, dv, _ = eager.backward(q, k, v, out, lse, grad_out, None, None, bm, 0.25)
+    qd, kd, vd = (t.double().requires_grad_() for t in (q, k, clean))
+    want = torch.autograd.grad(attention_reference(qd, kd, vd, block_mask=bm, scale=0.25, enable_gqa=True)[0],
+                               qd, grad_out.double())[0]
+    assert_grad_close(dq[:, :, :128], want[:, :, :128], torch.float32, "dq of the rows that do not read it")
+    assert not torch.isfinite(dq[:, :, 128:]).all()
