@@ -278,3 +278,48 @@ def test_int_constant_beyond_int32_in_a_mask():
     got = bm_module._block_flags_kernel(mask, 1, 1, 64, 64, torch.device(DEVICE), (16, 16))
     want = bm_module._block_flags_vmap(mask, 1, 1, 64, 64, torch.device(DEVICE), (16, 16))
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# more of torch's elementwise ops, and the arguments' dtypes as constants while tracing
+
+_TABLE = torch.randn(64, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+_TABLE[::7] = float("inf")
+
+MORE_OPS = {
+    "round": lambda s, b, h, q, kv: s + torch.round(s * 3) * 0.1 + torch.round((q - kv) * 0.5),  # halves to even
+    "trunc_fix": lambda s, b, h, q, kv: s + torch.trunc(s * 3) * 0.1 + torch.fix(-s * 2) * 0.05,
+    "reciprocal": lambda s, b, h, q, kv: s + torch.reciprocal(2.0 + (q - kv).abs()) + s.reciprocal().clamp(-3, 3),
+    "log10": lambda s, b, h, q, kv: s - torch.log10(1.0 + (q - kv).abs()),
+    "isinf_isnan_isfinite": lambda s, b, h, q, kv: torch.where(torch.isinf(_TABLE[kv]), s - 1.0, s) + torch.where(
+        torch.isnan(s) | ~torch.isfinite(_TABLE[q]), 0.5, 0.0),
+    "softplus": lambda s, b, h, q, kv: torch.nn.functional.softplus(s * 8),  # (above the threshold too)
+    "softplus_beta_threshold": lambda s, b, h, q, kv: torch.nn.functional.softplus(s, beta=2.0, threshold=1.0),
+    "silu": lambda s, b, h, q, kv: torch.nn.functional.silu(s),
+    "type_as_clone": lambda s, b, h, q, kv: s.clone() + (q - kv).type_as(s) * 0.01,
+    "finfo_of_the_score": lambda s, b, h, q, kv: torch.where(q >= kv, s, torch.finfo(s.dtype).min),
+    "is_floating_point": lambda s, b, h, q, kv: s + (1.0 if s.is_floating_point() else 0.0) + (
+        1.0 if q.is_floating_point() else 0.5),
+    "tensor_on_the_device": lambda s, b, h, q, kv: s * torch.tensor(0.5, device=s.device),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MORE_OPS))
+def test_more_elementwise_ops_and_the_arguments_dtypes(name):
+    """Out, LSE and gradients against torch's for ops a score_mod may use, and the idioms reading the arguments'
+    dtypes (constants while tracing: float32 scores, int32 indices, as the kernels hand them)."""
+    fn = MORE_OPS[name]
+    fn.__name__ = name
+    _check(score_mod=fn)
+    _check_gradients(fn, seed=7)
+
+
+def test_a_branch_on_the_scores_dtype_takes_the_kernels_float32():
+    def mod(s, b, h, q_idx, kv_idx):
+        return s * 2.0 if s.dtype == torch.float32 else s
+
+    def float32_branch(s, b, h, q_idx, kv_idx):
+        return s * 2.0
+    q, k, v = rand_qkv(B, H, H, L, L, D, seed=8)
+    assert_close(flex_attention(q, k, v, score_mod=mod), attention_reference(q, k, v, score_mod=float32_branch)[0],
+                 *TOLERANCES[torch.float32])

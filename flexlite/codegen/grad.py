@@ -296,6 +296,16 @@ def _gelu(d, x, kw, y, g):
     return [d.mul(g, d.add(cdf, d.mul(v, pdf)))]
 
 
+def _softplus(d, x, kw, y, g):
+    # sigmoid(beta x) below the threshold, 1 above it (torch's)
+    beta = kw.get("beta", x[1] if len(x) > 1 else 1.0)
+    threshold = kw.get("threshold", x[2] if len(x) > 2 else 20.0)
+    v = x[0]
+    scaled = d.mul(v, float(beta))
+    return [d.mul(g, d.where(d.cmp(operator.gt, scaled, float(threshold)), 1.0, d.fn(torch.sigmoid, scaled)))] + \
+        [None] * (len(x) - 1)
+
+
 RULES: dict[str, Callable] = {
     "add": _add, "sub": _sub, "mul": _mul, "truediv": _truediv, "div": _div, "pow": _pow,
     "mod": _remainder("floor"), "fmod": _remainder("trunc"),
@@ -318,12 +328,19 @@ RULES: dict[str, Callable] = {
     "relu": lambda d, x, kw, y, g: [d.where(d.cmp(operator.gt, y, 0.0), g, None)],
     "gelu": _gelu,
     "square": _unary(lambda d, v, y: d.mul(v, 2.0)),
+    "reciprocal": _unary(lambda d, v, y: d.neg(d.mul(y, y))),
+    "log10": _unary(lambda d, v, y: d.div(1.0 / math.log(10.0), v)),
+    "silu": _unary(lambda d, v, y: (lambda s: d.add(s, d.mul(d.mul(v, s), d.call(operator.sub, 1.0, s))))(
+        d.fn(torch.sigmoid, v))),
+    "softplus": _softplus,
+    "clone": lambda d, x, kw, y, g: [g],
     "where": _where, "clamp": _clamp, "clamp_min": _clamp_min, "clamp_max": _clamp_max,
     "maximum": _extremum(operator.gt), "minimum": _extremum(operator.lt),
     "to": lambda d, x, kw, y, g: [g] + [None] * (len(x) - 1),
     # piecewise constant: zero derivative (as torch)
-    "floordiv": _zero, "floor": _zero, "getitem": _zero, "ceil": _zero, "sign": _zero,
-    "ones_like": _zero, "zeros_like": _zero, "full_like": _zero, "new_full": _zero,
+    "floordiv": _zero, "floor": _zero, "getitem": _zero, "ceil": _zero, "sign": _zero, "trunc": _zero,
+    "round": _zero, "isinf": _zero, "isnan": _zero, "isfinite": _zero,
+    "ones_like": _zero, "zeros_like": _zero, "full_like": _zero, "new_full": _zero, "tensor": _zero,
 }
 
 

@@ -205,6 +205,23 @@ def _to(a, kw, n):
     return cast(a[0], dtype)
 
 
+def _rounded(a, n, template: str) -> str:
+    """A float rounding (``template`` over ``{x}``); integers are whole already."""
+    if not a[0].dtype.is_floating_point:
+        return a[0].expr
+    return template.format(x=as_float(a[0]))
+
+
+def _softplus(a, kw) -> str:
+    beta = kw.get("beta", a[1] if len(a) > 1 else None)
+    threshold = kw.get("threshold", a[2] if len(a) > 2 else None)
+    beta = 1.0 if beta is None else float(beta.literal)
+    threshold = 20.0 if threshold is None else float(threshold.literal)
+    x = as_float(a[0])
+    return (f"tl.where({x} * {beta!r} > {threshold!r}, {x}, "
+            f"tl.log(1.0 + tl.exp({x} * {beta!r})) * {1.0 / beta!r})")
+
+
 def _constant(value_of: Callable):
     def lower(a, kw, n):
         dtype = n.meta["dtype"]
@@ -294,10 +311,25 @@ OPS: dict[str, Callable] = {
     "floor": _floor_ceil("tl.floor"), "ceil": _floor_ceil("tl.ceil"), "sign": _sign,
     "relu": lambda a, kw, n: f"tl.maximum({a[0].expr}, 0)", "gelu": _gelu,
     "square": lambda a, kw, n: f"({a[0].expr} * {a[0].expr})",
+    "reciprocal": lambda a, kw, n: f"(1.0 / {as_float(a[0])})",
+    "log10": lambda a, kw, n: f"(tl.log({as_float(a[0])}) * 0.4342944819032518)",
+    "trunc": lambda a, kw, n: _rounded(a, n, "tl.where({x} < 0, tl.ceil({x}), tl.floor({x}))"),
+    # half to even, as torch.round; floats from 2**23 up are whole already (x + 0.5 would round there)
+    "round": lambda a, kw, n: _rounded(a, n, "tl.where(tl.abs({x}) >= 8388608.0, {x}, tl.where("
+                                             "(tl.floor({x} + 0.5) - {x} == 0.5) & (tl.floor({x} + 0.5) % 2.0 != 0.0), "
+                                             "tl.floor({x} + 0.5) - 1.0, tl.floor({x} + 0.5)))"),
+    "isinf": lambda a, kw, n: f"(tl.abs({as_float(a[0])}) == float('inf'))",
+    "isnan": lambda a, kw, n: f"({as_float(a[0])} != {as_float(a[0])})",
+    "isfinite": lambda a, kw, n: f"(tl.abs({as_float(a[0])}) < float('inf'))",
+    # torch's defaults: beta 1, threshold 20 (x itself above it)
+    "softplus": lambda a, kw, n: _softplus(a, kw),
+    "silu": lambda a, kw, n: f"({as_float(a[0])} * tl.sigmoid({as_float(a[0])}))",
+    "clone": lambda a, kw, n: a[0].expr,
     "to": _to,
     "ones_like": _constant(lambda a, kw: 1), "zeros_like": _constant(lambda a, kw: 0),
     "full_like": _constant(lambda a, kw: (a[1].literal if len(a) > 1 else kw["fill_value"].literal)),
     "new_full": _constant(lambda a, kw: (a[2].literal if len(a) > 2 else kw["fill_value"].literal)),
+    "tensor": _constant(lambda a, kw: a[0].literal),  # torch.tensor(0.5, device=score.device)
 }
 
 # call_function targets and call_method names -> op key
@@ -316,19 +348,24 @@ _FUNCTIONS = {
     torch.greater_equal: "ge", torch.less_equal: "le", torch.not_equal: "ne", torch.multiply: "mul",
     torch.subtract: "sub", torch.divide: "div", torch.negative: "neg",
     torch.ops.flexlite.tanh_approx.default: "tanh_approx", torch.ops.flexlite.tanh_approx: "tanh_approx",
+    torch.nn.functional.softplus: "softplus", torch.nn.functional.silu: "silu", torch.special.log1p: "log1p",
+    torch.special.expm1: "expm1",
 }
 # 0-d constants (torch.zeros((), device=score.device)): as the *_like constants (their dtype is the node's)
-_FUNCTIONS.update({torch.zeros: "zeros_like", torch.ones: "ones_like", torch.full: "full_like"})
+_FUNCTIONS.update({torch.zeros: "zeros_like", torch.ones: "ones_like", torch.full: "full_like",
+                   torch.tensor: "tensor", torch.fix: "trunc"})
 for _name in ("add", "sub", "mul", "div", "remainder", "fmod", "pow", "neg", "abs", "where", "clamp",
               "clamp_min", "clamp_max", "clip", "minimum", "maximum", "exp", "exp2", "log", "log2", "sqrt",
               "rsqrt", "sin", "cos", "erf", "sigmoid", "tanh", "log1p", "expm1", "floor", "ceil", "sign",
               "relu", "square", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or",
-              "logical_xor", "logical_not", "ones_like", "zeros_like", "full_like", "floor_divide"):
+              "logical_xor", "logical_not", "ones_like", "zeros_like", "full_like", "floor_divide",
+              "reciprocal", "log10", "trunc", "round", "isinf", "isnan", "isfinite", "clone"):
     _FUNCTIONS[getattr(torch, _name)] = _name
 _ALIASES = {"remainder": "mod", "clip": "clamp", "floor_divide": "floordiv", "__getitem__": "getitem",
             "__and__": "and", "__or__": "or", "__xor__": "xor", "__invert__": "invert", "bitwise_not": "invert",
             "float": "to", "int": "to", "long": "to", "bool": "to", "half": "to", "bfloat16": "to",
-            "double": "to", "type": "to", "new_ones": "ones_like", "new_zeros": "zeros_like",
+            "double": "to", "type": "to", "type_as": "to", "fix": "trunc", "new_ones": "ones_like",
+            "new_zeros": "zeros_like",
             "masked_fill": None, "true_divide": "truediv", "index_put_": "index_put"}
 
 
@@ -558,7 +595,7 @@ class _Lowerer:
             if not isinstance(base, _View):
                 self.fail(node, "only captured tensors can be indexed")
             return self.index(node, base, index)
-        if key in ("ones_like", "zeros_like", "full_like", "new_full"):  # only the first arg's dtype matters
+        if key in ("ones_like", "zeros_like", "full_like", "new_full", "tensor"):  # only the first arg's dtype matters
             if math.prod(node.meta.get("shape", ())) != 1:
                 self.fail(node, f"a mod computes one value per (b, h, q_idx, kv_idx): a constant tensor of shape "
                                 f"{tuple(node.meta['shape'])} has no lowering; make it 0-d (size ())")

@@ -388,10 +388,32 @@ def _trace(fn: Callable, kind: str) -> TracedMod:
     return TracedMod(kind=kind, name=name, graph_module=gm, captured=captured)
 
 
+# the dtypes a mod's arguments have in the kernels (and the traces' examples, _example_inputs)
+_ARG_DTYPES = {"score": torch.float32, "b": torch.int32, "h": torch.int32, "q_idx": torch.int32, "kv_idx": torch.int32}
+
+
+class _ArgProxy(fx.Proxy):
+    """A mod's argument while it is traced: its dtype is a constant (``torch.finfo(score.dtype).min``, ``if
+    score.dtype == torch.float32``, ``score.is_floating_point()`` work as in torch), its values are not."""
+
+    def __getattr__(self, name):
+        if name == "dtype":
+            return _ARG_DTYPES[self.node.target]
+        return super().__getattr__(name)
+
+    def is_floating_point(self) -> bool:
+        return _ARG_DTYPES[self.node.target].is_floating_point
+
+
 class _ModTracer(fx.Tracer):
     """symbolic_trace's tracer, except that a captured ``nn.Parameter`` (a learnable bias table, say) is
     a captured tensor like any other, and modules a mod calls (a GraphModule of an earlier trace, say)
     are traced through, instead of being errors for not belonging to the (empty) root module."""
+
+    def proxy(self, node):
+        if node.op == "placeholder" and node.target in _ARG_DTYPES:
+            return _ArgProxy(node, self)
+        return super().proxy(node)
 
     def call_module(self, m, forward, args, kwargs):
         # a mod may be (or call) an nn.Module, e.g. a GraphModule from an earlier trace: inline it
