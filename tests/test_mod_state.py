@@ -415,6 +415,7 @@ def test_a_retrace_of_an_unchanged_mod_is_the_same_trace():
 
 
 _FRESH_PROCESS_STEPS = """
+import sys
 import torch, torch.nn as nn
 from flexlite import flex_attention, create_block_mask
 from flexlite.masks import causal_mask
@@ -428,7 +429,7 @@ class Attn(nn.Module):
         return s - self.slopes[h] * (q - kv)
 
     def forward(self, q, k, v):
-        bm = create_block_mask(causal_mask, None, None, q.shape[2], q.shape[2], device="cpu", BLOCK_SIZE=32)
+        bm = create_block_mask(causal_mask, None, None, q.shape[2], q.shape[2], device=q.device, BLOCK_SIZE=32)
         return flex_attention(q, k, v, score_mod=self.score_mod, block_mask=bm)
 
 class Table:
@@ -438,8 +439,10 @@ class Table:
     def score_mod(self, s, b, h, q, kv):
         return s + self.t[kv]
 
-m, table = Attn(), Table()
-q = torch.randn(1, 2, 64, 16, requires_grad=True)
+DEVICE = sys.argv[1]
+m, table = Attn().to(DEVICE), Table()
+table.t = table.t.to(DEVICE)
+q = torch.randn(1, 2, 64, 16, device=DEVICE, requires_grad=True)
 for step in range(3):
     m(q, q, q).sum().backward()
     loss = flex_attention(q, q, q, score_mod=table.score_mod).sum()
@@ -454,8 +457,9 @@ def test_methods_as_mods_train_in_a_fresh_process():
     import os
     import subprocess
 
-    run = subprocess.run([sys.executable, "-c", _FRESH_PROCESS_STEPS], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    env = {**os.environ, "TRITON_INTERPRET": "1"} if DEVICE == "cpu" else dict(os.environ)
+    run = subprocess.run([sys.executable, "-c", _FRESH_PROCESS_STEPS, DEVICE], capture_output=True, text=True,
+                         timeout=600, env=env)
     assert run.returncode == 0 and "TRAINED True" in run.stdout, run.stderr[-3000:]
 
 
