@@ -8,6 +8,7 @@ Triton's interpreter.
 
 from .api import AuxOutput, AuxRequest, FlexKernelOptions, flex_attention, kernel_path, kernel_source
 from .block_mask import BlockMask, and_masks, create_block_mask, create_mask, noop_mask, or_masks
+from .block_mask import _mask_mod_signature, _score_mod_signature  # noqa: F401 - torch's names (attention-gym)
 from .codegen.trace import UntraceableModError
 from .reference import attention_reference
 

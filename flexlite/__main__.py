@@ -101,6 +101,14 @@ def show(argv) -> None:
                    image_tokens=args.image_tokens)
     try:
         mask_mod, q_len, kv_len = build_named_mask(args.mask, args.seq, **options)
+    except (ValueError, TypeError) as e:
+        p.error(str(e))
+    if args.png:
+        from .viz import MAX_POSITIONS
+        if q_len * kv_len > MAX_POSITIONS:  # (before the printout: the PNG's limit, not a failure after it)
+            p.error(f"--png: {q_len} x {kv_len} positions is too many to draw (at most {MAX_POSITIONS}); use a "
+                    f"smaller --seq, or leave out --png for the block printout")
+    try:
         block_mask = create_block_mask(mask_mod, None, None, q_len, kv_len, device="cpu", BLOCK_SIZE=args.block_size)
         picture = block_mask.to_string(grid_size=args.grid).rstrip("\n")
     except (ValueError, TypeError) as e:

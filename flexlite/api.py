@@ -95,6 +95,19 @@ def _fail(msg: str, exc=ValueError):
     raise exc(f"flex_attention: {msg}")
 
 
+def check_scale(scale, fail: Callable) -> None:
+    """``scale`` as torch's flex_attention takes it: a real number (a Python or numpy one), a real 0-d tensor that
+    does not require grad, or None; else ``fail(message, TypeError)``."""
+    if isinstance(scale, torch.Tensor):
+        if scale.dim() != 0 or scale.dtype == torch.bool or scale.is_complex() or scale.requires_grad:
+            fail(f"scale must be a Python float, a real 0-d tensor that does not require grad (no gradient flows to "
+                 f"it), or None; got a tensor of shape {tuple(scale.shape)}, {scale.dtype}"
+                 f"{', requiring grad' if scale.requires_grad else ''}", TypeError)
+    elif scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+        fail(f"scale must be a Python float (or a real number: int, numpy float) or None, got "
+             f"{type(scale).__name__}", TypeError)
+
+
 def _max_offset(shape, strides) -> int:
     """The largest element offset a tensor of this shape and these strides reaches (0 when empty)."""
     if any(n == 0 for n in shape):
@@ -255,14 +268,7 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
     if score_mod is not None:
         check_arity(score_mod, "score_mod")
         traced_score_mod = check_mod_output(score_mod, "score_mod", "flex_attention")
-    if isinstance(scale, torch.Tensor):
-        if scale.dim() != 0 or scale.dtype == torch.bool or scale.is_complex() or scale.requires_grad:
-            _fail(f"scale must be a Python float, a real 0-d tensor that does not require grad (no gradient flows to "
-                  f"it), or None; got a tensor of shape {tuple(scale.shape)}, {scale.dtype}"
-                  f"{', requiring grad' if scale.requires_grad else ''}", TypeError)
-    elif scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
-        _fail(f"scale must be a Python float (or a real number: int, numpy float) or None, got "
-              f"{type(scale).__name__}", TypeError)
+    check_scale(scale, _fail)
     if kernel_options is not None:
         if not isinstance(kernel_options, dict):
             _fail(f"kernel_options must be a dict, got {type(kernel_options).__name__}", TypeError)

@@ -29,6 +29,7 @@ pass, is its transpose (``q_num_blocks [B, H, nKV]``, ``q_indices [B, H, nKV, nQ
 
 from __future__ import annotations
 
+import collections.abc
 import functools
 import itertools
 import numbers
@@ -57,6 +58,9 @@ _CHUNK_ELEMENTS = 2 ** 24
 _CUDA_CHUNK_ELEMENTS = 2 ** 22
 
 _MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+# torch's names for the mods' types (torch.nn.attention.flex_attention; attention-gym imports them)
+_mask_mod_signature = collections.abc.Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+_score_mod_signature = collections.abc.Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
 # ----------------------------------------------------------------------------------------------

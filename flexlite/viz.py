@@ -18,6 +18,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from ._vmap import vmap_bhqkv
+from .api import check_scale
 from .block_mask import check_mod_output
 from .codegen.trace import check_arity, mod_name
 
@@ -71,8 +72,8 @@ def _validate(query, key, score_mod, mask_mod, batch_idx, head_idx, scale):
     if key.device != query.device:
         _fail(f"key is on {key.device} but query is on {query.device}; move them to one device")
     (B, Hq, Lq, E), (Bk, Hkv, Lkv, Ek) = query.shape, key.shape
-    if B != Bk:
-        _fail(f"query has batch {B} but key has {Bk}")
+    if B != Bk and Bk != 1:
+        _fail(f"query has batch {B} but key has {Bk} (key's batch must be the query's, or 1 for all)")
     if E != Ek:
         _fail(f"query and key head_dim differ ({E} vs {Ek})")
     if Hkv == 0 or Hq % Hkv:
@@ -89,8 +90,7 @@ def _validate(query, key, score_mod, mask_mod, batch_idx, head_idx, scale):
         check_arity(mask_mod, "mask_mod", caller="visualize_attention_scores")
         check_mod_output(mask_mod, "mask_mod", "visualize_attention_scores", allow_constant=False,
                          check_shape=True)
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        _fail(f"scale must be a float or None; got {type(scale).__name__}", TypeError)
+    check_scale(scale, _fail)
 
 
 def attention_scores(query: torch.Tensor, key: torch.Tensor, score_mod: Optional[Callable] = None,
@@ -107,8 +107,8 @@ def attention_scores(query: torch.Tensor, key: torch.Tensor, score_mod: Optional
     Lkv = key.shape[2]
     kv_head = head_idx // (query.shape[1] // key.shape[1])
     q = query[batch_idx, head_idx].detach().double()
-    k = key[batch_idx, kv_head].detach().double()
-    scale = 1.0 / math.sqrt(E) if scale is None else scale
+    k = key[batch_idx if key.shape[0] > 1 else 0, kv_head].detach().double()
+    scale = 1.0 / math.sqrt(E) if scale is None else float(scale)
     kw = dict(dtype=torch.int32, device=query.device)
     indices = (torch.tensor([batch_idx], **kw), torch.tensor([head_idx], **kw),
                torch.arange(Lq, **kw), torch.arange(Lkv, **kw))

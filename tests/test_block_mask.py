@@ -562,3 +562,12 @@ def test_other_errors(call, exc, match):
     escaped = "".join("\\" + c if c in "()[]" else c for c in match)
     with pytest.raises(exc, match=escaped):
         call()
+
+
+def test_torchs_mod_type_names():
+    """attention-gym imports torch's _mask_mod_signature / _score_mod_signature: flexlite has them, the same types."""
+    import flexlite
+    from torch.nn.attention import flex_attention as torch_flex
+
+    assert flexlite._mask_mod_signature == torch_flex._mask_mod_signature
+    assert flexlite._score_mod_signature == torch_flex._score_mod_signature

@@ -67,11 +67,15 @@ def test_unknown_mask_lists_valid_names(capsys):
     (["block_diffusion", "--seq", "64", "--block", "0"], "block_size must be >= 1; got 0"),
     (["causal_bottom_right", "--seq", "64", "--kv-seq", "0"], "kv_len must be >= 1; got 0"),
     (["causal", "--seq", "64", "--grid", "0"], "grid_size 0 has no rows or columns"),
+    (["document", "--seq", "256", "--docs=-1,257"], "document lengths (--docs) must be >= 0; got [-1, 257]"),
+    # refused before the printout, not after it
+    (["causal", "--seq", "20000", "--png", "x.png"], "--png: 20000 x 20000 positions is too many to draw"),
 ])
 def test_bad_options(capsys, args, message):
     with pytest.raises(SystemExit) as e:
         main(["show", *args])
-    assert e.value.code == 2 and message in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert e.value.code == 2 and message in captured.err and captured.out == ""
 
 
 def test_help_lists_masks(capsys):

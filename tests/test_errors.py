@@ -158,7 +158,7 @@ def test_bad_tile_options_are_rejected(monkeypatch):
     monkeypatch.undo()  # this one gets as far as choosing tiles, which happens before the launch
     q, k, v = qkv()
     for opts, match in (({"BLOCK_M": 48}, "power of two"), ({"BLOCK_N": 256}, "divides the block mask"),
-                        ({"BLOCK_M": 8}, ">= 16")):
+                        ({"BLOCK_M": 8}, ">= 16"), ({"BLOCK_M": 1024}, "^flex_attention: kernel_options")):
         with pytest.raises(ValueError, match=match):
             flex_attention(q, k, v, kernel_options=opts)
 

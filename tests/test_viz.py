@@ -73,6 +73,19 @@ def test_attention_scores_values():
     assert keep is None
 
 
+def test_scale_and_key_batch_as_flex_attention_takes_them():
+    """A 0-d tensor or numpy scale, and a key of batch 1 for every query batch, as flex_attention accepts them."""
+    import numpy as np
+
+    q, k = qk()
+    want, _ = attention_scores(q, k, scale=0.5, batch_idx=1, head_idx=2)
+    for scale in (torch.tensor(0.5), np.float32(0.5)):
+        torch.testing.assert_close(attention_scores(q, k, scale=scale, batch_idx=1, head_idx=2)[0], want)
+    shared = k[1:2]
+    got, _ = attention_scores(q, shared, scale=0.5, batch_idx=1, head_idx=2)
+    torch.testing.assert_close(got, want)
+
+
 def test_mask_uses_batch_and_head_indices():
     def per_head(b, h, q_idx, kv_idx):
         return (q_idx - kv_idx).abs() <= h + 2 * b
@@ -83,7 +96,8 @@ def test_mask_uses_batch_and_head_indices():
 
 @pytest.mark.parametrize("kwargs, exc, match", [
     (dict(query=torch.zeros(2, 3, 4)), ValueError, "query must be 4-D"),
-    (dict(key=torch.zeros(1, 2, 24, 8)), ValueError, "batch"),
+    (dict(key=torch.zeros(3, 2, 24, 8)), ValueError, "batch"),
+    (dict(scale=torch.ones(2)), TypeError, "scale"),
     (dict(key=torch.zeros(2, 2, 24, 4)), ValueError, "head_dim"),
     (dict(key=torch.zeros(2, 3, 24, 8)), ValueError, "multiple"),
     (dict(query=[[1.0]]), TypeError, "torch.Tensor"),

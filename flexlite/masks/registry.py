@@ -67,8 +67,10 @@ class MaskOptions:
         """``docs`` (which must sum to ``total``), default ``parts`` near-equal lengths."""
         if self.docs is None:
             return self.even_split(total, parts)
+        if any(n < 0 for n in self.docs):
+            raise ValueError(f"document lengths (--docs) must be >= 0; got {list(self.docs)}")
         if sum(self.docs) != total:
-            raise ValueError(f"document lengths {list(self.docs)} sum to {sum(self.docs)}, not {total}")
+            raise ValueError(f"document lengths (--docs) {list(self.docs)} sum to {sum(self.docs)}, not {total}")
         return list(self.docs)
 
 

@@ -131,8 +131,8 @@ def _pin(cfg: dict, kernel_options: dict, keys: tuple, sides: dict) -> dict:
     for key, sparse in sides.items():
         value = cfg[key]
         if not isinstance(value, int) or value < 16 or value & (value - 1) or sparse % value:
-            raise ValueError(f"kernel_options[{key!r}]={value!r}: must be a power of two >= 16 that divides the "
-                             f"block mask's BLOCK_SIZE {sparse}")
+            raise ValueError(f"flex_attention: kernel_options[{key!r}]={value!r}: must be a power of two >= 16 that "
+                             f"divides the block mask's BLOCK_SIZE {sparse}")
     return cfg
 
 
