@@ -833,19 +833,33 @@ def is_torch_block_mask(block_mask) -> bool:
     return cls.__name__ == "BlockMask" and cls.__module__ == "torch.nn.attention.flex_attention"
 
 
+def _without_blocks_past_the_end(num_blocks: Tensor, indices: Tensor) -> tuple:
+    """A torch BlockMask's kv lists with the entries of their counted prefixes that name no block (an index past
+    the lists' width: torch's ``_adjust`` to a shorter key length leaves such entries, which torch's kernels mask
+    out as keys past the end) taken out, the rest in their order. No host sync."""
+    n = indices.shape[-1]
+    cols = torch.arange(n, device=indices.device)
+    valid = (cols < num_blocks[..., None]) & (indices >= 0) & (indices < n)
+    order = torch.sort((~valid).to(torch.int8), dim=-1, stable=True).indices
+    return valid.sum(-1, dtype=torch.int32), torch.gather(indices, -1, order)
+
+
 def from_torch_block_mask(block_mask) -> BlockMask:
-    """flexlite's BlockMask for torch's: the same tensors (no copy, no host sync), lengths, block size and mask_mod, so
-    that a mask built with torch's create_block_mask (or by attention-gym code) runs in flexlite as it is. Kept on
+    """flexlite's BlockMask for torch's: the same tensors (but the kv lists, without entries past their width:
+    :func:`_without_blocks_past_the_end`; no host sync), lengths, block size and mask_mod, so that a mask built with
+    torch's create_block_mask (or by attention-gym code) runs in flexlite as it is. Kept on
     torch's object and made again only when one of those attributes is replaced (a slice's mask_mod assigned, new
     seq_lengths: gpt-fast's decoding), so per-mask state (the walk count) is not lost between calls."""
     caller = "flex_attention: block_mask (torch's BlockMask)"
     tensors = tuple(getattr(block_mask, n, None) for n in BlockMask._TENSOR_ATTRS)
 
     def convert():
-        lists = _int32_lists(tensors)
+        lists = list(_int32_lists(tensors))
         _check_kv_pair("", lists[0], lists[1], caller)
         if lists[2] is not None:
             _check_kv_pair("full_", lists[2], lists[3], caller)
+        for i in (0, 2) if lists[2] is not None else (0,):
+            lists[i:i + 2] = _without_blocks_past_the_end(lists[i], lists[i + 1])
         try:
             block_size = _normalize_block_size(caller, tuple(block_mask.BLOCK_SIZE))
         except ValueError as e:

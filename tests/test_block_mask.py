@@ -571,3 +571,24 @@ def test_torchs_mod_type_names():
 
     assert flexlite._mask_mod_signature == torch_flex._mask_mod_signature
     assert flexlite._score_mod_signature == torch_flex._score_mod_signature
+
+
+def test_a_torch_mask_adjusted_to_shorter_keys_runs():
+    """torch's BlockMask._adjust to a shorter key length leaves entries past the lists' width in their counted
+    prefix (torch's kernels mask those keys out): taken out, the mask means what torch's does, forward and backward."""
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+
+    from flexlite import attention_reference, flex_attention
+    from helpers import TOLERANCES, assert_close, assert_grad_close
+
+    adjusted = torch_create_block_mask(causal, None, None, 256, 256, device=DEVICE, BLOCK_SIZE=64)._adjust(150, 111)
+    assert (adjusted.kv_indices[0, 0, 2, :1] == 2).all()  # (the entry this is about)
+    q = torch.randn(1, 2, 150, 16, device=DEVICE, requires_grad=True)
+    k, v = (torch.randn(1, 2, 111, 16, device=DEVICE, requires_grad=True) for _ in range(2))
+    mine = create_block_mask(causal, None, None, 150, 111, device=DEVICE, BLOCK_SIZE=64)
+    out = flex_attention(q, k, v, block_mask=adjusted)
+    ref = attention_reference(q, k, v, block_mask=mine)[0]
+    assert_close(out, ref, *TOLERANCES[torch.float32])
+    grad = torch.randn_like(out)
+    for g, w in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
+        assert_grad_close(g, w)
