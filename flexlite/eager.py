@@ -148,10 +148,15 @@ def scores(q: torch.Tensor, k: torch.Tensor, groups: int, scale: float, score_mo
     return raw, modded.to(raw.dtype)
 
 
-def _nonfinite(chunks: _Chunks, v: torch.Tensor) -> Optional[torch.Tensor]:
-    """Where a chunk's values ``v`` are NaN or inf, if anywhere and a block mask decides which rows read them (None
-    otherwise: every row reads every key, and the plain products are the kernels')."""
-    if chunks.block_mask is None:
+def _any_nonfinite(chunks: _Chunks, v: torch.Tensor) -> bool:
+    """Whether some of the values ``v`` are NaN or inf and a block mask decides which rows read them (else every row
+    reads every key, and the plain products are the kernels'). One pass over v and one host read per call."""
+    return chunks.block_mask is not None and not bool(torch.isfinite(v).all())
+
+
+def _nonfinite(v: torch.Tensor, any_nonfinite: bool) -> Optional[torch.Tensor]:
+    """Where a chunk's values ``v`` are NaN or inf (None: nowhere, or no call's value is)."""
+    if not any_nonfinite:
         return None
     bad = ~torch.isfinite(v)
     return bad if bool(bad.any()) else None
@@ -225,6 +230,7 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
     out = torch.zeros((B, H, Lq, value.shape[-1]), dtype=k.dtype, device=query.device)
     lse = torch.full((B, H, Lq), float("-inf"), dtype=k.dtype, device=query.device)
     row_max = lse.clone() if max_scores else None
+    any_nonfinite = _any_nonfinite(chunks, v)
     with torch.no_grad():
         for q0, q1, k0, k1 in chunks:
             _, s = scores(query[:, :, q0:q1].to(k.dtype), k[:, :, k0:k1], groups, scale, score_mod, q0, k0)
@@ -233,7 +239,7 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
                 s = s.masked_fill(~keep, float("-inf"))
             lse[:, :, q0:q1] = torch.logsumexp(s, dim=-1)
             p = torch.exp(s - _safe(lse[:, :, q0:q1]).unsqueeze(-1))
-            bad = _nonfinite(chunks, v[:, :, k0:k1])
+            bad = _nonfinite(v[:, :, k0:k1], any_nonfinite)
             out[:, :, q0:q1] = (_by_kv_head(p, v[:, :, k0:k1], groups) if bad is None else
                                 _read_values(p, v[:, :, k0:k1], bad, chunks.reached(q0, q1, k0, k1), groups))
             if max_scores:
@@ -253,6 +259,7 @@ def backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: t
     dcaptured = [torch.zeros(t.shape, dtype=k.dtype, device=t.device) for t in captured]
     do = grad_out.to(k.dtype) if grad_out is not None else torch.zeros_like(out, dtype=k.dtype)
     delta = (do * out.to(k.dtype)).sum(-1)  # [B, H, Lq]: rowsum(dO * O)
+    any_nonfinite = _any_nonfinite(chunks, v)
     for q0, q1, k0, k1 in chunks:
         q = query[:, :, q0:q1].to(k.dtype)
         with torch.enable_grad():
@@ -262,7 +269,7 @@ def backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: t
             p = torch.exp(s - _safe(lse[:, :, q0:q1]).to(k.dtype).unsqueeze(-1))
             if keep is not None:
                 p = p.masked_fill(~keep, 0.0)
-            bad = _nonfinite(chunks, v[:, :, k0:k1])
+            bad = _nonfinite(v[:, :, k0:k1], any_nonfinite)
             if bad is None:
                 dp = _by_kv_head(do[:, :, q0:q1], v[:, :, k0:k1].transpose(-1, -2), groups)
             else:  # (as the forward's: dP NaN where a row reads a NaN or inf value, 0 * it never where it does not)
