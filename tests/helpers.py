@@ -48,6 +48,14 @@ def assert_grad_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch
     assert_close(actual, expected, atol * scale, rtol, name=name)
 
 
+def assert_grads_like_reference(out: torch.Tensor, ref: torch.Tensor, inputs: tuple) -> None:
+    """The gradients of ``inputs`` (q, k, v) through ``out`` against those through the reference's ``ref``, for one
+    random output gradient (:func:`assert_grad_close` each)."""
+    grad = torch.randn_like(out)
+    for g, w in zip(torch.autograd.grad(out, inputs, grad), torch.autograd.grad(ref, inputs, grad)):
+        assert_grad_close(g, w)
+
+
 def rand_qkv(B, Hq, Hkv, Lq, Lkv, D, Dv=None, dtype=torch.float32, device=DEVICE, seed=0):
     """Random q [B,Hq,Lq,D], k [B,Hkv,Lkv,D], v [B,Hkv,Lkv,Dv] (fresh values, never zeros)."""
     g = torch.Generator().manual_seed(seed)

@@ -10,7 +10,7 @@ from flexlite import UntraceableModError, attention_reference, create_block_mask
 from flexlite.codegen import trace as trace_module
 from flexlite.codegen.trace import trace_mod
 from flexlite.runtime import compile as compile_module
-from helpers import DEVICE, TOLERANCES, assert_close, assert_grad_close, rand_qkv
+from helpers import DEVICE, TOLERANCES, assert_close, assert_grad_close, assert_grads_like_reference, rand_qkv
 
 B, H, LQ, LKV, D = 1, 2, 37, 45, 16
 _t = torch.linspace(-2.0, 2.0, 8).to(DEVICE)
@@ -410,9 +410,7 @@ def test_an_element_read_twice_is_loaded_once():
     out = flex_attention(q, k, v, block_mask=bm)
     ref = attention_reference(q, k, v, block_mask=bm)[0]
     assert_close(out, ref, *TOLERANCES[torch.float32])
-    grad = torch.randn_like(out)
-    for g, w in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
-        assert_grad_close(g, w)
+    assert_grads_like_reference(out, ref, (q, k, v))
 
 
 _QUERY_VALUE_MASKS = {
@@ -514,9 +512,7 @@ def test_score_mod_constant_factors_are_folded_into_the_forward(monkeypatch, nam
     out = flex_attention(q, k, v, score_mod=mod, block_mask=bm)
     ref = attention_reference(q, k, v, score_mod=mod, block_mask=bm)[0]
     assert_close(out, ref, *TOLERANCES[torch.float32])
-    grad = torch.randn_like(out)
-    for g, w in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
-        assert_grad_close(g, w)
+    assert_grads_like_reference(out, ref, (q, k, v))
 
 
 def test_the_warp_specialized_forward_computes_the_masks_key_values_apart():
@@ -630,9 +626,7 @@ def test_a_separable_bias_leaves_outputs_lse_max_scores_and_gradients_the_refere
     assert_close(out, ref, *TOLERANCES[torch.float32])
     assert_close(aux.lse, ref_lse, *TOLERANCES[torch.float32], name="lse")
     assert_close(aux.max_scores, ref_max, *TOLERANCES[torch.float32], name="max_scores")
-    grad = torch.randn_like(out)
-    for g, w in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
-        assert_grad_close(g, w)
+    assert_grads_like_reference(out, ref, (q, k, v))
 
 
 def test_a_bias_read_from_a_captured_tensor_is_not_separated_whatever_it_holds(monkeypatch):
