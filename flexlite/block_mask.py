@@ -34,6 +34,9 @@ import functools
 import itertools
 import numbers
 import operator
+import os
+import sys
+import warnings
 from typing import Callable, Optional, Union
 
 import torch
@@ -912,7 +915,8 @@ def create_block_mask(
     caller = "create_block_mask"
     _check_mask_mod(caller, mask_mod)
     # the kernels need it traced; untraceable code or a wrong result type fails here, clearly
-    check_mod_output(mask_mod, "mask_mod", caller, allow_constant=False, check_shape=True)
+    traced = check_mod_output(mask_mod, "mask_mod", caller, allow_constant=False, check_shape=True)
+    _warn_if_broadcast_hides(traced, B, H)
     B = _check_positive_int(caller, "B", B, allow_none=True)
     H = _check_positive_int(caller, "H", H, allow_none=True)
     Q_LEN = _check_positive_int(caller, "Q_LEN", Q_LEN)
@@ -930,6 +934,36 @@ def create_block_mask(
     else:
         partial, full = any_blocks, None
     return BlockMask._from_block_flags(partial, full, (Q_LEN, KV_LEN), block_size, mask_mod)
+
+
+def _outside_flexlite() -> int:
+    """The stacklevel of warnings.warn called here that names the first frame outside flexlite's package and the
+    torch.compile guard around its entry points (the user's line)."""
+    dynamo = sys.modules.get("torch._dynamo")  # (not imported for this: none of its frames then)
+    inside = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (sys.modules[__name__], dynamo)
+                   if m is not None)
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _warn_if_broadcast_hides(traced, B: Optional[int], H: Optional[int]) -> None:
+    """A UserWarning where mask_mod reads ``b`` or ``h`` but the block mask is built for B or H None: its blocks are
+    those of index 0, broadcast (as torch's), so a block full there is taken as full for every batch or head, where
+    mask_mod is not called (torch's create_block_mask does the same, silently)."""
+    read = {n.target for n in traced.graph_module.graph.nodes if n.op == "placeholder" and n.users}
+    hidden = [(arg, dim, what) for arg, dim, what, size in (("b", "B", "the batch size", B),
+                                                            ("h", "H", "the number of heads", H))
+              if size is None and arg in read]
+    if hidden:
+        args, dims = " and ".join(h[0] for h in hidden), " and ".join(h[1] for h in hidden)
+        sizes = " and ".join(f"{h[1]} ({h[2]})" for h in hidden)
+        warnings.warn(f"create_block_mask: mask_mod {traced.name!r} reads {args}, but {dims} "
+                      f"{'are' if len(hidden) > 1 else 'is'} None: the blocks are "
+                      f"those of {args} = 0 for every one, and a block full there is taken as full (mask_mod is not "
+                      f"called) for the others; pass {sizes} if the mask differs between them",
+                      UserWarning, stacklevel=_outside_flexlite())
 
 
 def create_mask(

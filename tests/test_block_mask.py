@@ -590,3 +590,23 @@ def test_a_torch_mask_adjusted_to_shorter_keys_runs():
     ref = attention_reference(q, k, v, block_mask=mine)[0]
     assert_close(out, ref, *TOLERANCES[torch.float32])
     assert_grads_like_reference(out, ref, (q, k, v))
+
+
+def test_a_mask_reading_b_or_h_built_for_none_warns():
+    """B / H None broadcast index 0's blocks (as torch's, which says nothing): a mask_mod that reads b or h gets a
+    UserWarning naming the dimension to pass, at the caller's line; a mask that does not, or given sizes, none."""
+    import warnings
+
+    def per_head(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx).abs() <= 16 * h
+
+    with pytest.warns(UserWarning, match=r"reads h, but H is None.*pass H \(the number of heads\)") as record:
+        create_block_mask(per_head, None, None, 64, 64, device=DEVICE, BLOCK_SIZE=16)
+    assert [w.filename for w in record if "reads h" in str(w.message)] == [__file__]
+    with pytest.warns(UserWarning, match=r"reads b and h, but B and H are None"):
+        create_block_mask(CATALOG["per_batch_head"](2, 2, 64, 64, DEVICE).mask_mod, None, None, 64, 64,
+                          device=DEVICE, BLOCK_SIZE=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        create_block_mask(per_head, 1, 2, 64, 64, device=DEVICE, BLOCK_SIZE=16)
+        create_block_mask(causal, None, None, 64, 64, device=DEVICE, BLOCK_SIZE=16)
