@@ -8,7 +8,8 @@ Triton's interpreter.
 
 from .api import AuxOutput, AuxRequest, FlexKernelOptions, flex_attention, kernel_path, kernel_source
 from .block_mask import BlockMask, and_masks, create_block_mask, create_mask, noop_mask, or_masks
-from .block_mask import _mask_mod_signature, _score_mod_signature  # noqa: F401 - torch's names (attention-gym)
+# torch's private names that attention-gym code imports from torch.nn.attention.flex_attention
+from .block_mask import _DEFAULT_SPARSE_BLOCK_SIZE, _mask_mod_signature, _score_mod_signature  # noqa: F401
 from .codegen.trace import UntraceableModError
 from .reference import attention_reference
 
@@ -29,8 +30,16 @@ _LAZY = {"flash_attention": "kernels", "reference_attention": "kernels", "triton
 __all__ += list(_LAZY)
 
 
+# helpers of torch's that attention-gym imports from torch.nn.attention.flex_attention (pure torch): torch's own
+_FROM_TORCH = ("_ModificationType", "_vmap_for_bhqkv", "_identity")
+
+
 def __getattr__(name):
     if name in _LAZY:
         import importlib
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    if name in _FROM_TORCH:
+        from torch.nn.attention import flex_attention as torch_flex_attention
+        if hasattr(torch_flex_attention, name):
+            return getattr(torch_flex_attention, name)
     raise AttributeError(f"module 'flexlite' has no attribute {name!r}")

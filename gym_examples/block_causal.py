@@ -25,10 +25,10 @@ draw(cfg, "block_causal_4", mask_mod=generate_block_causal_mask(4))
 # own noised block and the clean blocks before it; x_0 tokens are block-causal among themselves.
 
 # %%
-mask = generate_block_diffusion_mask(BLOCK_LEN, S // 2)
+mask = generate_block_diffusion_mask(S // 2, BLOCK_LEN)
 block_mask = create_block_mask(mask, None, None, S, S, device=cfg.device, BLOCK_SIZE=BLOCK)
 print(f"{mask.__name__}:\n{block_mask}")
 check(cfg, mask.__name__, S, block_mask=block_mask)
-draw(cfg, "block_diffusion_4_12", mask_mod=generate_block_diffusion_mask(4, 12))
+draw(cfg, "block_diffusion_4_12", mask_mod=generate_block_diffusion_mask(12, 4))
 
 cfg.finish()

@@ -571,6 +571,11 @@ def test_torchs_mod_type_names():
 
     assert flexlite._mask_mod_signature == torch_flex._mask_mod_signature
     assert flexlite._score_mod_signature == torch_flex._score_mod_signature
+    # and the other private names attention-gym imports from torch's module (utils.py, its notebook, paged attention)
+    from flexlite import _DEFAULT_SPARSE_BLOCK_SIZE, _identity, _ModificationType, _vmap_for_bhqkv
+    assert _DEFAULT_SPARSE_BLOCK_SIZE == torch_flex._DEFAULT_SPARSE_BLOCK_SIZE
+    assert (_identity, _ModificationType, _vmap_for_bhqkv) == (torch_flex._identity, torch_flex._ModificationType,
+                                                               torch_flex._vmap_for_bhqkv)
 
 
 def test_a_torch_mask_adjusted_to_shorter_keys_runs():

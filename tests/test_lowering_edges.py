@@ -323,3 +323,48 @@ def test_a_branch_on_the_scores_dtype_takes_the_kernels_float32():
     q, k, v = rand_qkv(B, H, H, L, L, D, seed=8)
     assert_close(flex_attention(q, k, v, score_mod=mod), attention_reference(q, k, v, score_mod=float32_branch)[0],
                  *TOLERANCES[torch.float32])
+
+
+def _attention_gym_tanh():
+    """attention-gym's softcap operator, "approx::tanh" (tanh.approx.f32 in its inductor lowering; torch.tanh
+    in torch), registered as it registers it."""
+    if not hasattr(torch.ops.approx, "tanh"):
+        global _APPROX_LIB
+        _APPROX_LIB = torch.library.Library("approx", "FRAGMENT")
+        _APPROX_LIB.define("tanh(Tensor inp) -> Tensor")
+        _APPROX_LIB.impl("tanh", torch.tanh, "CompositeExplicitAutograd")
+    return torch.ops.approx.tanh
+
+
+def test_attention_gyms_approx_tanh_is_tanh_approx():
+    """attention-gym's ``generate_tanh_softcap(cap, approx=True)`` calls torch.ops.approx.tanh: it lowers as
+    flexlite's tanh_approx (forward, its gradient, the bounded softmax), not an untraceable op."""
+    approx_tanh = _attention_gym_tanh()
+
+    def gym_softcap(score, b, h, q_idx, kv_idx):
+        return 20.0 * approx_tanh(score / 20.0)
+
+    def exact(score, b, h, q_idx, kv_idx):
+        return 20.0 * torch.tanh(score / 20.0)
+    q, k, v = (t.requires_grad_() for t in rand_qkv(B, H, H, L, L, D, seed=9))
+    out = flex_attention(q * 8, k, v, score_mod=gym_softcap)
+    ref = attention_reference(q * 8, k, v, score_mod=exact)[0]
+    assert_close(out, ref, *TOLERANCES[torch.float32])
+    grad = torch.randn_like(out)
+    for n, g, w in zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), grad),
+                       torch.autograd.grad(ref, (q, k, v), grad)):
+        assert_grad_close(g, w, name=n)
+    from flexlite import kernel_source
+    assert "tanh_approx(" in kernel_source(gym_softcap, None, device=DEVICE)
+
+
+def test_an_operator_without_a_lowering_is_named_by_its_qualified_name():
+    lib = torch.library.Library("flexlite_test_ns", "FRAGMENT")
+    lib.define("twice(Tensor x) -> Tensor")
+    lib.impl("twice", lambda x: x * 2, "CompositeExplicitAutograd")
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return torch.ops.flexlite_test_ns.twice(score)
+    q, k, v = rand_qkv(B, H, H, L, L, D)
+    with pytest.raises(UntraceableModError, match="no lowering for the operator 'flexlite_test_ns::twice'"):
+        flex_attention(q, k, v, score_mod=mod)

@@ -129,7 +129,7 @@ CASES = [
      lambda q, kv: [[0, 1], [1, 3], [0, 0], [2, 3], [0, 3]][q % 5][0] <= [0, 0, 1, 1, 1, 1, 2, 2, 2][kv]
      < [[0, 1], [1, 3], [0, 0], [2, 3], [0, 3]][q % 5][1]),
     ("block_causal", lambda: generate_block_causal_mask(5), 33, 33, lambda q, kv: q // 5 >= kv // 5),
-    ("block_diffusion", lambda: generate_block_diffusion_mask(4, 13), 26, 26, dense_block_diffusion(4, 13)),
+    ("block_diffusion", lambda: generate_block_diffusion_mask(13, 4), 26, 26, dense_block_diffusion(4, 13)),
 ]
 CASE_PARAMS = [pytest.param(*c[1:], id=c[0]) for c in CASES]
 
@@ -187,7 +187,7 @@ FORWARD = [
     pytest.param(lambda: generate_vision_cross_attention_from_ranges(
         [[0, 0]] * 10 + [[0, 2]] * 50 + [[2, 3]] * 36, 24, device=DEVICE), 96, 72, id="flamingo_from_ranges"),
     pytest.param(lambda: generate_natten(10, 10, 3, 5), 100, 100, id="natten"),
-    pytest.param(lambda: generate_block_diffusion_mask(16, 56), 112, 112, id="block_diffusion"),
+    pytest.param(lambda: generate_block_diffusion_mask(56, 16), 112, 112, id="block_diffusion"),
     pytest.param(lambda: generate_shared_prefix_mask(40, [30, 27, 31], device=DEVICE), 128, 128, id="shared_prefix"),
 ]
 
@@ -231,7 +231,7 @@ def test_fully_masked_text_rows_give_zero():
     (generate_vision_cross_attention_mask_mod([[0, 7], [1, 7]], 3), "vision_cross_attention_2x3"),
     (generate_vision_cross_attention_from_ranges([[0, 1], [0, 2]], [3, 5]), "vision_cross_attention_ranges_2x2"),
     (generate_block_causal_mask(64), "block_causal_64"),
-    (generate_block_diffusion_mask(16, 1024), "block_diffusion_16_1024"),
+    (generate_block_diffusion_mask(1024, 16), "block_diffusion_16_1024"),
 ], ids=lambda x: x if isinstance(x, str) else "")
 def test_names(mask, name):
     assert mask.__name__ == name
@@ -343,7 +343,7 @@ BAD_ARGS = [
     (generate_vision_cross_attention_from_ranges, ([[2, 1]], 2), ValueError, "range"),
     (generate_vision_cross_attention_from_ranges, ([[0, 1, 1]], 2), ValueError, "image_ranges"),
     (generate_block_causal_mask, (0,), ValueError, "block_size"),
-    (generate_block_diffusion_mask, (4, "8"), TypeError, "seq_len"),
+    (generate_block_diffusion_mask, ("8", 4), TypeError, "seq_len"),
 ]
 
 
@@ -362,3 +362,16 @@ def test_masks_compose():
     expected = dense(lambda q, kv: q // 4 >= kv // 4 and ((0 <= q - kv <= 3) or kv < 2 or q >= kv), 20, 20)
     assert got.equal(expected)
     trace_mod(mask, "mask_mod")
+
+
+def test_block_diffusion_takes_attention_gyms_argument_order():
+    """attention-gym's generate_block_diffusion_mask(seq_len, block_size): the same positional order and names, so
+    code swapping its import gets the same mask (the order was the other way round, silently another mask)."""
+    import inspect
+
+    assert list(inspect.signature(generate_block_diffusion_mask).parameters) == ["seq_len", "block_size"]
+    a = create_mask(generate_block_diffusion_mask(13, 4), 1, 1, 26, 26, device="cpu")[0, 0]
+    b = create_mask(generate_block_diffusion_mask(block_size=4, seq_len=13), 1, 1, 26, 26, device="cpu")[0, 0]
+    keep = dense_block_diffusion(4, 13)
+    assert torch.equal(a, b) and torch.equal(a.cpu(), torch.tensor([[bool(keep(q, kv)) for kv in range(26)]
+                                                                    for q in range(26)]))

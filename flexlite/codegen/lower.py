@@ -369,8 +369,23 @@ _ALIASES = {"remainder": "mod", "clip": "clamp", "floor_divide": "floordiv", "__
             "masked_fill": None, "true_divide": "truediv", "index_put_": "index_put"}
 
 
+# custom operators by their qualified name: attention-gym's softcap registers "approx::tanh" (tanh.approx on GPU)
+_CUSTOM_OPS = {"approx::tanh": "tanh_approx", "flexlite::tanh_approx": "tanh_approx"}
+
+
+def _qualified_op_name(target) -> Optional[str]:
+    """``"namespace::name"`` of a torch.library operator (an OpOverloadPacket or OpOverload), else None."""
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name
+    if isinstance(target, torch._ops.OpOverload):
+        return target.name()
+    return None
+
+
 def op_key(node: fx.Node) -> Optional[str]:
     if node.op == "call_function":
+        if node.target not in _FUNCTIONS and _qualified_op_name(node.target) in _CUSTOM_OPS:
+            return _CUSTOM_OPS[_qualified_op_name(node.target)]
         return _ALIASES.get(_FUNCTIONS.get(node.target), _FUNCTIONS.get(node.target))
     if node.op == "call_method":
         name = _ALIASES.get(node.target, node.target)
@@ -382,6 +397,9 @@ def _target_name(node: fx.Node) -> str:
     t = node.target
     if node.op == "call_method":
         return f"Tensor.{t}"
+    name = _qualified_op_name(t)
+    if name is not None:
+        return f"the operator {name!r}"
     return getattr(t, "__qualname__", None) or getattr(t, "__name__", None) or str(t)
 
 

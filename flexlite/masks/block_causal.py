@@ -18,9 +18,9 @@ def generate_block_causal_mask(block_size: int):
     return block_causal
 
 
-def generate_block_diffusion_mask(block_size: int, seq_len: int):
+def generate_block_diffusion_mask(seq_len: int, block_size: int):
     """BD3-LM's training mask over ``[x_t | x_0]`` (length ``2 * seq_len``: the noised sequence, then the clean
-    one), with blocks of ``block_size`` counted within each half:
+    one), with blocks of ``block_size`` counted within each half (arguments in attention-gym's order):
 
     * block diagonal: a token sees its own block in its own half;
     * offset block causal: an ``x_t`` token sees the ``x_0`` blocks before its block;
@@ -29,8 +29,8 @@ def generate_block_diffusion_mask(block_size: int, seq_len: int):
     Named ``block_diffusion_<block_size>_<seq_len>``.
     """
     caller = "generate_block_diffusion_mask"
-    block_size = check_int(caller, "block_size", block_size, 1)
     seq_len = check_int(caller, "seq_len", seq_len, 1)
+    block_size = check_int(caller, "block_size", block_size, 1)
 
     def block_diffusion(b, h, q_idx, kv_idx):
         q_clean, kv_clean = q_idx >= seq_len, kv_idx >= seq_len
@@ -49,7 +49,7 @@ def main(seq_len: int = 1024):
     from flexlite import create_block_mask
     mask = generate_block_causal_mask(128)
     print(f"{mask.__name__}:\n{create_block_mask(mask, None, None, seq_len, seq_len, device='cpu', BLOCK_SIZE=64)}")
-    mask = generate_block_diffusion_mask(128, seq_len // 2)
+    mask = generate_block_diffusion_mask(seq_len // 2, 128)
     print(f"{mask.__name__}:\n{create_block_mask(mask, None, None, seq_len, seq_len, device='cpu', BLOCK_SIZE=64)}")
 
 

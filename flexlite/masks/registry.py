@@ -104,7 +104,7 @@ def _shared_prefix(o: MaskOptions):
 def _block_diffusion(o: MaskOptions):
     if o.seq % 2:
         raise ValueError(f"block_diffusion needs an even seq ([x_t | x_0]); got {o.seq}")
-    return _self(generate_block_diffusion_mask(o.block_or(max(1, o.seq // 16)), o.seq // 2), o)
+    return _self(generate_block_diffusion_mask(o.seq // 2, o.block_or(max(1, o.seq // 16))), o)
 
 
 NAMED_MASKS = {
