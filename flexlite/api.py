@@ -10,6 +10,7 @@ import os
 from typing import Callable, Literal, NamedTuple, Optional, TypedDict
 
 import torch
+from torch.autograd import forward_ad
 
 from . import eager as _eager
 from . import first_calls
@@ -228,6 +229,10 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
             _fail(f"{name} comes from a torch.func transform (vmap, grad, vjp, jacrev, ...), which flex_attention's "
                   f"kernels do not run under: fold a vmapped dimension into the batch (B), and take gradients with "
                   f"torch.autograd (loss.backward(), torch.autograd.grad)", NotImplementedError)
+        if forward_ad._current_level >= 0 and forward_ad.unpack_dual(t).tangent is not None:
+            _fail(f"{name} is a forward-mode AD dual tensor (torch.autograd.forward_ad), which flex_attention does "
+                  f"not differentiate (its tangent would be dropped); use reverse mode (loss.backward(), "
+                  f"torch.autograd.grad)", NotImplementedError)
         if t.dim() != 4:
             _fail(f"{name} must be 4-D (batch, heads, seq_len, head_dim); got shape {tuple(t.shape)}")
     for name, t in (("key", key), ("value", value)):
@@ -268,6 +273,11 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
     if score_mod is not None:
         check_arity(score_mod, "score_mod")
         traced_score_mod = check_mod_output(score_mod, "score_mod", "flex_attention")
+        for target, t in traced_score_mod.captured.items():
+            if torch._C._functorch.is_functorch_wrapped_tensor(t):
+                _fail(f"score_mod captures {target!r} from a torch.func transform (vmap, grad, ...), which "
+                      f"flex_attention's kernels do not run under: take gradients of captured tensors with "
+                      f"torch.autograd (they are differentiable there)", NotImplementedError)
     check_scale(scale, _fail)
     if kernel_options is not None:
         if not isinstance(kernel_options, dict):
@@ -1052,6 +1062,9 @@ class FlexAttentionFunction(torch.autograd.Function):
         ctx.score_mod, ctx.block_mask, ctx.scale = score_mod, block_mask, scale
         ctx.kernel_options = _pass_options(kernel_options, "bwd_")
         ctx.traced, ctx.read = traced, _tensors_read(traced, block_mask)
+        # (the trace's own objects, which its gradient kernels are matched against; under a non-reentrant checkpoint
+        # saved_tensors hands back others)
+        ctx.captured = captured
         ctx.versions = tuple(t._version for t in ctx.read)
         ctx.set_materialize_grads(False)  # an unused out or lse arrives as None: no work for it
         if row_max is None:
@@ -1070,7 +1083,8 @@ class FlexAttentionFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable  # the kernels' gradients are not differentiable again
     def _backward(ctx, grad_out, grad_lse, grad_max=None):
         _check_unchanged_since_forward(ctx)
-        query, key, value, out, lse, *captured = ctx.saved_tensors
+        query, key, value, out, lse = ctx.saved_tensors[:5]
+        captured = ctx.captured
         needs = ctx.needs_input_grad
         with work_scope(query, autocast_on(query)):  # q's GPU current; a backward under autocast: ops as written
             dq, dk, dv, dcaptured = _backward(
@@ -1099,7 +1113,7 @@ def _check_unchanged_since_forward(ctx) -> None:
     mods = ((ctx.score_mod, ctx.traced[0], "score_mod"),
             (ctx.block_mask.mask_mod if ctx.block_mask is not None else None, ctx.traced[1], "mask_mod"))
     retraced = [kind for mod, traced, kind in mods if (mod is None) != (traced is None) or (
-        mod is not None and not same_trace(trace_mod(mod, kind), traced))]
+        mod is not None and not traced.volatile and not same_trace(trace_mod(mod, kind), traced))]
     if changed or retraced:
         what = (f"a tensor of shape {tuple(changed[0].shape)} that a mod captures or the block mask holds was "
                 f"modified by an inplace operation" if changed else

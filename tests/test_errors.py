@@ -228,3 +228,21 @@ def test_in_slice_offsets_past_32_bits_are_refused():
     k = torch.empty_strided((1, 1, 3, 16), (48, 48, 16, 1), device="meta")
     with pytest.raises(ValueError, match=r"query spans 2147483663 elements within one \(batch, head\) slice"):
         flex_attention(q, k, k)
+
+
+def test_forward_mode_dual_tensors_and_torch_func_over_captured_tensors_are_refused(monkeypatch):
+    """A dual tensor's tangent would be dropped silently; a captured tensor from a torch.func transform gave torch's
+    raw errors: both NotImplementedError naming the way that works (reverse-mode autograd)."""
+    import torch.autograd.forward_ad as fwAD
+
+    monkeypatch.undo()
+    q, k, v = qkv(B=1, Hq=1, Hkv=1)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(q, torch.randn_like(q))
+        with pytest.raises(NotImplementedError, match="query is a forward-mode AD dual tensor"):
+            flex_attention(dual, k, v)
+
+    def attend(bias):
+        return flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + bias[ki]).sum()
+    with pytest.raises(NotImplementedError, match="score_mod captures .* from a torch.func transform"):
+        torch.func.grad(attend)(torch.randn(k.shape[2], device=q.device))

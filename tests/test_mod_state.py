@@ -468,4 +468,100 @@ def test_flexlites_entry_points_are_opaque_to_fingerprints():
     from flexlite.codegen.trace import capture_fingerprint
 
     for fn in (flex_attention, create_block_mask):
-        assert capture_fingerprint(fn) == (id(fn.__code__),)
+        assert capture_fingerprint(fn) == (id(fn),)
+
+
+_CFG_MODULE = types.ModuleType("flexlite_test_cfg")
+_CFG_MODULE.cap = 2.0
+
+
+def _reads_a_module(score, b, h, q_idx, kv_idx):
+    return _CFG_MODULE.cap * torch.tanh(score / _CFG_MODULE.cap)
+
+
+class _Computed(nn.Module):
+    """A captured tensor made at each access (a property; parametrizations such as weight_norm do the same)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(2 * L - 1, device=DEVICE))
+        self.scale = nn.Parameter(torch.tensor(0.3, device=DEVICE))
+
+    @property
+    def bias(self):
+        return self.table * self.scale
+
+    def score_mod(self, s, b, h, q_idx, kv_idx):
+        return s + self.bias[q_idx - kv_idx + L - 1]
+
+
+def test_a_captured_tensor_made_at_each_access_is_taken_anew():
+    """Its trace is not kept (the fingerprint never met the tensor it captured): each call takes the current one,
+    through training steps (was: the first step's tensor, its freed graph at the second backward) and after an
+    update without grad (was: the old values, silently)."""
+    m = _Computed()
+    q, k, v = (t.requires_grad_() for t in rand_qkv(B, H, H, L, L, D, seed=12))
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    for step in range(2):
+        out = flex_attention(q, k, v, score_mod=m.score_mod)
+        ref = attention_reference(q, k, v, score_mod=m.score_mod)[0]
+        grad = torch.randn_like(out)
+        got = torch.autograd.grad(out, (m.table, m.scale), grad)
+        want = torch.autograd.grad(ref, (m.table, m.scale), grad)
+        for g, w in zip(got, want):
+            assert_close(g, w, 1e-3, 1e-3, name=f"step {step}")
+        m.table.grad, m.scale.grad = got
+        opt.step()
+    with torch.no_grad():
+        m.scale.add_(1.0)
+        assert_close(flex_attention(q, k, v, score_mod=m.score_mod),
+                     attention_reference(q, k, v, score_mod=m.score_mod)[0], *TOLERANCES[torch.float32])
+
+
+def test_what_a_mod_reads_from_a_module_global_or_past_the_walks_limit_is_seen(monkeypatch):
+    """``cfg.cap`` of a module (its attributes the code names are fingerprinted), and a value deeper than the
+    fingerprint's walk goes (such a mod is not kept: traced at each call)."""
+    q, k, v = rand_qkv(B, H, H, L, L, D, seed=13)
+    q = q * 4
+    flex_attention(q, k, v, score_mod=_reads_a_module)
+    monkeypatch.setattr(_CFG_MODULE, "cap", 0.5)
+    assert_close(flex_attention(q, k, v, score_mod=_reads_a_module),
+                 attention_reference(q, k, v, score_mod=_reads_a_module)[0], *TOLERANCES[torch.float32])
+
+    deep = types.SimpleNamespace(cap=2.0)
+    for _ in range(trace_module._MAX_DEPTH + 2):
+        deep = types.SimpleNamespace(inner=deep)
+    top = deep
+
+    def deep_mod(score, b, h, q_idx, kv_idx):
+        node = top
+        while hasattr(node, "inner"):
+            node = node.inner
+        return node.cap * torch.tanh(score / node.cap)
+    flex_attention(q, k, v, score_mod=deep_mod)
+    node = top
+    while hasattr(node, "inner"):
+        node = node.inner
+    node.cap = 0.5
+    assert_close(flex_attention(q, k, v, score_mod=deep_mod), attention_reference(q, k, v, score_mod=deep_mod)[0],
+                 *TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint_around_a_mod_with_a_learned_captured_tensor(reentrant):
+    """torch.utils.checkpoint: the trace's example run makes no autograd graph (a non-reentrant checkpoint counted
+    its saved tensors), and the backward matches captured tensors to the trace's own (it hands back others)."""
+    from torch.utils.checkpoint import checkpoint
+
+    bias = torch.randn(2, device=DEVICE, requires_grad=True)
+
+    def sm(score, b, h, q_idx, kv_idx):
+        return score + bias[h] * (q_idx - kv_idx) * 0.1
+    q, k, v = (t.requires_grad_() for t in rand_qkv(1, 2, 2, L, L, D, seed=14))
+    ref = attention_reference(q, k, v, score_mod=sm)[0]
+    grad = torch.randn_like(ref)
+    want = torch.autograd.grad(ref, (q, bias), grad)
+    out = checkpoint(lambda a, b_, c: flex_attention(a, b_, c, score_mod=sm), q, k, v, use_reentrant=reentrant)
+    (out * grad.to(out.dtype)).sum().backward()  # (a reentrant checkpoint takes no autograd.grad)
+    for g, w in zip((q.grad, bias.grad), want):
+        assert_close(g, w, 1e-3, 1e-3)

@@ -48,6 +48,7 @@ class TracedMod:
     graph_module: fx.GraphModule
     captured: dict  # get_attr target -> tensor
     lowered: dict = dataclasses.field(default_factory=dict)  # filled by codegen.kernel, dies with the trace
+    volatile: bool = False  # not cached (trace_mod): traced again at every call
 
     @property
     def arg_names(self) -> tuple:
@@ -174,14 +175,14 @@ def _state_fingerprint(obj, seen: set, depth: int) -> list:
     return parts
 
 
-# flexlite's modules whose functions a mod's fingerprint does not walk into (the mod libraries, flexlite.masks and
-# flexlite.mods, and varlen's masks it does: their closures hold the values)
-_OPAQUE_MODULES = ("flexlite.api", "flexlite.block_mask", "flexlite.first_calls", "flexlite.eager", "flexlite.bench",
-                   "flexlite.viz", "flexlite.reference", "flexlite._vmap", "flexlite.runtime.", "flexlite.codegen.")
+_TRUNCATED = "truncated"  # (in a fingerprint's seen set: the walk was cut short, by depth or by its object budget)
 
 
 def _fingerprint(obj, seen: set, depth: int = 0) -> tuple:
-    if depth > _MAX_DEPTH or id(obj) in seen:
+    if depth > _MAX_DEPTH:
+        seen.add(_TRUNCATED)
+        return ()
+    if id(obj) in seen:
         return ()
     if isinstance(obj, torch.Tensor):
         return (id(obj), obj.dtype, obj.dim())
@@ -196,10 +197,10 @@ def _fingerprint(obj, seen: set, depth: int = 0) -> tuple:
         return (id(obj), _fingerprint(obj.func, seen, depth + 1), _fingerprint(obj.args, seen, depth + 1),
                 _fingerprint(obj.keywords, seen, depth + 1))
     fn = obj.__func__ if isinstance(obj, types.MethodType) else obj  # bound methods
-    if isinstance(fn, types.FunctionType) and (fn.__module__ or "").startswith(_OPAQUE_MODULES):
-        # flexlite's own entry points and machinery (a module's forward calling flex_attention): their caches fill
-        # as they run, and no mod's values come from them
-        return (id(fn.__code__),)
+    if getattr(fn, "flexlite_entry_point", False):
+        # flexlite's entry points (flex_attention, create_block_mask: runtime.guards.opaque_to_compile), which a
+        # module's forward calls: their caches fill as they run, and no mod's values come from them
+        return (id(fn),)
     if isinstance(fn, types.FunctionType):
         parts = [id(fn.__code__)]
         for cell in fn.__closure__ or ():
@@ -212,6 +213,12 @@ def _fingerprint(obj, seen: set, depth: int = 0) -> tuple:
                 value = fn.__globals__[name]
                 if not isinstance(value, types.ModuleType):
                     parts.append((name, _fingerprint(value, seen, depth + 1)))
+                else:  # a module's attributes the code may read (``cfg.cap``): its scalars and tensors, by name
+                    attrs = [(n, _fingerprint(a, seen, depth + 1)) for n in fn.__code__.co_names
+                             for a in (vars(value).get(n, None),)
+                             if isinstance(a, (int, float, bool, str, torch.Tensor))]
+                    if attrs:
+                        parts.append((name, tuple(attrs)))
         if fn.__defaults__:  # a mod's extra parameters with defaults (their values are constants too)
             parts.append(_fingerprint(fn.__defaults__, seen, depth + 1))
         if fn.__dict__:  # attributes set on the function (a mod reading its own ``mod.w``)
@@ -219,8 +226,10 @@ def _fingerprint(obj, seen: set, depth: int = 0) -> tuple:
         if fn is not obj:
             parts.append(_fingerprint(obj.__self__, seen, depth + 1))
         return tuple(parts)
-    if len(seen) <= _MAX_OBJECTS and _has_state(obj):
-        return tuple(_state_fingerprint(obj, seen, depth))
+    if _has_state(obj):
+        if len(seen) <= _MAX_OBJECTS:
+            return tuple(_state_fingerprint(obj, seen, depth))
+        seen.add(_TRUNCATED)
     if isinstance(obj, type):  # a class used as a namespace of settings (``Cfg.window``)
         return (id(obj), *_class_constants(obj))
     return (id(obj),)
@@ -242,6 +251,23 @@ def _class_constants(cls) -> tuple:
 
 def capture_fingerprint(fn: Callable) -> tuple:
     return _fingerprint(fn, set())
+
+
+def _fingerprint_and_reach(fn: Callable) -> tuple:
+    """(the fingerprint, the ids of the tensors it holds or None where its walk was cut short)."""
+    seen: set = set()
+    fp = _fingerprint(fn, seen)
+    if _TRUNCATED in seen:
+        return fp, None
+    ids, stack = set(), [fp]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, tuple):
+            if len(x) == 3 and isinstance(x[1], torch.dtype):  # a tensor's entry
+                ids.add(x[0])
+            else:
+                stack.extend(x)
+    return fp, ids
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,13 +352,18 @@ def trace_mod(fn: Callable, kind: str) -> TracedMod:
     if isinstance(fn, TracedMod):
         return fn
     check_arity(fn, kind)
-    fp = capture_fingerprint(fn)
+    fp, reach = _fingerprint_and_reach(fn)
     cache, key = _cache_for(fn)
     hit = cache.get(key)
     if hit is not None and hit[0] == fp:
         return hit[1]
     traced = _trace(fn, kind)
-    cache[key] = (fp, traced)
+    # a trace is kept only where its fingerprint sees everything it took: a captured tensor the walk did not meet
+    # (made by a property or a parametrization at each access, or past the walk's limits) may be another one at
+    # the next call, and a walk cut short may miss a changed value; such a mod is traced at every call
+    traced.volatile = reach is None or any(id(t) not in reach for t in traced.captured.values())
+    if not traced.volatile:
+        cache[key] = (fp, traced)
     return traced
 
 
@@ -380,7 +411,8 @@ def _trace(fn: Callable, kind: str) -> TracedMod:
             raise UntraceableModError(f"{kind} {name!r} captures {type(value).__name__} {target!r}; only tensors "
                                       f"and Python scalars can be captured")
     try:
-        _DtypeProp(gm).run(*_example_inputs(kind))
+        with torch.no_grad():  # (examples only: no autograd graph, which a checkpoint's forward would count)
+            _DtypeProp(gm).run(*_example_inputs(kind))
     except Exception as e:  # noqa: BLE001
         raise UntraceableModError(
             f"{kind} {name!r} failed on 0-d example inputs (indices are 0-d int32 tensors, the score a 0-d "
