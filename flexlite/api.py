@@ -1058,12 +1058,12 @@ class FlexAttentionFunction(torch.autograd.Function):
             _block_count(block_mask, start_only=True)  # for the backward's grid: counted now, read there unsynced
         out, lse, row_max = _forward(query, key, value, score_mod, block_mask, scale,
                                      _pass_options(kernel_options, "fwd_"), max_scores, traced)
-        ctx.save_for_backward(query, key, value, out, lse, *captured)
+        ctx.save_for_backward(query, key, value, out, lse)
         ctx.score_mod, ctx.block_mask, ctx.scale = score_mod, block_mask, scale
         ctx.kernel_options = _pass_options(kernel_options, "bwd_")
         ctx.traced, ctx.read = traced, _tensors_read(traced, block_mask)
-        # (the trace's own objects, which its gradient kernels are matched against; under a non-reentrant checkpoint
-        # saved_tensors hands back others)
+        # the trace's own objects (its gradient kernels are matched against them), not saved tensors: a non-reentrant
+        # checkpoint hands saved ones back as others; the trace holds them anyway (ctx.read: their versions checked)
         ctx.captured = captured
         ctx.versions = tuple(t._version for t in ctx.read)
         ctx.set_materialize_grads(False)  # an unused out or lse arrives as None: no work for it
@@ -1083,7 +1083,7 @@ class FlexAttentionFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable  # the kernels' gradients are not differentiable again
     def _backward(ctx, grad_out, grad_lse, grad_max=None):
         _check_unchanged_since_forward(ctx)
-        query, key, value, out, lse = ctx.saved_tensors[:5]
+        query, key, value, out, lse = ctx.saved_tensors
         captured = ctx.captured
         needs = ctx.needs_input_grad
         with work_scope(query, autocast_on(query)):  # q's GPU current; a backward under autocast: ops as written

@@ -134,8 +134,8 @@ def test_a_call_fingerprints_each_mod_once(monkeypatch, grad):
 
     monkeypatch.setattr(first_calls, "ENABLED", False)  # (a first call's bits and worker trace more: NOTES 72)
     fingerprints = []
-    real = trace_module._fingerprint_and_reach
-    monkeypatch.setattr(trace_module, "_fingerprint_and_reach", lambda fn: fingerprints.append(fn) or real(fn))
+    real = trace_module._fingerprint_and_truncated
+    monkeypatch.setattr(trace_module, "_fingerprint_and_truncated", lambda fn: fingerprints.append(fn) or real(fn))
     bias = torch.randn(LKV, device=DEVICE)
 
     def mod(score, b, h, q_idx, kv_idx):

@@ -253,12 +253,15 @@ def capture_fingerprint(fn: Callable) -> tuple:
     return _fingerprint(fn, set())
 
 
-def _fingerprint_and_reach(fn: Callable) -> tuple:
-    """(the fingerprint, the ids of the tensors it holds or None where its walk was cut short)."""
+def _fingerprint_and_truncated(fn: Callable) -> tuple:
+    """(the fingerprint, whether its walk was cut short)."""
     seen: set = set()
     fp = _fingerprint(fn, seen)
-    if _TRUNCATED in seen:
-        return fp, None
+    return fp, _TRUNCATED in seen
+
+
+def _tensor_ids(fp: tuple) -> set:
+    """The ids of the tensors a fingerprint holds (their entries: id, dtype, dims)."""
     ids, stack = set(), [fp]
     while stack:
         x = stack.pop()
@@ -267,7 +270,7 @@ def _fingerprint_and_reach(fn: Callable) -> tuple:
                 ids.add(x[0])
             else:
                 stack.extend(x)
-    return fp, ids
+    return ids
 
 
 # ---------------------------------------------------------------------------------------------
@@ -352,7 +355,7 @@ def trace_mod(fn: Callable, kind: str) -> TracedMod:
     if isinstance(fn, TracedMod):
         return fn
     check_arity(fn, kind)
-    fp, reach = _fingerprint_and_reach(fn)
+    fp, truncated = _fingerprint_and_truncated(fn)
     cache, key = _cache_for(fn)
     hit = cache.get(key)
     if hit is not None and hit[0] == fp:
@@ -361,7 +364,8 @@ def trace_mod(fn: Callable, kind: str) -> TracedMod:
     # a trace is kept only where its fingerprint sees everything it took: a captured tensor the walk did not meet
     # (made by a property or a parametrization at each access, or past the walk's limits) may be another one at
     # the next call, and a walk cut short may miss a changed value; such a mod is traced at every call
-    traced.volatile = reach is None or any(id(t) not in reach for t in traced.captured.values())
+    reach = () if truncated or not traced.captured else _tensor_ids(fp)  # (on a miss only: not on the hot path)
+    traced.volatile = truncated or any(id(t) not in reach for t in traced.captured.values())
     if not traced.volatile:
         cache[key] = (fp, traced)
     return traced
