@@ -31,8 +31,8 @@ from .llvm_level import current_level
 
 _SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compile_server.py")
 # seconds a compile server waits for its next request before it exits, giving back its memory (~0.1-0.3 GB); the
-# next compile starts one again (Triton's import, ~1 s, before its first kernel; the compile waits for it, the calls
-# beside do not). 0: the servers stay up as long as the process
+# next compile starts one again (Triton's import before its first kernel, not timed on the GPU host: the compile waits
+# for it, the calls beside do not). 0: the servers stay up as long as the process
 IDLE_SECONDS = 120.0
 _THREAD = threading.local()
 _slots: list = []  # a compile server per slot (None until one is needed)
