@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from flexlite import flex_attention
+from flexlite import first_calls, flex_attention
 from flexlite.bench import _median_ms, _timed, check_against_reference, probe_args, probe_cases
 
 ROUNDS = 2  # (--rounds=N)
@@ -70,6 +70,7 @@ def main():
     rounds = next((int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--rounds=")), ROUNDS)
     passes = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--passes=")), ["fwd", "bwd"])
     masks, dims = probe_args(sys.argv[1:])
+    first_calls.EAGER = False  # the kernels, also in calls made while the worker compiles them (a new score_mod's)
     variants = (("now", contextlib.nullcontext), ("before", lambda: before(changes)))
     rows = []
     for D, q, k, v, case, bm in probe_cases(masks, dims):

@@ -21,10 +21,11 @@ def poison_empty(monkeypatch):
 
     def empty(*args, **kwargs):
         t = real_empty(*args, **kwargs)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        elif t.dtype in _INT_POISON:
-            t.fill_(_INT_POISON[t.dtype])
+        with torch.no_grad():  # (a leaf that requires grad, as torch.utils.checkpoint makes)
+            if t.is_floating_point():
+                t.fill_(float("nan"))
+            elif t.dtype in _INT_POISON:
+                t.fill_(_INT_POISON[t.dtype])
         return t
 
     monkeypatch.setattr(torch, "empty", empty)

@@ -338,22 +338,22 @@ def _attention_gym_tanh():
 
 def test_attention_gyms_approx_tanh_is_tanh_approx():
     """attention-gym's ``generate_tanh_softcap(cap, approx=True)`` calls torch.ops.approx.tanh: it lowers as
-    flexlite's tanh_approx (forward, its gradient, the bounded softmax), not an untraceable op."""
+    flexlite's tanh_approx (forward, its gradient, the bounded softmax), not an untraceable op. Compared with
+    flexlite's own approx softcap, which runs the same kernels (tanh.approx.f32 on a GPU, whose error is beyond the
+    fp32 tolerances against the exact reference: test_backward's softcap tests check it against the reference)."""
+    from flexlite.mods import generate_tanh_softcap
     approx_tanh = _attention_gym_tanh()
 
     def gym_softcap(score, b, h, q_idx, kv_idx):
         return 20.0 * approx_tanh(score / 20.0)
-
-    def exact(score, b, h, q_idx, kv_idx):
-        return 20.0 * torch.tanh(score / 20.0)
     q, k, v = (t.requires_grad_() for t in rand_qkv(B, H, H, L, L, D, seed=9))
     out = flex_attention(q * 8, k, v, score_mod=gym_softcap)
-    ref = attention_reference(q * 8, k, v, score_mod=exact)[0]
-    assert_close(out, ref, *TOLERANCES[torch.float32])
+    want = flex_attention(q * 8, k, v, score_mod=generate_tanh_softcap(20.0, approx=True))
+    assert_close(out, want, *TOLERANCES[torch.float32])
     grad = torch.randn_like(out)
     for n, g, w in zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), grad),
-                       torch.autograd.grad(ref, (q, k, v), grad)):
-        assert_grad_close(g, w, name=n)
+                       torch.autograd.grad(want, (q, k, v), grad)):
+        assert_grad_close(g, w.double(), name=n)
     from flexlite import kernel_source
     assert "tanh_approx(" in kernel_source(gym_softcap, None, device=DEVICE)
 
