@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import math
 import numbers
@@ -18,7 +19,7 @@ from .block_mask import (BlockMask, check_block_tensors, check_device, check_mod
                          is_torch_block_mask, kept_on, q_sides)
 from .codegen.kernel import GeneratedKernel, generate, generate_backward
 from .codegen.lower import FLOAT32_EXACT_INT
-from .codegen.trace import check_arity, same_trace, trace_mod
+from .codegen.trace import check_arity, trace_mod
 from .runtime.compile import load_module, write_source
 from .runtime import launch as _launch
 from .runtime.guards import autocast_on, opaque_to_compile, work_scope
@@ -799,10 +800,21 @@ def _captured_grads_from_ds(score_mod, query, key, scale, ds, captured) -> list:
     return total
 
 
+def _with_mask_mod(block_mask, mask_mod):
+    """``block_mask`` (flexlite's or torch's) with ``mask_mod`` (the forward's trace of its own) in its place, for the
+    torch ops: a shallow copy, its tensors the same."""
+    if block_mask is None or mask_mod is None or block_mask.mask_mod is mask_mod:
+        return block_mask
+    copied = copy.copy(block_mask)
+    copied.mask_mod = mask_mod
+    return copied
+
+
 def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_mask, scale, kernel_options,
               captured, need_dq: bool, need_captured: tuple, traced_mods: Optional[tuple] = None):
     """dq, dk, dv (input dtypes; dq None unless ``need_dq``) and the gradients of ``captured``. ``traced_mods``: the
-    traces of score_mod and of the block mask's mask_mod where the caller has them (None: traced here)."""
+    traces of score_mod and of the block mask's mask_mod where the caller has them (the forward's: every path here
+    runs them, the torch ops too, not the callables as they are now; None: traced here)."""
     B, Hq, Lq, _ = query.shape
     Lkv = key.shape[2]
     want = [t for t, need in zip(captured, need_captured) if need]
@@ -811,18 +823,19 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
                 [torch.zeros_like(t) for t in captured])
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    if query.dtype == torch.float64:  # (as its forward: torch ops)
-        return _wanted(_eager.backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_mask, scale,
-                                       tuple(want), limit=False), need_captured)
-    interpret = query.device.type != "cuda"
-    options = kernel_options or {}
-    deterministic = bool(want) and _deterministic_captured_grads(options)
-    scatter = () if deterministic else tuple(want)
     mask_mod = block_mask.mask_mod if block_mask is not None else None
     # traced once for both kernels' generation (each trace fingerprints the mod's captures)
     traced = list(traced_mods) if traced_mods is not None else [
         trace_mod(mod, kind) if mod is not None else None for mod, kind in ((score_mod, "score_mod"),
                                                                              (mask_mod, "mask_mod"))]
+    score_mod, traced_mask = traced[0], _with_mask_mod(block_mask, traced[1])  # (what the torch ops call)
+    if query.dtype == torch.float64:  # (as its forward: torch ops)
+        return _wanted(_eager.backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, traced_mask,
+                                       scale, tuple(want), limit=False), need_captured)
+    interpret = query.device.type != "cuda"
+    options = kernel_options or {}
+    deterministic = bool(want) and _deterministic_captured_grads(options)
+    scatter = () if deterministic else tuple(want)
     *kv_blocks, sparse = _block_tensors(block_mask, Lq, Lkv, query.device)
     kernel, ws_kernel = _backward_kernels(traced, query, key, value, sparse, options, interpret, scatter,
                                           deterministic)
@@ -840,7 +853,7 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
                          kernel_options, captured, need_dq, need_captured)
     if first is not None and first.eager:  # in torch ops while the kernels compile beside
         grads = _run_eager(first, _eager.backward, query, key, value, out, lse, grad_out, grad_lse, score_mod,
-                           block_mask, scale, tuple(want))
+                           traced_mask, scale, tuple(want))
         if grads is not None:
             return _wanted(grads, need_captured)
     # (the kernels' modules loaded once the call runs them: not for the bits' or torch ops' calls)
@@ -1059,7 +1072,7 @@ class FlexAttentionFunction(torch.autograd.Function):
         out, lse, row_max = _forward(query, key, value, score_mod, block_mask, scale,
                                      _pass_options(kernel_options, "fwd_"), max_scores, traced)
         ctx.save_for_backward(query, key, value, out, lse)
-        ctx.score_mod, ctx.block_mask, ctx.scale = score_mod, block_mask, scale
+        ctx.block_mask, ctx.scale = block_mask, scale
         ctx.kernel_options = _pass_options(kernel_options, "bwd_")
         ctx.traced, ctx.read = traced, _tensors_read(traced, block_mask)
         # the trace's own objects (its gradient kernels are matched against them), not saved tensors: a non-reentrant
@@ -1088,7 +1101,7 @@ class FlexAttentionFunction(torch.autograd.Function):
         needs = ctx.needs_input_grad
         with work_scope(query, autocast_on(query)):  # q's GPU current; a backward under autocast: ops as written
             dq, dk, dv, dcaptured = _backward(
-                query, key, value, out, lse, grad_out, grad_lse, ctx.score_mod, ctx.block_mask, ctx.scale,
+                query, key, value, out, lse, grad_out, grad_lse, ctx.traced[0], ctx.block_mask, ctx.scale,
                 ctx.kernel_options, captured, need_dq=needs[0], need_captured=tuple(needs[9:]), traced_mods=ctx.traced)
         return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
                 None, None, None, None, None, None, *dcaptured)
@@ -1096,8 +1109,8 @@ class FlexAttentionFunction(torch.autograd.Function):
 
 def _tensors_read(traced: tuple, block_mask) -> list:
     """The tensors a forward reads besides query, key and value: its mods' captured tensors and the block mask's
-    lists. The backward reads them again (score_mod and mask_mod run again there, from the forward's traces once
-    :func:`_check_unchanged_since_forward` has found them current)."""
+    lists. The backward reads them again (score_mod and mask_mod run again there, from the forward's traces, once
+    :func:`_check_unchanged_since_forward` has found them unchanged)."""
     tensors = [t for mod in traced if mod is not None for t in mod.captured.values() if isinstance(t, torch.Tensor)]
     if block_mask is not None:
         tensors += [t for t in (getattr(block_mask, a) for a in BlockMask._TENSOR_ATTRS) if t is not None]
@@ -1105,21 +1118,17 @@ def _tensors_read(traced: tuple, block_mask) -> list:
 
 
 def _check_unchanged_since_forward(ctx) -> None:
-    """The backward recomputes the scores from the mods and the block mask as they are now: a RuntimeError, as
-    autograd's for an input changed in place, where one of them changed since the forward (a captured tensor or a
-    block list written in place, a mod whose trace changed: a rebound tensor, a new constant, a reassigned
-    mask_mod), whose gradients would be those of other scores, silently."""
+    """The backward recomputes the scores from the forward's traces of the mods (their constants and captured tensors
+    as the forward had them: a rebound attribute, a new constant, a reassigned mask_mod or functional_call's
+    parameters put back since change nothing there) and from the tensors they and the block mask read: a
+    RuntimeError, as autograd's for an input changed in place, where one of those was written in place since the
+    forward, whose gradients would be those of other scores, silently."""
     changed = [t for t, version in zip(ctx.read, ctx.versions) if t._version != version]
-    mods = ((ctx.score_mod, ctx.traced[0], "score_mod"),
-            (ctx.block_mask.mask_mod if ctx.block_mask is not None else None, ctx.traced[1], "mask_mod"))
-    retraced = [kind for mod, traced, kind in mods if (mod is None) != (traced is None) or (
-        mod is not None and not traced.volatile and not same_trace(trace_mod(mod, kind), traced))]
-    if changed or retraced:
-        what = (f"a tensor of shape {tuple(changed[0].shape)} that a mod captures or the block mask holds was "
-                f"modified by an inplace operation" if changed else
-                f"the {retraced[0]} (what it captures or reads, or the mask_mod itself) changed")
-        raise RuntimeError(f"flex_attention's backward: {what} since the forward, so the gradients would be those of "
-                           f"other scores; change it after the backward (or clone it before the forward)")
+    if changed:
+        raise RuntimeError(f"flex_attention's backward: a tensor of shape {tuple(changed[0].shape)} that a mod captures "
+                           f"or the block mask holds was modified by an inplace operation since the forward, so the "
+                           f"gradients would be those of other scores; change it after the backward (or clone it "
+                           f"before the forward)")
 
 
 def _autocast_inputs(query, key, value) -> tuple:

@@ -20,7 +20,7 @@ from flexlite import attention_reference, create_block_mask, flex_attention
 from flexlite.codegen import trace as trace_module
 from flexlite.masks import causal_mask, generate_sliding_window
 from flexlite.mods import generate_relative_bias, generate_tanh_softcap
-from helpers import DEVICE, TOLERANCES, assert_close, rand_qkv
+from helpers import DEVICE, TOLERANCES, assert_close, assert_grads_like_reference, rand_qkv
 
 B, H, L, D = 1, 1, 64, 16
 
@@ -311,11 +311,7 @@ def _in_place_block_list(ids, bm):
     bm.kv_num_blocks.zero_()
 
 
-def _new_constant(cfg, bm):
-    cfg.cap = 3.0
-
-
-@pytest.mark.parametrize("change", [_in_place_bias, _in_place_ids, _in_place_block_list, _new_constant],
+@pytest.mark.parametrize("change", [_in_place_bias, _in_place_ids, _in_place_block_list],
                          ids=lambda f: f.__name__[1:])
 def test_what_the_forward_read_changed_before_its_backward_is_an_error(change):
     # (each gave gradients of other scores, silently: off by up to 1e14 for the in-place bias)
@@ -335,6 +331,63 @@ def test_what_the_forward_read_changed_before_its_backward_is_an_error(change):
     with pytest.raises(RuntimeError, match="flex_attention's backward: .* since the forward, so the gradients would "
                                            "be those of other scores"):
         torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+
+
+def _rebound_bias(state, bm):
+    state.bias = torch.randn(L, device=DEVICE)
+
+
+def _new_constant(state, bm):
+    state.cap = 3.0
+
+
+def _new_mask_mod(state, bm):
+    bm.mask_mod = lambda b, h, q_idx, kv_idx: q_idx >= 0
+
+
+@pytest.mark.parametrize("change", [_rebound_bias, _new_constant, _new_mask_mod], ids=lambda f: f.__name__[1:])
+def test_what_the_forward_traced_rebound_before_its_backward_keeps_the_forwards_gradients(change):
+    """The backward runs the forward's traces (their constants and captured tensors), torch ops paths too: a rebound
+    attribute, a new constant or a reassigned mask_mod between a forward and its backward changes nothing there,
+    as autograd's saved tensors (the forward's objects are what a trace holds; written in place, they are an
+    error: the test above)."""
+    state = types.SimpleNamespace(cap=2.0, bias=torch.randn(L, device=DEVICE))
+    ids = torch.arange(L, device=DEVICE) // 20
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return state.cap * torch.tanh(score / state.cap) + state.bias[kv_idx]
+
+    def documents(b, h, q_idx, kv_idx):
+        return ids[q_idx] == ids[kv_idx]
+    bm = create_block_mask(documents, None, None, L, L, device=DEVICE, BLOCK_SIZE=16)
+    for dtype in (torch.float32, torch.float64):  # (the kernels; the torch ops)
+        q, k, v = (t.to(dtype).requires_grad_() for t in rand_qkv(B, H, H, L, L, D, seed=8))
+        ref = attention_reference(q, k, v, score_mod=score_mod, block_mask=bm)[0]
+        saved = state.cap, state.bias, bm.mask_mod
+        out = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm)
+        change(state, bm)
+        try:
+            assert_grads_like_reference(out, ref, (q, k, v))
+        finally:
+            state.cap, state.bias, bm.mask_mod = saved
+
+
+def test_functional_call_trains():
+    """torch.func.functional_call puts the module's own parameters back when it returns, before the backward: the
+    gradients are those of the parameters it was given (the forward's trace holds them), flex_attention's
+    kernels and the reference alike."""
+    module = _Attention()
+    params = {"slopes": torch.randn(H + 1, device=DEVICE, requires_grad=True)}
+    q, k, v = (t.requires_grad_() for t in rand_qkv(B, H, H, L, L, D, seed=12))
+    out = torch.func.functional_call(module, params, (q, k, v))
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v, params["slopes"]), grad)
+    slopes = params["slopes"]
+    ref = attention_reference(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s - slopes[h] * (q_idx - kv_idx))[0]
+    want = torch.autograd.grad(ref, (q, k, v, params["slopes"]), grad)
+    for g, w, tolerances in zip(got, want, [TOLERANCES[torch.float32]] * 3 + [(1e-3, 1e-3)]):
+        assert_close(g, w, *tolerances)
+    assert not torch.equal(module.slopes, params["slopes"])  # (the module's own, which the gradients are not of)
 
 
 def test_what_the_forward_read_changed_after_its_backward_is_fine():
@@ -397,21 +450,6 @@ def test_a_method_as_score_mod_trains_and_is_traced_once(how, traces):
         previous[:] = [out, score_mod]
         del out, ref, score_mod
     assert len(traces) == 1, traces
-
-
-def test_a_retrace_of_an_unchanged_mod_is_the_same_trace():
-    """The backward's check compares traces, not trace objects: a cache entry lost between forward and backward
-    (the mod traced again) is no change; a new constant still is."""
-    cfg = types.SimpleNamespace(cap=2.0)
-
-    def score_mod(score, b, h, q_idx, kv_idx):
-        return cfg.cap * torch.tanh(score / cfg.cap)
-    first = trace_module.trace_mod(score_mod, "score_mod")
-    trace_module._TRACE_CACHE.clear()
-    again = trace_module.trace_mod(score_mod, "score_mod")
-    assert again is not first and trace_module.same_trace(again, first)
-    cfg.cap = 3.0
-    assert not trace_module.same_trace(trace_module.trace_mod(score_mod, "score_mod"), first)
 
 
 _FRESH_PROCESS_STEPS = """

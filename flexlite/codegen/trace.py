@@ -54,6 +54,11 @@ class TracedMod:
     def arg_names(self) -> tuple:
         return SCORE_MOD_ARGS if self.kind == "score_mod" else MASK_MOD_ARGS
 
+    def __call__(self, *args):
+        """The mod as traced, on tensors (its constants and captured tensors those of the trace; the torch ops paths
+        of a backward run the forward's trace so)."""
+        return self.graph_module(*args)
+
 
 def mod_name(fn: Callable) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
@@ -337,14 +342,6 @@ def _cache_for(fn) -> tuple:
         return _TRACE_CACHE, fn
     except TypeError:
         return _TRACE_CACHE_STRONG, fn
-
-
-def same_trace(a: TracedMod, b: TracedMod) -> bool:
-    """Whether two traces compute the same scores: the same graph code (constants in it) over the same captured
-    tensors."""
-    return a is b or (a.kind == b.kind and a.graph_module.code == b.graph_module.code
-                      and a.captured.keys() == b.captured.keys()
-                      and all(a.captured[k] is b.captured[k] for k in a.captured))
 
 
 def trace_mod(fn: Callable, kind: str) -> TracedMod:
