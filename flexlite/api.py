@@ -828,7 +828,8 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
     traced = list(traced_mods) if traced_mods is not None else [
         trace_mod(mod, kind) if mod is not None else None for mod, kind in ((score_mod, "score_mod"),
                                                                              (mask_mod, "mask_mod"))]
-    score_mod, traced_mask = traced[0], _with_mask_mod(block_mask, traced[1])  # (what the torch ops call)
+    # what the torch ops and a first call's bits evaluate
+    score_mod, traced_mask = traced[0], _with_mask_mod(block_mask, traced[1])
     if query.dtype == torch.float64:  # (as its forward: torch ops)
         return _wanted(_eager.backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, traced_mask,
                                        scale, tuple(want), limit=False), need_captured)
@@ -841,12 +842,12 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
                                           deterministic)
     check_captured(kernel.captured, query.device, "flex_attention")
     first = None if deterministic else _first_call(  # (captured gradients: no bits, which add none)
-        "bwd", (kernel.source, ws_kernel and ws_kernel.source), query, key, value, block_mask, kernel_options,
+        "bwd", (kernel.source, ws_kernel and ws_kernel.source), query, key, value, traced_mask, kernel_options,
         _mask_gathers(kernel, block_mask),
         lambda bits: tuple(k and k.source for k in _backward_kernels(
             (traced[0], trace_mod(bits.mask_mod, "mask_mod")), query, key, value, sparse, options, interpret)),
-        lambda bits: _backward(query, key, value, out, lse, grad_out, grad_lse, traced[0], bits or block_mask, scale,
-                               kernel_options, captured, need_dq, need_captured),
+        lambda bits: _backward(query, key, value, out, lse, grad_out, grad_lse, traced[0], bits or traced_mask,
+                               scale, kernel_options, captured, need_dq, need_captured),
         need_dq, grad_lse is not None, with_bits=not want)
     if first is not None and first.bits is not None:  # a new mask_mod's first calls: its kernels compile beside
         return _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, first.bits, scale,

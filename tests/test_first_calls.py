@@ -699,3 +699,34 @@ def test_a_first_backward_into_captured_tensors_runs_in_torch_ops(fresh, held_wo
     assert launches == ["_run_forward", "launch_backward"] and first_calls.ran_eager() == eager_calls + 2
     for a, b in zip(first, later):
         assert_close(a, b, *TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["bits", "torch ops"])
+def test_a_first_backward_runs_the_forwards_mask_mod(fresh, monkeypatch, eager):
+    """A new mask_mod's first backward (its partial blocks' bits, or torch ops while its kernels compile) evaluates
+    the forward's trace of the mask_mod, not the block mask's mask_mod as it is at the backward: one reassigned in
+    between keeps the forward's gradients."""
+    monkeypatch.setattr(first_calls, "EAGER", eager)
+    ids = torch.arange(96, device=DEVICE) // 30
+
+    def documents(b, h, q_idx, kv_idx):
+        return ids[q_idx] == ids[kv_idx]
+    bm = create_block_mask(documents, None, None, 96, 96, device=DEVICE, BLOCK_SIZE=16)
+    q, k, v = (t.requires_grad_() for t in rand_qkv(1, 2, 2, 96, 96, 16, seed=21))
+    if not eager:  # a first mask_mod at this shape: its own kernels, and the worker compiles the bits' (NOTES 72)
+        flex_attention(q, k, v, block_mask=create_block_mask(causal_mask, None, None, 96, 96, device=DEVICE,
+                                                             BLOCK_SIZE=16)).sum().backward()
+        first_calls.wait()
+    known = set(first_calls._ready)
+    ref = attention_reference(q, k, v, block_mask=bm)[0]
+    out = flex_attention(q, k, v, block_mask=bm)
+    first_calls.wait()  # (its own backward, which the worker compiled beside it, taken back: one still to compile)
+    first_calls._ready.difference_update({key for key in first_calls._ready - known if key[0] == "bwd"})
+    bm.mask_mod = causal_mask
+    calls = first_calls.ran_bits(), first_calls.ran_eager()
+    grad = torch.randn_like(out)
+    for name, g, w in zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), grad),
+                          torch.autograd.grad(ref, (q, k, v), grad)):
+        assert_close(g, w, *TOLERANCES[torch.float32], name=name)
+    assert (first_calls.ran_bits(), first_calls.ran_eager()) == ((calls[0], calls[1] + 1) if eager else
+                                                                 (calls[0] + 1, calls[1]))
