@@ -273,6 +273,10 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
     traced_score_mod = None
     if score_mod is not None:
         check_arity(score_mod, "score_mod")
+        heads = getattr(score_mod, "flexlite_heads", None)  # (flexlite.mods' per-head tables: one entry per head)
+        if heads is not None and heads != Hq:
+            _fail(f"score_mod {getattr(score_mod, '__name__', '')!r} is made for {heads} heads (one table entry per "
+                  f"head) but query has {Hq}; make it for {Hq} heads (its generator's head count, or table rows)")
         traced_score_mod = check_mod_output(score_mod, "score_mod", "flex_attention")
         for target, t in traced_score_mod.captured.items():
             if torch._C._functorch.is_functorch_wrapped_tensor(t):

@@ -108,9 +108,11 @@ def _timing_table(score_mod, mask_mod, block_mask, S_=None, torch_score_mod=None
         print(f"  failed: {line}")
 
 
-def test_mask(name, score_mod=None, mask_mod=None, S_=None, print_mask=True, time_it=True, torch_score_mod=None):
+def test_mask(name, score_mod=None, mask_mod=None, S_=None, print_mask=True, time_it=True, torch_score_mod=None,
+              check_score_mod=None):
     """The notebook's test_mask: block mask, correctness vs the fp64 reference, timings. ``torch_score_mod``
-    stands in for ``score_mod`` in torch's flex where ours uses a flexlite-only op (tanh_approx)."""
+    stands in for ``score_mod`` in torch's flex where ours uses a flexlite-only op (tanh_approx);
+    ``check_score_mod`` for the check (on fewer heads than the timings) where score_mod is made for H heads."""
     if only is not None and name not in only:
         return
     S_ = S_ or S
@@ -119,7 +121,8 @@ def test_mask(name, score_mod=None, mask_mod=None, S_=None, print_mask=True, tim
                   if mask_mod is not None else None)
     if print_mask and block_mask is not None:
         print(block_mask)
-    check(cfg, name, S_, score_mod=score_mod, block_mask=block_mask, H=cfg.size(2 if S_ <= 8192 else 1, 1), D=D)
+    check(cfg, name, S_, score_mod=check_score_mod or score_mod, block_mask=block_mask,
+          H=cfg.size(2 if S_ <= 8192 else 1, 1), D=D)
     if timing and time_it:
         _timing_table(score_mod, mask_mod, block_mask, S_, torch_score_mod)
         torch.cuda.empty_cache()
@@ -202,8 +205,8 @@ test_mask("tiled_natten", mask_mod=generate_tiled_natten(W, W, K, K, cfg.size(8,
 # ## ALiBi, tanh soft-capping (score_mod + causal mask)
 
 # %%
-test_mask("alibi_causal", score_mod=generate_alibi_bias(max(H, 2), device=cfg.device), mask_mod=causal_mask,
-          print_mask=False)
+test_mask("alibi_causal", score_mod=generate_alibi_bias(H, device=cfg.device), mask_mod=causal_mask,
+          print_mask=False, check_score_mod=generate_alibi_bias(cfg.size(2, 1), device=cfg.device))
 # flexlite's softcap uses the GPU's tanh.approx (as FlashAttention does); torch's flex gets the exact tanh,
 # since torch.compile cannot lower flexlite's op
 test_mask("softcap_causal", score_mod=generate_tanh_softcap(2.0), mask_mod=causal_mask, print_mask=False,

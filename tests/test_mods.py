@@ -162,7 +162,22 @@ BAD_ARGS = [
     (generate_relative_bias, ([0.0, 1.0, 2.0],), TypeError, "table"),
     (generate_head_bias, (torch.zeros(4, 1),), ValueError, "bias"),
     (generate_head_bias, (3.0,), TypeError, "bias"),
+    (generate_head_bias, (torch.zeros(0),), ValueError, "bias"),
 ]
+
+
+@pytest.mark.parametrize("make", [lambda n: generate_alibi_bias(n, device=DEVICE),
+                                  lambda n: generate_head_bias(torch.zeros(n, device=DEVICE)),
+                                  lambda n: generate_relative_bias(torch.zeros(n, 7, device=DEVICE))],
+                         ids=["alibi", "head_bias", "relative_bias_per_head"])
+def test_a_per_head_mod_for_other_heads_is_an_error(make):
+    """A per-head table with fewer (or more) rows than the query's heads would read 0 past its end (flexlite's
+    out-of-range reads): the library's mods know their head count, and flex_attention checks it."""
+    q, k, v = rand_qkv(1, 4, 2, 32, 32, 16)
+    with pytest.raises(ValueError, match=r"made for 2 heads .* but query has 4; make it for 4 heads"):
+        flex_attention(q, k, v, score_mod=make(2), enable_gqa=True)
+    out = flex_attention(q, k, v, score_mod=make(4), enable_gqa=True)
+    assert_close(out, attention_reference(q, k, v, score_mod=make(4), enable_gqa=True)[0], *TOLERANCES[torch.float32])
 
 
 @pytest.mark.parametrize("factory, args, exc, match", BAD_ARGS,

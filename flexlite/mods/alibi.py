@@ -29,4 +29,5 @@ def generate_alibi_bias(num_heads: int, device=None, slopes: torch.Tensor | None
         return score + slopes[h] * (kv_idx - q_idx)
 
     alibi.__name__ = f"alibi_{num_heads}"
+    alibi.flexlite_heads = num_heads  # (flex_attention checks the query's head count against it)
     return alibi

@@ -37,4 +37,6 @@ def generate_relative_bias(table: torch.Tensor):
             return score + table[distance_index(q_idx, kv_idx)]
 
     relative_bias.__name__ = f"relative_bias_{L}" + ("_per_head" if table.dim() == 2 else "")
+    if table.dim() == 2:
+        relative_bias.flexlite_heads = table.shape[0]  # (flex_attention checks the query's head count against it)
     return relative_bias
