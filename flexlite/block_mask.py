@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._vmap import index_vectors, vmap_bhqkv
-from .codegen.trace import UntraceableModError, check_arity, positional_arity, trace_mod
+from .codegen.trace import UntraceableModError, arguments_read, check_arity, positional_arity, trace_mod
 from .runtime.guards import on_device, opaque_to_compile
 from .runtime.launch import cdiv
 from .runtime.launch_mask import launch_block_mask
@@ -952,7 +952,7 @@ def _warn_if_broadcast_hides(traced, B: Optional[int], H: Optional[int]) -> None
     """A UserWarning where mask_mod reads ``b`` or ``h`` but the block mask is built for B or H None: its blocks are
     those of index 0, broadcast (as torch's), so a block full there is taken as full for every batch or head, where
     mask_mod is not called (torch's create_block_mask does the same, silently)."""
-    read = {n.target for n in traced.graph_module.graph.nodes if n.op == "placeholder" and n.users}
+    read = arguments_read(traced)
     hidden = [(arg, dim, what) for arg, dim, what, size in (("b", "B", "the batch size", B),
                                                             ("h", "H", "the number of heads", H))
               if size is None and arg in read]

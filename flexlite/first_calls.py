@@ -47,7 +47,7 @@ from typing import Callable, Optional
 import torch
 
 from .block_mask import BlockMask, kept_on
-from .codegen.trace import MASK_MOD_ARGS, trace_mod, tracing_refused
+from .codegen.trace import MASK_MOD_ARGS, arguments_read, trace_mod, tracing_refused
 from .runtime import compile_processes, launch
 from .runtime.autotune import autotune_enabled
 from .runtime.compile import cache_dir, source_hash
@@ -290,9 +290,8 @@ def _pad16(n: int) -> int:
 
 def _uses(mask_mod: Callable) -> tuple:
     """Whether ``mask_mod`` reads b, and h (from its trace, made on the calling thread)."""
-    graph = trace_mod(mask_mod, "mask_mod").graph_module.graph
-    used = {node.name: bool(node.users) for node in graph.nodes if node.op == "placeholder"}
-    return tuple(used.get(name, True) for name in MASK_MOD_ARGS[:2])
+    read = arguments_read(trace_mod(mask_mod, "mask_mod"))
+    return tuple(name in read for name in MASK_MOD_ARGS[:2])
 
 
 def _make_bits_mask(block_mask: BlockMask, B: int, H: int, gathers: bool) -> Optional[BitsMask]:

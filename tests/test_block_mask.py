@@ -622,3 +622,7 @@ def test_a_mask_reading_b_or_h_built_for_none_warns():
         warnings.simplefilter("error")
         create_block_mask(per_head, 1, 2, 64, 64, device=DEVICE, BLOCK_SIZE=16)
         create_block_mask(causal, None, None, 64, 64, device=DEVICE, BLOCK_SIZE=16)
+        # b's shape only (noop_mask's b.new_ones(()), and the masks made from it): its value is not read
+        for mask in (noop_mask, and_masks(), or_masks(), and_masks(noop_mask, causal),
+                     lambda b, h, q_idx, kv_idx: torch.zeros_like(h, dtype=torch.bool) | (q_idx >= kv_idx)):
+            create_block_mask(mask, None, None, 64, 64, device=DEVICE, BLOCK_SIZE=16)

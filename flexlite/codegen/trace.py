@@ -60,6 +60,27 @@ class TracedMod:
         return self.graph_module(*args)
 
 
+# ops whose result depends on their first argument's shape, dtype and device only (``b.new_ones(())``, noop_mask's)
+_SHAPE_ONLY_OPS = frozenset(("ones_like", "zeros_like", "full_like", "empty_like", "new_ones", "new_zeros", "new_full",
+                             "new_empty", "size", "dim"))
+
+
+def arguments_read(traced: TracedMod) -> set:
+    """The names of the mod's arguments whose values its result depends on: not those it only takes a shape, dtype or
+    device from (``b.new_ones(())``) or does not use."""
+    nodes = list(traced.graph_module.graph.nodes)
+    live = {nodes[-1]}  # (the output)
+    for node in reversed(nodes):
+        if node not in live:
+            continue
+        op = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+        shape_only = node.op in ("call_method", "call_function") and op in _SHAPE_ONLY_OPS
+        for i, arg in enumerate(node.all_input_nodes):
+            if not (shape_only and node.args and arg is node.args[0]):
+                live.add(arg)
+    return {node.target for node in live if node.op == "placeholder"}
+
+
 def mod_name(fn: Callable) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
 
