@@ -368,3 +368,19 @@ def test_an_operator_without_a_lowering_is_named_by_its_qualified_name():
     q, k, v = rand_qkv(B, H, H, L, L, D)
     with pytest.raises(UntraceableModError, match="no lowering for the operator 'flexlite_test_ns::twice'"):
         flex_attention(q, k, v, score_mod=mod)
+
+
+@pytest.mark.parametrize("mod", [lambda s, b, h, q_idx, kv_idx: s * (1 + 5 * torch.rand(())),
+                                 lambda s, b, h, q_idx, kv_idx: s + torch.randn_like(s),
+                                 lambda s, b, h, q_idx, kv_idx: s + torch.empty(()).uniform_()],
+                         ids=["rand", "randn_like", "uniform_"])
+def test_random_numbers_in_a_mod_are_refused(mod):
+    """A draw made while tracing would be a constant of the trace (one value for every position, another at each
+    retrace): refused, as torch's flex_attention refuses random ops under its vmap; a tensor constant is fine."""
+    q, k, v = rand_qkv(B, H, H, L, L, D)
+    with pytest.raises(UntraceableModError, match="random numbers inside a mod are not supported"):
+        flex_attention(q, k, v, score_mod=mod)
+    with pytest.raises(UntraceableModError, match="calls rand"):
+        create_block_mask(lambda b, h, q_idx, kv_idx: torch.rand(()) < 0.5, None, None, L, L, device=DEVICE)
+    half = flex_attention(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s * torch.tensor(0.5))
+    assert_close(half, attention_reference(q * 0.5, k, v)[0], *TOLERANCES[torch.float32])

@@ -414,8 +414,11 @@ def _trace(fn: Callable, kind: str) -> TracedMod:
     wrapper = _fixed_signature(fn, arg_names)
     try:
         tracer = _ModTracer()
-        graph = tracer.trace(wrapper)  # sets tracer.root
+        with _RandomRefused(kind, name):
+            graph = tracer.trace(wrapper)  # sets tracer.root
         gm = fx.GraphModule(tracer.root, graph)
+    except UntraceableModError:
+        raise
     except fx.proxy.TraceError as e:
         raise UntraceableModError(
             f"{kind} {name!r} cannot be traced: {e}. Python control flow (`if`, `while`, `and`/`or`, "
@@ -440,6 +443,30 @@ def _trace(fn: Callable, kind: str) -> TracedMod:
             f"{kind} {name!r} failed on 0-d example inputs (indices are 0-d int32 tensors, the score a 0-d "
             f"float32 tensor): {type(e).__name__}: {e}") from e
     return TracedMod(kind=kind, name=name, graph_module=gm, captured=captured)
+
+
+_RANDOM_OPS = frozenset(getattr(owner, name) for owner, names in (
+    (torch, ("rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "bernoulli",
+             "multinomial", "normal", "poisson")),
+    (torch.Tensor, ("uniform_", "normal_", "bernoulli", "bernoulli_", "random_", "exponential_", "geometric_",
+                    "cauchy_", "log_normal_"))) for name in names if hasattr(owner, name))
+
+
+class _RandomRefused(torch.overrides.TorchFunctionMode):
+    """While a mod is traced: its random numbers refused. A draw made while tracing (``torch.rand(())``, whose
+    arguments are no traced values) would become a constant of the trace, one draw broadcast to every position; torch's
+    flex_attention refuses random ops under its vmap too."""
+
+    def __init__(self, kind: str, name: str):
+        super().__init__()
+        self.kind, self.name = kind, name
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _RANDOM_OPS:
+            raise UntraceableModError(f"{self.kind} {self.name!r} calls {getattr(func, '__name__', func)}: random "
+                                      f"numbers inside a mod are not supported (a trace would keep one draw for every "
+                                      f"position); draw them outside it into a tensor the mod reads")
+        return func(*args, **(kwargs or {}))
 
 
 # the dtypes a mod's arguments have in the kernels (and the traces' examples, _example_inputs)
