@@ -144,8 +144,13 @@ def _check_flag(name: str, value):
 # kernel_options' values: flags, ints with their least value, and tile sizes (powers of two >= 16; whether they
 # divide the block mask's blocks is checked where the tiles are picked)
 _FLAG_OPTIONS = ("AUTOTUNE", "USE_TMA", "DETERMINISTIC_CAPTURED_GRADS", "DECODE", "FORCE_USE_FLEX_ATTENTION",
-                 "WARP_SPECIALIZE")
-_INT_OPTIONS = {"num_stages": 1, "DECODE_SPLITS": 1}
+                 "WARP_SPECIALIZE",
+                 # torch's performance hints (no effect here), flags there too
+                 "PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "OUTPUT_LOGSUMEXP", "OUTPUT_MAX",
+                 "WRITE_DQ")
+_INT_OPTIONS = {"num_stages": 1, "DECODE_SPLITS": 1, "kpack": 1, "matrix_instr_nonkdim": 0, "waves_per_eu": 0}
+# options of the forward alone (the decoding kernel's): not under a bwd_ prefix
+_FORWARD_ONLY_OPTIONS = ("DECODE", "DECODE_SPLITS", "BACKEND")
 _TILE_OPTIONS = ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")
 
 
@@ -287,12 +292,19 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
     if kernel_options is not None:
         if not isinstance(kernel_options, dict):
             _fail(f"kernel_options must be a dict, got {type(kernel_options).__name__}", TypeError)
+        named = [k for k in kernel_options if not isinstance(k, str)]
+        if named:
+            _fail(f"kernel_options keys must be str (option names such as 'BLOCK_M'); got {named[0]!r}", TypeError)
         known = set(CONFIG_KEYS) | TORCH_PERF_HINTS | FLEXLITE_OPTIONS
         unknown = {k for k in kernel_options if k not in known and not (k[:4] in _PASS_PREFIXES and k[4:] in known)}
         if unknown:
             _fail(f"unknown kernel_options {sorted(unknown)}; flexlite understands "
                   f"{list(CONFIG_KEYS) + sorted(FLEXLITE_OPTIONS)}, each also prefixed fwd_ or bwd_ for one pass "
                   f"(torch's performance hints {sorted(TORCH_PERF_HINTS)} are accepted and ignored)")
+        backward_only = sorted(k for k in kernel_options if k[:4] == "bwd_" and k[4:] in _FORWARD_ONLY_OPTIONS)
+        if backward_only:
+            _fail(f"kernel_options {backward_only[0]}: {backward_only[0][4:]} chooses the forward's decoding kernel, which "
+                  f"the backward does not have; drop the bwd_ prefix (or the option)")
         forward_options = _pass_options(kernel_options, "fwd_")
         for options in (forward_options, _pass_options(kernel_options, "bwd_")):
             _check_option_values(options)

@@ -180,6 +180,15 @@ def test_bad_tile_options_are_rejected(monkeypatch):
     ({"BLOCK_M1": 7}, ValueError, "BLOCK_M1 must be a power of two >= 16"),
     ({"BLOCK_N2": "32"}, TypeError, "BLOCK_N2 must be a power of two >= 16"),
     ({"BLOCK_M": True}, TypeError, "BLOCK_M must be a power of two >= 16"),
+    # torch's performance hints: no effect here, but values of torch's types
+    ({"ROWS_GUARANTEED_SAFE": "yes"}, TypeError, "ROWS_GUARANTEED_SAFE must be a bool"),
+    ({"PRESCALE_QK": None}, TypeError, "PRESCALE_QK must be a bool"),
+    ({"bwd_WRITE_DQ": 1}, TypeError, "WRITE_DQ must be a bool"),
+    ({"kpack": 0}, ValueError, "kpack must be an int >= 1"),
+    ({"waves_per_eu": "2"}, TypeError, "waves_per_eu must be an int >= 0"),
+    ({1: 2}, TypeError, "kernel_options keys must be str .* got 1"),
+    ({"bwd_DECODE": True}, ValueError, "bwd_DECODE: DECODE chooses the forward's decoding kernel.* drop the bwd_"),
+    ({"bwd_DECODE_SPLITS": 2}, ValueError, "bwd_DECODE_SPLITS: DECODE_SPLITS chooses the forward's decoding"),
 ], ids=lambda x: repr(x) if isinstance(x, dict) else "")
 def test_bad_kernel_option_values_are_named_before_anything_runs(opts, exc, match):
     # (each of these ran before: DECODE_SPLITS 0 gave every row as fully masked, num_stages 0 a TypeError from
