@@ -150,7 +150,7 @@ _FLAG_OPTIONS = ("AUTOTUNE", "USE_TMA", "DETERMINISTIC_CAPTURED_GRADS", "DECODE"
                  "WRITE_DQ")
 _INT_OPTIONS = {"num_stages": 1, "DECODE_SPLITS": 1, "kpack": 1, "matrix_instr_nonkdim": 0, "waves_per_eu": 0}
 # options of the forward alone (the decoding kernel's): not under a bwd_ prefix
-_FORWARD_ONLY_OPTIONS = ("DECODE", "DECODE_SPLITS", "BACKEND")
+_FORWARD_ONLY_OPTIONS = ("DECODE", "DECODE_SPLITS")
 _TILE_OPTIONS = ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")
 
 
