@@ -365,6 +365,26 @@ def check_block_tensors(block_mask: "BlockMask", caller: str, values: bool) -> N
             _check_kv_pair(prefix, num_blocks, indices, caller, side)
             if values:
                 _check_kv_values(prefix, num_blocks, indices, caller, side)
+    if values:
+        _check_q_side_transposes_kv_side(block_mask, caller)
+
+
+def _check_q_side_transposes_kv_side(block_mask: "BlockMask", caller: str) -> None:
+    """The q-side lists (which the backward's dK / dV walk reads) hold the kv-side lists' blocks, transposed: a
+    ValueError where they do not (a hand-built BlockMask whose sides disagree gave dK / dV of another mask). Reads
+    the tensors on the host."""
+    for prefix in ("", "full_"):
+        kv = (getattr(block_mask, f"{prefix}kv_num_blocks"), getattr(block_mask, f"{prefix}kv_indices"))
+        q = (getattr(block_mask, f"{prefix}q_num_blocks"), getattr(block_mask, f"{prefix}q_indices"))
+        if None in q or None in kv or kv[0].device.type == "meta":
+            continue
+        by_kv = _ordered_to_dense(*kv, kv[1].shape[-1])
+        by_q = _ordered_to_dense(*q, q[1].shape[-1]).transpose(-1, -2)
+        if by_kv.shape != by_q.shape or not torch.equal(by_kv, by_q):
+            raise ValueError(f"{caller}: {prefix}q_num_blocks / {prefix}q_indices are not the transpose of "
+                             f"{prefix}kv_num_blocks / {prefix}kv_indices (the backward's dK / dV read the q side); "
+                             f"build the mask with BlockMask.from_kv_blocks(...), which computes the q side, or pass "
+                             f"its transposed lists")
 
 
 def _check_seq_lengths(seq_lengths) -> tuple[int, int]:

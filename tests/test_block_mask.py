@@ -626,3 +626,23 @@ def test_a_mask_reading_b_or_h_built_for_none_warns():
         for mask in (noop_mask, and_masks(), or_masks(), and_masks(noop_mask, causal),
                      lambda b, h, q_idx, kv_idx: torch.zeros_like(h, dtype=torch.bool) | (q_idx >= kv_idx)):
             create_block_mask(mask, None, None, 64, 64, device=DEVICE, BLOCK_SIZE=16)
+
+
+def test_a_block_mask_whose_q_side_is_not_its_kv_sides_transpose_is_refused():
+    """The backward's dK / dV walk reads the q-side lists: a hand-built BlockMask whose q side is another mask's
+    gave dK of that other mask, silently. Refused where the values are read (CPU); the kv side's own mask, whose
+    q side from_kv_blocks computes, runs."""
+    from flexlite import flex_attention
+
+    kv_num = torch.tensor([[[1, 2, 3, 4]]], dtype=torch.int32, device=DEVICE)
+    kv_idx = torch.tensor([[[[0, 1, 2, 3]] * 4]], dtype=torch.int32, device=DEVICE)
+    good = BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=16)
+    other = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx + 16, None, None, 64, 64, device=DEVICE,
+                              BLOCK_SIZE=16)
+    mixed = BlockMask((64, 64), good.kv_num_blocks, good.kv_indices, None, None, other.q_num_blocks,
+                      other.q_indices, None, None, BLOCK_SIZE=(16, 16))
+    q, k, v = (torch.randn(1, 1, 64, 16, device=DEVICE) for _ in range(3))
+    if DEVICE == "cpu":
+        with pytest.raises(ValueError, match="q_num_blocks / q_indices are not the transpose of kv_num_blocks"):
+            flex_attention(q, k, v, block_mask=mixed)
+    assert flex_attention(q, k, v, block_mask=good).isfinite().all()
