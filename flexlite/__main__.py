@@ -81,26 +81,32 @@ def show(argv) -> None:
     p.add_argument("--seq", type=int, default=1024, help="query (and key) length (default 1024)")
     p.add_argument("--kv-seq", type=int, help="key length for causal_bottom_right")
     p.add_argument("--window", type=int, help="window size (default seq // 8; sasa: 3)")
-    p.add_argument("--dilation", type=int, default=2)
+    p.add_argument("--dilation", type=int, help="dilated_sliding_window: every n-th key (default 2)")
     p.add_argument("--prefix", type=int, help="prefix length (default seq // 4)")
     p.add_argument("--docs", type=_lengths, help="document (or suffix) lengths, e.g. 300,500,224")
     p.add_argument("--canvas", type=_pair, help="2-D masks: canvas WxH (default: square, W*H = seq)")
-    p.add_argument("--kernel", type=_pair, default=(7, 7), help="natten kernel KWxKH (default 7x7)")
-    p.add_argument("--tile", type=_pair, default=(8, 8), help="tiled_natten tile TWxTH (default 8x8)")
-    p.add_argument("--global-tokens", type=int, default=16)
+    p.add_argument("--kernel", type=_pair, help="natten kernel KWxKH (default 7x7)")
+    p.add_argument("--tile", type=_pair, help="tiled_natten tile TWxTH (default 8x8)")
+    p.add_argument("--global-tokens", type=int, help="global_sliding_window: global tokens (default 16)")
     p.add_argument("--block", type=int, help="block_causal / block_diffusion block length")
-    p.add_argument("--images", type=int, default=3, help="flamingo: number of images")
-    p.add_argument("--image-tokens", type=int, default=64, help="flamingo: tokens per image")
+    p.add_argument("--images", type=int, help="flamingo: number of images (default 3)")
+    p.add_argument("--image-tokens", type=int, help="flamingo: tokens per image (default 64)")
     p.add_argument("--block-size", type=int, default=128, help="BlockMask BLOCK_SIZE (default 128)")
     p.add_argument("--grid", type=int, default=32, help="print at most this many rows/cols of blocks")
     p.add_argument("--png", help="also write a PNG of the dense mask (needs matplotlib)")
     args = p.parse_args(argv)
-    options = dict(kv_seq=args.kv_seq, window=args.window, dilation=args.dilation, prefix=args.prefix,
-                   docs=args.docs, canvas=args.canvas, kernel=args.kernel, tile=args.tile,
-                   global_tokens=args.global_tokens, block=args.block, images=args.images,
-                   image_tokens=args.image_tokens)
+    given = dict(kv_seq=args.kv_seq, window=args.window, dilation=args.dilation, prefix=args.prefix,
+                 docs=args.docs, canvas=args.canvas, kernel=args.kernel, tile=args.tile,
+                 global_tokens=args.global_tokens, block=args.block, images=args.images,
+                 image_tokens=args.image_tokens)
+    given = {name: value for name, value in given.items() if value is not None}  # (the others: the mask's defaults)
+    unused = [name for name in given if name not in NAMED_MASKS[args.mask].options]
+    if unused:
+        flags = ", ".join("--" + name.replace("_", "-") for name in unused)
+        takes = ", ".join("--" + name.replace("_", "-") for name in NAMED_MASKS[args.mask].options)
+        p.error(f"mask {args.mask} takes no {flags} (it would be ignored); its options: {takes or 'only --seq'}")
     try:
-        mask_mod, q_len, kv_len = build_named_mask(args.mask, args.seq, **options)
+        mask_mod, q_len, kv_len = build_named_mask(args.mask, args.seq, **given)
     except (ValueError, TypeError) as e:
         p.error(str(e))
     if args.png:

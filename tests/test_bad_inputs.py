@@ -663,6 +663,10 @@ MASKS = {
     "softcap_nan": (lambda: generate_tanh_softcap(float("nan")), ValueError, "cap must be a finite number > 0"),
     "shared_prefix_too_long": (lambda: build_named_mask("shared_prefix", 64, prefix=100), ValueError,
                                "prefix=100 is longer than seq=64"),
+    "prefix_lm_too_long": (lambda: build_named_mask("prefix_lm", 64, prefix=100), ValueError,
+                           "prefix=100 is longer than seq=64"),
+    "option_the_mask_ignores": (lambda: build_named_mask("causal", 64, window=3), ValueError,
+                                "mask 'causal' takes no window .it would be ignored.; its options: none besides seq"),
     "flamingo_empty_intervals": (lambda: generate_vision_cross_attention_mask_mod([], 2), ValueError,
                                  r"intervals must have shape \[num_images >= 1, 2\]; got \(0, 2\)"),
 }

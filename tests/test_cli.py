@@ -28,7 +28,9 @@ def test_show_prints_block_mask(capsys):
 @pytest.mark.parametrize("name", list(NAMED_MASKS))
 def test_show_every_named_mask(capsys, name):
     seq = "256" if "natten" in name or name == "sasa" else "192"
-    out = show(capsys, name, "--seq", seq, "--block-size", "32", "--kernel", "5", "--tile", "4x4")
+    options = [("--kernel", "5"), ("--tile", "4x4")][:NAMED_MASKS[name].options.count("kernel") +
+                                                     NAMED_MASKS[name].options.count("tile")]
+    out = show(capsys, name, "--seq", seq, "--block-size", "32", *(a for pair in options for a in pair))
     assert "BlockMask(shape=(1, 1, " in out and ("░░" in out or "██" in out)
 
 
@@ -68,6 +70,12 @@ def test_unknown_mask_lists_valid_names(capsys):
     (["causal_bottom_right", "--seq", "64", "--kv-seq", "0"], "kv_len must be >= 1; got 0"),
     (["causal", "--seq", "64", "--grid", "0"], "grid_size 0 has no rows or columns"),
     (["document", "--seq", "256", "--docs=-1,257"], "document lengths (--docs) must be >= 0; got [-1, 257]"),
+    # a flag the mask does not read: refused, not ignored; a prefix past the sequence as for shared_prefix
+    (["causal", "--seq", "64", "--window", "5"], "mask causal takes no --window (it would be ignored); its options: "
+                                                 "only --seq"),
+    (["document", "--seq", "64", "--docs", "32,32", "--window", "3", "--dilation", "2"],
+     "mask document takes no --window, --dilation"),
+    (["prefix_lm", "--seq", "64", "--prefix", "100"], "prefix=100 is longer than seq=64"),
     # refused before the printout, not after it
     (["causal", "--seq", "20000", "--png", "x.png"], "--png: 20000 x 20000 positions is too many to draw"),
 ])

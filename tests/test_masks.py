@@ -285,7 +285,9 @@ def test_captured_tensors_on_requested_device():
 @pytest.mark.parametrize("name", sorted(masks.NAMED_MASKS))
 def test_named_masks_build(name):
     seq = 64 if "natten" in name or name == "sasa" else 96
-    mask, Lq, Lkv = masks.build_named_mask(name, seq, kernel=(3, 3), tile=(4, 4), image_tokens=8)
+    given = {"kernel": (3, 3), "tile": (4, 4), "image_tokens": 8}
+    mask, Lq, Lkv = masks.build_named_mask(name, seq, **{k: v for k, v in given.items()
+                                                         if k in masks.NAMED_MASKS[name].options})
     assert create_block_mask(mask, None, None, Lq, Lkv, device="cpu", BLOCK_SIZE=16).sparsity() < 100
 
 

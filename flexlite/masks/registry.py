@@ -78,6 +78,7 @@ class MaskOptions:
 class NamedMask:
     description: str
     build: Callable[[MaskOptions], tuple]  # -> (mask_mod, Q_LEN, KV_LEN)
+    options: tuple = ()  # the MaskOptions fields it reads (besides seq and device)
 
 
 def _self(mask, o: MaskOptions):
@@ -93,10 +94,20 @@ def _flamingo(o: MaskOptions):
     return mask, o.seq, o.images * o.image_tokens
 
 
-def _shared_prefix(o: MaskOptions):
+def _prefix(o: MaskOptions) -> int:
+    """--prefix (default seq // 4), at most seq."""
     prefix = o.seq // 4 if o.prefix is None else check_int("build_named_mask", "prefix", o.prefix)
     if prefix > o.seq:
         raise ValueError(f"build_named_mask: prefix={prefix} is longer than seq={o.seq}")
+    return prefix
+
+
+def _prefix_lm(o: MaskOptions):
+    return _self(generate_prefix_lm_mask(_prefix(o)), o)
+
+
+def _shared_prefix(o: MaskOptions):
+    prefix = _prefix(o)
     suffixes = o.lengths(o.seq - prefix, 3)
     return _self(generate_shared_prefix_mask(prefix, suffixes, device=o.device), o)
 
@@ -111,37 +122,42 @@ NAMED_MASKS = {
     "causal": NamedMask("q_idx >= kv_idx", lambda o: _self(causal_mask, o)),
     "causal_bottom_right": NamedMask(
         "causal with queries aligned to the end of --kv-seq keys",
-        lambda o: (generate_causal_bottom_right(o.seq, o.kv_seq_or_seq()), o.seq, o.kv_seq_or_seq())),
+        lambda o: (generate_causal_bottom_right(o.seq, o.kv_seq_or_seq()), o.seq, o.kv_seq_or_seq()), ("kv_seq",)),
     "sliding_window": NamedMask("causal, the last --window keys",
-                                lambda o: _self(generate_sliding_window(o.window_or(o.seq // 8)), o)),
+                                lambda o: _self(generate_sliding_window(o.window_or(o.seq // 8)), o), ("window",)),
     "sliding_window_bidirectional": NamedMask(
         "|q_idx - kv_idx| <= --window",
-        lambda o: _self(generate_sliding_window(o.window_or(o.seq // 8), causal=False), o)),
+        lambda o: _self(generate_sliding_window(o.window_or(o.seq // 8), causal=False), o), ("window",)),
     "dilated_sliding_window": NamedMask(
         "|q - kv| <= --window, every --dilation-th key",
-        lambda o: _self(generate_dilated_sliding_window(o.window_or(o.seq // 8), o.dilation), o)),
+        lambda o: _self(generate_dilated_sliding_window(o.window_or(o.seq // 8), o.dilation), o),
+        ("window", "dilation")),
     "global_sliding_window": NamedMask(
         "--global-tokens global tokens + bidirectional --window",
-        lambda o: _self(generate_global_sliding_window(o.window_or(o.seq // 8), o.global_tokens), o)),
-    "prefix_lm": NamedMask("bidirectional over --prefix tokens, causal after",
-                           lambda o: _self(generate_prefix_lm_mask(o.seq // 4 if o.prefix is None else o.prefix), o)),
+        lambda o: _self(generate_global_sliding_window(o.window_or(o.seq // 8), o.global_tokens), o),
+        ("window", "global_tokens")),
+    "prefix_lm": NamedMask("bidirectional over --prefix tokens, causal after", _prefix_lm, ("prefix",)),
     "document": NamedMask("causal within packed documents of lengths --docs", lambda o: _self(
-        generate_causal_document_mask(o.lengths(o.seq, 4), device=o.device), o)),
+        generate_causal_document_mask(o.lengths(o.seq, 4), device=o.device), o), ("docs",)),
     "document_bidirectional": NamedMask("bidirectional within packed documents --docs", lambda o: _self(
-        generate_document_mask(o.lengths(o.seq, 4), device=o.device), o)),
-    "shared_prefix": NamedMask("--prefix shared by suffixes of lengths --docs (causal)", _shared_prefix),
+        generate_document_mask(o.lengths(o.seq, 4), device=o.device), o), ("docs",)),
+    "shared_prefix": NamedMask("--prefix shared by suffixes of lengths --docs (causal)", _shared_prefix,
+                               ("prefix", "docs")),
     "block_causal": NamedMask("blocks of --block tokens, causal between blocks",
-                              lambda o: _self(generate_block_causal_mask(o.block_or(max(1, o.seq // 8))), o)),
-    "block_diffusion": NamedMask("BD3-LM [x_t | x_0] mask, blocks of --block", _block_diffusion),
+                              lambda o: _self(generate_block_causal_mask(o.block_or(max(1, o.seq // 8))), o),
+                              ("block",)),
+    "block_diffusion": NamedMask("BD3-LM [x_t | x_0] mask, blocks of --block", _block_diffusion, ("block",)),
     "natten": NamedMask("2-D neighbourhood --kernel on a row-major --canvas",
-                        lambda o: _self(generate_natten(*o.square_canvas(), *o.kernel), o)),
+                        lambda o: _self(generate_natten(*o.square_canvas(), *o.kernel), o), ("canvas", "kernel")),
     "tiled_natten": NamedMask("NATTEN with --tile tiles", lambda o: _self(
-        generate_tiled_natten(*o.square_canvas(), *o.kernel, *o.tile), o)),
+        generate_tiled_natten(*o.square_canvas(), *o.kernel, *o.tile), o), ("canvas", "kernel", "tile")),
     "morton_natten": NamedMask("NATTEN in Morton (Z-curve) order",
-                               lambda o: _self(generate_morton_natten(*o.square_canvas(), *o.kernel), o)),
+                               lambda o: _self(generate_morton_natten(*o.square_canvas(), *o.kernel), o),
+                               ("canvas", "kernel")),
     "sasa": NamedMask("2-D window of +-window pixels on --canvas",
-                      lambda o: _self(generate_sasa_mask(*o.square_canvas(), o.window_or(3)), o)),
-    "flamingo": NamedMask("text (--seq) to --images images of --image-tokens tokens", _flamingo),
+                      lambda o: _self(generate_sasa_mask(*o.square_canvas(), o.window_or(3)), o), ("canvas", "window")),
+    "flamingo": NamedMask("text (--seq) to --images images of --image-tokens tokens", _flamingo,
+                          ("images", "image_tokens")),
 }
 
 
@@ -158,4 +174,9 @@ def build_named_mask(name: str, seq: int, **options) -> tuple:
     unknown = sorted(set(options) - set(fields))
     if unknown:
         raise TypeError(f"build_named_mask: unknown options {unknown}; valid options: {', '.join(fields)}")
-    return NAMED_MASKS[name].build(MaskOptions(seq=seq, **options))
+    named = NAMED_MASKS[name]
+    unused = sorted(set(options) - set(named.options) - {"device"})
+    if unused:
+        raise ValueError(f"build_named_mask: mask {name!r} takes no {', '.join(unused)} (it would be ignored); its "
+                         f"options: {', '.join(named.options) or 'none besides seq'}")
+    return named.build(MaskOptions(seq=seq, **options))
