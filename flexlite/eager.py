@@ -180,9 +180,15 @@ def _read_values(p: torch.Tensor, v: torch.Tensor, bad: torch.Tensor, reached: t
     return out.masked_fill(nan | (pos & neg), float("nan"))
 
 
-def _safe(lse: torch.Tensor) -> torch.Tensor:
-    """lse with -inf (rows with nothing kept) as 0, so that their weights are 0, not NaN."""
-    return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+def _weights(s: torch.Tensor) -> torch.Tensor:
+    """P = softmax(s) along the keys (a chunk holds whole rows), each row normalized by its own sum, as the kernels'
+    running max and sum do (exp(s - LSE) is not: where a row's scores are all one value far from 0, -1e20 say, LSE
+    rounds back to it and the log of the count is lost, every weight 1). 0 in a row with nothing kept; NaN in one
+    with a +inf or NaN score."""
+    m = s.amax(dim=-1, keepdim=True)
+    e = torch.exp(s - torch.where(torch.isneginf(m), torch.zeros_like(m), m))
+    total = e.sum(dim=-1, keepdim=True)
+    return torch.where(total > 0, e / total, e)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -238,7 +244,7 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
             if keep is not None:
                 s = s.masked_fill(~keep, float("-inf"))
             lse[:, :, q0:q1] = torch.logsumexp(s, dim=-1)
-            p = torch.exp(s - _safe(lse[:, :, q0:q1]).unsqueeze(-1))
+            p = _weights(s)
             bad = _nonfinite(v[:, :, k0:k1], any_nonfinite)
             out[:, :, q0:q1] = (_by_kv_head(p, v[:, :, k0:k1], groups) if bad is None else
                                 _read_values(p, v[:, :, k0:k1], bad, chunks.reached(q0, q1, k0, k1), groups))
@@ -251,8 +257,9 @@ def backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: t
              grad_out: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor], score_mod: Optional[Callable],
              block_mask, scale: float, captured: tuple = (), limit: bool = True) -> tuple:
     """(dq, dk, dv, [the gradients of ``captured``, tensors score_mod reads]) in the inputs' dtypes from the
-    forward's out and LSE: each chunk's scores recomputed, dS from the weights (P = exp(S - LSE)), and score_mod's
-    derivative by autograd over its vmapped ops. ``limit``: as :func:`forward`'s."""
+    forward's out: each chunk's scores recomputed, dS from the weights (P as the forward's, :func:`_weights`), and
+    score_mod's derivative by autograd over its vmapped ops. ``lse``: unused (the weights are normalized by their
+    own sums). ``limit``: as :func:`forward`'s."""
     chunks, groups, k, v = _start(query, key, value, block_mask, limit)
     dq = torch.zeros(query.shape, dtype=k.dtype, device=query.device)
     dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))  # (full batch: autograd sums)
@@ -266,9 +273,7 @@ def backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: t
             raw, s = scores(q, k[:, :, k0:k1], groups, scale, score_mod, q0, k0)
         keep = chunks.keep(q0, q1, k0, k1)
         with torch.no_grad():
-            p = torch.exp(s - _safe(lse[:, :, q0:q1]).to(k.dtype).unsqueeze(-1))
-            if keep is not None:
-                p = p.masked_fill(~keep, 0.0)
+            p = _weights(s if keep is None else s.masked_fill(~keep, float("-inf")))
             bad = _nonfinite(v[:, :, k0:k1], any_nonfinite)
             if bad is None:
                 dp = _by_kv_head(do[:, :, q0:q1], v[:, :, k0:k1].transpose(-1, -2), groups)

@@ -152,6 +152,26 @@ def test_a_score_mod_that_ignores_the_score():
     assert (dq == 0).all() and (dk == 0).all() and dv.abs().sum() > 0
 
 
+@pytest.mark.parametrize("constant", [-1e20, 1e30, -1e6])
+def test_rows_of_one_huge_score_are_normalized_by_their_own_sum(constant):
+    """Rows whose scores are all one value far from 0 (a "mask" by a large constant instead of -inf): P is each
+    row's own normalized weights, the mean of v there, as a dense softmax; exp(s - LSE) took every weight as 1 (LSE
+    rounds back to the constant, losing log(n)), out the sum of v, in the forward and the backward."""
+    q, k, v = (t.double().requires_grad_() for t in rand_qkv(1, 1, 1, 48, 48, 16, seed=6))
+
+    def rows_of_one_value(score, b, h, q_idx, kv_idx):
+        return torch.where(q_idx % 3 == 0, constant, score)
+    out = flex_attention(q, k, v, score_mod=rows_of_one_value)  # (float64: these torch ops)
+    s = torch.where(torch.arange(48)[:, None] % 3 == 0, constant, q @ k.transpose(-1, -2) * 0.25)
+    want = torch.softmax(s, dim=-1) @ v
+    assert_close(out, want, 1e-12, 1e-12)
+    assert_close(out[0, 0, 0], v[0, 0].mean(0), 1e-12, 1e-12)
+    grad = torch.randn_like(out)
+    for name, g, w in zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), grad),
+                          torch.autograd.grad(want, (q, k, v), grad)):
+        assert_close(g, w, 1e-12, 1e-12, name=name)
+
+
 def test_chunks_walk_only_the_keys_their_blocks_reach(monkeypatch):
     monkeypatch.setattr(eager, "CHUNK_SCORES", 2 * 2 * 256)  # two query rows a chunk (2 heads, 256 keys)
     bm = create_block_mask(generate_sliding_window(16), 1, 2, 256, 256, device=DEVICE, BLOCK_SIZE=32)
