@@ -2,6 +2,7 @@
 of every dtype pairing and sign, ``.device`` / ``.dtype`` / ``.shape`` reads feeding tensor constructors and casts
 (torch's own noop_mask), and Python int constants beyond int32."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -384,3 +385,15 @@ def test_random_numbers_in_a_mod_are_refused(mod):
         create_block_mask(lambda b, h, q_idx, kv_idx: torch.rand(()) < 0.5, None, None, L, L, device=DEVICE)
     half = flex_attention(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s * torch.tensor(0.5))
     assert_close(half, attention_reference(q * 0.5, k, v)[0], *TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("mod", [lambda s, b, h, q_idx, kv_idx: s * np.float32(0.5),
+                                 lambda s, b, h, q_idx, kv_idx: np.float32(0.5) * s + np.float16(1.5),
+                                 lambda s, b, h, q_idx, kv_idx: torch.where(np.int64(3) <= q_idx, s, -s)],
+                         ids=["right", "left", "compare"])
+def test_numpy_scalars_in_a_mod_are_python_numbers(mod):
+    """As torch takes them: a numpy scalar (np.float32(0.5), np.int64(3)) is a Python number of the trace, on either
+    side of an operation (on the left numpy would take the traced value for an array)."""
+    q, k, v = rand_qkv(B, H, H, L, L, D)
+    assert_close(flex_attention(q, k, v, score_mod=mod), attention_reference(q, k, v, score_mod=mod)[0],
+                 *TOLERANCES[torch.float32])

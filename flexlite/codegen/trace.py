@@ -427,8 +427,8 @@ def _trace(fn: Callable, kind: str) -> TracedMod:
     except Exception as e:  # noqa: BLE001 - anything the mod itself raised while being traced
         if isinstance(e, NotImplementedError) and "argument of type" in str(e) and "numpy" in str(e):
             raise UntraceableModError(
-                f"{kind} {name!r} uses a numpy scalar ({str(e).split(': ')[-1]}), which torch.fx cannot record; "
-                f"make it a Python number (float(x), int(x)) or a 0-d tensor (torch.tensor(x))") from e
+                f"{kind} {name!r} uses a numpy array ({str(e).split(': ')[-1]}), which torch.fx cannot record; "
+                f"make it a tensor (torch.as_tensor(x), on the inputs' device), or a Python number") from e
         raise UntraceableModError(f"{kind} {name!r} failed while being traced: {type(e).__name__}: {e}") from e
     captured = {n.target: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
     for target, value in captured.items():
@@ -473,7 +473,14 @@ class _RandomRefused(torch.overrides.TorchFunctionMode):
 _ARG_DTYPES = {"score": torch.float32, "b": torch.int32, "h": torch.int32, "q_idx": torch.int32, "kv_idx": torch.int32}
 
 
-class _ArgProxy(fx.Proxy):
+class _ModProxy(fx.Proxy):
+    """A traced value: numpy scalars on its left (``np.float32(0.5) * score``) leave the operation to it (numpy would
+    take it for an array), as on its right."""
+
+    __array_ufunc__ = None
+
+
+class _ArgProxy(_ModProxy):
     """A mod's argument while it is traced: its dtype is a constant (``torch.finfo(score.dtype).min``, ``if
     score.dtype == torch.float32``, ``score.is_floating_point()`` work as in torch), its values are not."""
 
@@ -494,7 +501,7 @@ class _ModTracer(fx.Tracer):
     def proxy(self, node):
         if node.op == "placeholder" and node.target in _ARG_DTYPES:
             return _ArgProxy(node, self)
-        return super().proxy(node)
+        return _ModProxy(node, self)
 
     def call_module(self, m, forward, args, kwargs):
         # a mod may be (or call) an nn.Module, e.g. a GraphModule from an earlier trace: inline it
@@ -508,6 +515,8 @@ class _ModTracer(fx.Tracer):
             name = f"_captured_parameter{len(list(self.root.parameters()))}"
             self.root.register_parameter(name, a)
             return self.create_node("get_attr", name, (), {})
+        if type(a).__module__ == "numpy" and hasattr(a, "item") and getattr(a, "ndim", None) == 0:
+            a = a.item()  # a numpy scalar (np.float32(0.5)) as the Python number torch takes it for
         return super().create_arg(a)
 
 
