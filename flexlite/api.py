@@ -333,15 +333,22 @@ def _validate_block_mask(block_mask, query, key):
         crop = (f", or crop it with block_mask._adjust({Lq}, {Lkv}) (keeps its upper-left corner: right for causal, "
                 f"sliding-window and prefix masks, not for masks measured from the end)" if mq >= Lq and mkv >= Lkv
                 else "")
+        bq, bkv = block_mask.BLOCK_SIZE
+        if tuple(block_mask.kv_indices.shape[-2:]) == (cdiv(Lq, bq), cdiv(Lkv, bkv)) != (cdiv(mq, bq), cdiv(mkv, bkv)):
+            crop = (f"; its blocks cover these lengths (a BlockMask sliced over q blocks keeps the original "
+                    f"seq_lengths): if they are the ones meant, set block_mask.seq_lengths = ({Lq}, {Lkv})")
         _fail(f"block_mask was built for Q_LEN={mq}, KV_LEN={mkv} but query has length {Lq} and key {Lkv}; "
               f"build it with create_block_mask(mask_mod, B, H, {Lq}, {Lkv}, ...){crop}")
     bq, bkv = block_mask.BLOCK_SIZE
     nq, nkv = block_mask.kv_indices.shape[-2:]
     if nq != cdiv(Lq, bq) or nkv != cdiv(Lkv, bkv):
+        fix = (f"a mask whose tensors were made for longer sequences: crop it with block_mask._adjust({Lq}, {Lkv}) "
+               f"(keeps the upper-left corner)" if nq >= cdiv(Lq, bq) and nkv >= cdiv(Lkv, bkv) else
+               f"a BlockMask sliced over q blocks keeps the original seq_lengths: set block_mask.seq_lengths to "
+               f"the lengths its blocks cover")
         _fail(f"block_mask has {nq} x {nkv} blocks of {bq} x {bkv} "
               f"(kv_num_blocks / kv_indices) but its seq_lengths ({mq}, {mkv}) need {cdiv(Lq, bq)} x "
-              f"{cdiv(Lkv, bkv)}: a BlockMask sliced over q blocks keeps the original seq_lengths; set "
-              f"block_mask.seq_lengths to the lengths its blocks cover, or rebuild it with create_block_mask")
+              f"{cdiv(Lkv, bkv)}: {fix}; or rebuild it with create_block_mask")
     # checked once per set of tensors (kept on the mask): 8 offset sums were half of a decode call's validation
     # (NOTES 59)
     tensors = [getattr(block_mask, name) for name in BlockMask._TENSOR_ATTRS]

@@ -442,6 +442,13 @@ class BlockMask:
         if full_kv_num_blocks is None and full_q_num_blocks is not None:
             raise ValueError("BlockMask: full_q_num_blocks / full_q_indices are given but full_kv_num_blocks / "
                              "full_kv_indices are None; the full blocks need their kv side (pass both, or neither)")
+        if not (isinstance(seq_lengths, (tuple, list, torch.Size)) and len(seq_lengths) == 2):
+            raise TypeError(f"BlockMask: seq_lengths must be a (Q_LEN, KV_LEN) pair; got {seq_lengths!r}")
+        if _is_int(BLOCK_SIZE):  # (as from_kv_blocks takes it)
+            BLOCK_SIZE = (BLOCK_SIZE, BLOCK_SIZE)
+        if not (isinstance(BLOCK_SIZE, (tuple, list)) and len(BLOCK_SIZE) == 2):
+            raise TypeError(f"BlockMask: BLOCK_SIZE must be an int or a (Q_BLOCK_SIZE, KV_BLOCK_SIZE) pair; got "
+                            f"{BLOCK_SIZE!r}")
         self.seq_lengths = tuple(seq_lengths)
         self.kv_num_blocks = kv_num_blocks
         self.kv_indices = kv_indices
@@ -664,6 +671,9 @@ class BlockMask:
             elif not (_is_int(i) or isinstance(i, slice)):
                 raise TypeError(f"BlockMask index: entries must be ints, slices, '...' or 1-D integer tensors; got "
                                 f"{type(i).__name__} {i!r}")
+            elif isinstance(i, slice) and i.step is not None and not (_is_int(i.step) and i.step > 0):
+                raise ValueError(f"BlockMask index: a slice's step must be a positive int (torch's tensors take no "
+                                 f"negative steps either); got {i!r}")
         if advanced > 1:
             raise IndexError("BlockMask index: at most one tensor / list index (index the others one at a time)")
         return index

@@ -22,8 +22,9 @@ from flexlite import (BlockMask, UntraceableModError, and_masks, api, attention_
                       create_mask, flex_attention, kernel_source, noop_mask, or_masks)
 from flexlite.kernels import flash_attention, triton_matmul
 from flexlite.mods import generate_tanh_softcap
-from flexlite.masks import (build_named_mask, generate_causal_document_mask,
+from flexlite.masks import (build_named_mask, generate_causal_document_mask, generate_kv_cache_causal,
                             generate_vision_cross_attention_mask_mod)
+from flexlite.masks.flamingo import generate_vision_cross_attention_from_ranges
 from flexlite.runtime import launch
 from flexlite.varlen import pack, unpack, varlen_block_mask
 from flexlite.viz import attention_scores, visualize_attention_scores
@@ -258,6 +259,13 @@ BLOCK_MASK = {
     "index_2d_tensor": (lambda: small_mask()[torch.zeros(1, 1, dtype=torch.long)], TypeError, "must be 1-D integers"),
     "index_float_tensor": (lambda: small_mask()[torch.tensor([0.0])], TypeError, "must be 1-D integers"),
     "index_out_of_range": (lambda: small_mask()[:, 2], IndexError, "index 2 is out of range for a dimension of size 2"),
+    "index_negative_step": (lambda: small_mask()[::-1], ValueError, "BlockMask index: a slice's step must be a positive"),
+    "constructor_lengths_int": (lambda: BlockMask(64, *kv([[[1]]], [[[[0]]]]), None, None, None, None, None, None,
+                                                  BLOCK_SIZE=16), TypeError,
+                                r"BlockMask: seq_lengths must be a \(Q_LEN, KV_LEN\) pair; got 64"),
+    "constructor_block_size_str": (lambda: BlockMask((16, 16), *kv([[[1]]], [[[[0]]]]), None, None, None, None, None,
+                                                     None, BLOCK_SIZE="16"), TypeError,
+                                   "BlockMask: BLOCK_SIZE must be an int or a"),
     "to_unknown_device": (lambda: small_mask().to("gpu"), ValueError, r"BlockMask\.to: device='gpu' is not a device"),
     "to_int": (lambda: small_mask().to(5), TypeError, r"BlockMask\.to: device must be a str or torch\.device"),
     "to_missing_gpu": (lambda: small_mask().to(NO_CUDA_DEVICE), ValueError, "cuda:99"),
@@ -669,6 +677,21 @@ MASKS = {
                                 "mask 'causal' takes no window .it would be ignored.; its options: none besides seq"),
     "flamingo_empty_intervals": (lambda: generate_vision_cross_attention_mask_mod([], 2), ValueError,
                                  r"intervals must have shape \[num_images >= 1, 2\]; got \(0, 2\)"),
+    # torch's errors from deep inside before
+    "flamingo_ragged_intervals": (lambda: generate_vision_cross_attention_mask_mod([[1, 2], [3]], 3), ValueError,
+                                  r"intervals must be a \[N, 2\] table of ints .* got \[\[1, 2\], \[3\]\]"),
+    "flamingo_empty_ranges": (lambda: generate_vision_cross_attention_from_ranges([], 3), ValueError,
+                              r"image_ranges must have shape \[num_text_tokens >= 1, 2\]; got \(0, 2\)"),
+    "document_bad_device": (lambda: generate_causal_document_mask([3], device="bogus"), ValueError,
+                            "generate_doc_mask_mod: device='bogus' is not a device"),
+    "document_no_tokens": (lambda: generate_causal_document_mask([0, 0]), ValueError,
+                           "the documents have no tokens"),
+    "varlen_bad_device": (lambda: varlen_block_mask(torch.tensor([0, 5], dtype=torch.int32), device="bogus"),
+                          ValueError, "varlen_block_mask: device='bogus' is not a device"),
+    "kv_cache_offset_int": (lambda: generate_kv_cache_causal(3), TypeError,
+                            "generate_kv_cache_causal: offset must be a 0-d integer tensor .* got int 3"),
+    "kv_cache_offset_bool": (lambda: generate_kv_cache_causal(torch.tensor(True)), TypeError,
+                             "offset must be a 0-d integer tensor .* got a torch.bool tensor"),
 }
 
 
@@ -707,3 +730,20 @@ def test_kernels(name):
 
 def test_flexlite_reexports_are_the_checked_functions():
     assert flexlite.flash_attention is flash_attention and flexlite.triton_matmul is triton_matmul
+
+
+@pytest.mark.parametrize("case", ["longer tensors", "sliced over q blocks"])
+def test_a_block_mask_whose_tensors_and_lengths_disagree_is_told_the_fix_that_fits(case):
+    """Tensors made for longer sequences: _adjust; a mask sliced over q blocks: its seq_lengths (before: both got the
+    slice's advice, or _adjust's for a slice)."""
+    base = create_block_mask(causal, None, None, 64, 64, DEVICE, BLOCK_SIZE=16)
+    if case == "longer tensors":
+        bm = BlockMask.from_kv_blocks(base.kv_num_blocks, base.kv_indices, BLOCK_SIZE=16, seq_lengths=(48, 48))
+        q = k = torch.randn(1, 1, 48, 16, device=DEVICE)
+        match = r"need 3 x 3: a mask whose tensors were made for longer sequences: crop it with block_mask._adjust"
+    else:
+        bm = base[:, :, 1:3]
+        q, k = torch.randn(1, 1, 32, 16, device=DEVICE), torch.randn(1, 1, 64, 16, device=DEVICE)
+        match = r"sliced over q blocks keeps the original seq_lengths.*set block_mask.seq_lengths = \(32, 64\)"
+    with pytest.raises(ValueError, match=match):
+        flex_attention(q, k, k, block_mask=bm)

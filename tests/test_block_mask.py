@@ -646,3 +646,16 @@ def test_a_block_mask_whose_q_side_is_not_its_kv_sides_transpose_is_refused():
         with pytest.raises(ValueError, match="q_num_blocks / q_indices are not the transpose of kv_num_blocks"):
             flex_attention(q, k, v, block_mask=mixed)
     assert flex_attention(q, k, v, block_mask=good).isfinite().all()
+
+
+def test_a_block_mask_constructed_with_an_int_block_size_runs():
+    """As from_kv_blocks takes it: BlockMask(..., BLOCK_SIZE=16) is (16, 16)."""
+    from flexlite import attention_reference, flex_attention
+    from helpers import TOLERANCES, assert_close, rand_qkv
+    num, idx = (torch.tensor(x, dtype=torch.int32) for x in ([[[1, 2]]], [[[[0, 1], [0, 1]]]]))
+    bm = BlockMask((32, 32), num.to(DEVICE), idx.to(DEVICE), None, None, None, None, None, None, BLOCK_SIZE=16,
+                   mask_mod=causal)
+    assert bm.BLOCK_SIZE == (16, 16)
+    q, k, v = rand_qkv(1, 1, 1, 32, 32, 16)
+    ref = attention_reference(q, k, v, block_mask=create_block_mask(causal, None, None, 32, 32, DEVICE, BLOCK_SIZE=16))
+    assert_close(flex_attention(q, k, v, block_mask=bm), ref[0], *TOLERANCES[torch.float32])

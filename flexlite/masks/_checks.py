@@ -26,6 +26,15 @@ def check_float(caller: str, name: str, value, positive: bool = False) -> float:
     return float(value)
 
 
+def check_device_arg(caller: str, device):
+    """A factory's ``device`` argument: None (its inputs' device) or a device flexlite runs on (a typed error naming
+    ``device`` else, not torch's from deep inside)."""
+    if device is None:
+        return None
+    from ..block_mask import check_device
+    return check_device(caller, device)
+
+
 def check_callable(caller: str, name: str, fn) -> None:
     from ..codegen.trace import check_arity
     check_arity(fn, "mask_mod", argname=name, caller=caller)
@@ -53,6 +62,17 @@ def check_index_tensor(caller: str, name: str, t, dim: int) -> torch.Tensor:
     if t.dim() != dim:
         raise ValueError(f"{caller}: {name} must be {dim}-D; got shape {tuple(t.shape)}")
     return t
+
+
+def pairs_tensor(caller: str, name: str, pairs) -> torch.Tensor:
+    """``pairs`` (a tensor, or a sequence of (a, b) int pairs, maybe empty) as a tensor: a list that is no [N, 2]
+    table of ints gets an error naming ``name``, not torch's."""
+    if isinstance(pairs, torch.Tensor):
+        return pairs
+    try:
+        return torch.tensor(pairs, dtype=torch.int32) if len(pairs) else torch.zeros((0, 2), dtype=torch.int32)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{caller}: {name} must be a [N, 2] table of ints (a pair per row); got {pairs!r}") from e
 
 
 def check_float_tensor(caller: str, name: str, t, dims: tuple) -> torch.Tensor:

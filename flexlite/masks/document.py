@@ -15,7 +15,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from ..block_mask import noop_mask
-from ._checks import check_callable, check_index_tensor, check_lengths
+from ._checks import check_callable, check_device_arg, check_index_tensor, check_lengths
 from .causal import causal_mask
 
 Lengths = Union[Sequence[int], torch.Tensor]
@@ -74,12 +74,15 @@ def _document_ids(caller: str, document_id, offsets, lengths, device) -> torch.T
     if len(given) != 1:
         raise TypeError(f"{caller}: pass exactly one of document_id, offsets, lengths; got "
                         f"{', '.join(given) or 'none'}")
+    device = check_device_arg(caller, device)
     if lengths is not None:
-        return document_ids_from_lengths(lengths, device=device)
-    if offsets is not None:
+        ids = document_ids_from_lengths(lengths, device=device)
+    elif offsets is not None:
         ids = offsets_to_document_ids(offsets)
     else:
         ids = _check_document_id(caller, document_id)
+    if ids.numel() == 0:
+        raise ValueError(f"{caller}: the documents have no tokens (total length 0); there is nothing to mask")
     return ids if device is None else ids.to(device)
 
 

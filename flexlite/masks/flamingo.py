@@ -33,7 +33,7 @@ from typing import Sequence, Union
 
 import torch
 
-from ._checks import check_index_tensor, check_int, check_lengths
+from ._checks import check_device_arg, check_index_tensor, check_int, check_lengths, pairs_tensor
 
 
 def image_intervals_from_tokens(tokens: Sequence[int], image_token_id: int) -> list[list[int]]:
@@ -60,10 +60,7 @@ def generate_vision_cross_attention_mask_mod(intervals: Union[torch.Tensor, Sequ
     ``vision_cross_attention_<num_images>x<image_token_length>``.
     """
     caller = "generate_vision_cross_attention_mask_mod"
-    if not isinstance(intervals, torch.Tensor):
-        intervals = torch.tensor(intervals, dtype=torch.int32) if len(intervals) else torch.zeros(
-            (0, 2), dtype=torch.int32)
-    intervals = check_index_tensor(caller, "intervals", intervals, dim=2)
+    intervals = check_index_tensor(caller, "intervals", pairs_tensor(caller, "intervals", intervals), dim=2)
     if intervals.shape[0] == 0 or intervals.shape[1] != 2:
         raise ValueError(f"{caller}: intervals must have shape [num_images >= 1, 2]; got {tuple(intervals.shape)}")
     if (intervals[:, 0] > intervals[:, 1]).any() or (intervals < 0).any():
@@ -79,7 +76,7 @@ def generate_vision_cross_attention_mask_mod(intervals: Union[torch.Tensor, Sequ
     else:
         counts = [check_int(caller, "image_token_length", image_token_length, 1)] * num_images
         name = str(counts[0])
-    device = intervals.device if device is None else device
+    device = intervals.device if device is None else check_device_arg(caller, device)
     intervals = intervals.to(device)
     image_of = torch.repeat_interleave(torch.arange(num_images, device=device, dtype=torch.int32),
                                        torch.tensor(counts, device=device))
@@ -105,9 +102,7 @@ def generate_vision_cross_attention_from_ranges(image_ranges: Union[torch.Tensor
     Named ``vision_cross_attention_ranges_<num_text_tokens>x<num_images>``.
     """
     caller = "generate_vision_cross_attention_from_ranges"
-    if not isinstance(image_ranges, torch.Tensor):
-        image_ranges = torch.tensor(image_ranges, dtype=torch.int32) if len(image_ranges) else torch.empty(0, 2)
-    image_ranges = check_index_tensor(caller, "image_ranges", image_ranges, dim=2)
+    image_ranges = check_index_tensor(caller, "image_ranges", pairs_tensor(caller, "image_ranges", image_ranges), dim=2)
     if image_ranges.shape[0] == 0 or image_ranges.shape[1] != 2:
         raise ValueError(f"{caller}: image_ranges must have shape [num_text_tokens >= 1, 2]; got "
                          f"{tuple(image_ranges.shape)}")
@@ -120,7 +115,7 @@ def generate_vision_cross_attention_from_ranges(image_ranges: Union[torch.Tensor
     if int(image_ranges.max()) > len(counts):
         raise ValueError(f"{caller}: image_ranges refer to image {int(image_ranges.max()) - 1} but there are "
                          f"{len(counts)} images")
-    device = image_ranges.device if device is None else device
+    device = image_ranges.device if device is None else check_device_arg(caller, device)
     image_ranges = image_ranges.to(device)
     image_of = torch.repeat_interleave(torch.arange(len(counts), device=device, dtype=torch.int32),
                                        torch.tensor(counts, device=device))

@@ -12,8 +12,12 @@ def generate_kv_cache_causal(offset: torch.Tensor):
     (``offset.fill_(cache_len)``) and the same trace and the same compiled kernel serve every step.
     Rebuild the (cheap) block mask for the new KV length with ``create_block_mask``.
     """
-    if not isinstance(offset, torch.Tensor) or offset.dim() != 0 or offset.dtype.is_floating_point:
-        raise TypeError("offset must be a 0-d integer tensor (e.g. torch.tensor(cache_len, device=...))")
+    if not isinstance(offset, torch.Tensor) or offset.dim() != 0 or offset.dtype.is_floating_point \
+            or offset.dtype.is_complex or offset.dtype == torch.bool:
+        got = (f"a {offset.dtype} tensor of shape {tuple(offset.shape)}" if isinstance(offset, torch.Tensor)
+               else f"{type(offset).__name__} {offset!r}")
+        raise TypeError(f"generate_kv_cache_causal: offset must be a 0-d integer tensor (e.g. "
+                        f"torch.tensor(cache_len, device=...), advanced in place each step); got {got}")
 
     def kv_cache_causal(b, h, q_idx, kv_idx):
         return q_idx + offset >= kv_idx

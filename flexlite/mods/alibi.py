@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from ..masks._checks import check_float_tensor, check_int
+from ..masks._checks import check_device_arg, check_float_tensor, check_int
 
 
 def alibi_slopes(num_heads: int, device=None) -> torch.Tensor:
     """[num_heads] fp32 slopes 2^(-8 h / H), h = 1..H (the paper's geometric sequence)."""
     num_heads = check_int("alibi_slopes", "num_heads", num_heads, 1)
+    device = check_device_arg("alibi_slopes", device)
     h = torch.arange(1, num_heads + 1, dtype=torch.float32, device=device)
     return torch.exp2(-8.0 * h / num_heads)
 
