@@ -97,16 +97,16 @@ def _fail(msg: str, exc=ValueError):
     raise exc(f"flex_attention: {msg}")
 
 
-def check_scale(scale, fail: Callable) -> None:
-    """``scale`` as torch's flex_attention takes it: a real number (a Python or numpy one), a real 0-d tensor that
-    does not require grad, or None; else ``fail(message, TypeError)``."""
+def check_scale(scale, fail: Callable, name: str = "scale") -> None:
+    """``scale`` (the argument ``name``) as torch's flex_attention takes it: a real number (a Python or numpy one), a
+    real 0-d tensor that does not require grad, or None; else ``fail(message, TypeError)``."""
     if isinstance(scale, torch.Tensor):
         if scale.dim() != 0 or scale.dtype == torch.bool or scale.is_complex() or scale.requires_grad:
-            fail(f"scale must be a Python float, a real 0-d tensor that does not require grad (no gradient flows to "
+            fail(f"{name} must be a Python float, a real 0-d tensor that does not require grad (no gradient flows to "
                  f"it), or None; got a tensor of shape {tuple(scale.shape)}, {scale.dtype}"
                  f"{', requiring grad' if scale.requires_grad else ''}", TypeError)
     elif scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
-        fail(f"scale must be a Python float (or a real number: int, numpy float) or None, got "
+        fail(f"{name} must be a Python float (or a real number: int, numpy float) or None, got "
              f"{type(scale).__name__}", TypeError)
 
 

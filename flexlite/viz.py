@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from pathlib import Path
 from typing import Callable, Optional, Union
@@ -41,11 +42,11 @@ def _fail(msg: str, exc=ValueError):
 
 
 def _check_index(name: str, value, size: int, dim: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # (numpy ints too)
         _fail(f"{name} must be an int; got {type(value).__name__}", TypeError)
     if not 0 <= value < size:
-        _fail(f"{name}={value} is out of range for {size} {dim}", IndexError)
-    return value
+        _fail(f"{name}={value} is out of range for {size} {dim}: use 0..{size - 1}")
+    return int(value)
 
 
 def _check_path(path) -> Path:
@@ -103,6 +104,7 @@ def attention_scores(query: torch.Tensor, key: torch.Tensor, score_mod: Optional
     (None without one). Mods are evaluated with the same vmap as the reference.
     """
     _validate(query, key, score_mod, mask_mod, batch_idx, head_idx, scale)
+    batch_idx, head_idx = int(batch_idx), int(head_idx)  # (numpy ints too)
     Lq, E = query.shape[-2:]
     Lkv = key.shape[2]
     kv_head = head_idx // (query.shape[1] // key.shape[1])

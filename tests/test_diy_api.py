@@ -58,6 +58,11 @@ def test_flash_attention_3d_is_batch_times_heads():
     assert out3.shape == (6, 37, 16)
     assert_close(out3.reshape(2, 3, 37, 16), reference_attention(q, k, v, causal=True, sm_scale=0.3),
                  *TOLERANCES[torch.float32])
+    # sm_scale as flex_attention's scale: a numpy float or a 0-d tensor too
+    import numpy as np
+    for scale in (np.float32(0.3), torch.tensor(0.3)):
+        assert_close(flash_attention(q, k, v, causal=True, sm_scale=scale), out3.reshape(2, 3, 37, 16),
+                     *TOLERANCES[torch.float32])
 
 
 @pytest.mark.parametrize("head_dim", [16, 48, 80, 128])

@@ -101,8 +101,8 @@ def test_mask_uses_batch_and_head_indices():
     (dict(key=torch.zeros(2, 2, 24, 4)), ValueError, "head_dim"),
     (dict(key=torch.zeros(2, 3, 24, 8)), ValueError, "multiple"),
     (dict(query=[[1.0]]), TypeError, "torch.Tensor"),
-    (dict(batch_idx=2), IndexError, "batch_idx"),
-    (dict(head_idx=-1), IndexError, "head_idx"),
+    (dict(batch_idx=2), ValueError, r"batch_idx=2 is out of range for 2 batches: use 0..1"),
+    (dict(head_idx=-1), ValueError, "head_idx"),
     (dict(head_idx=True), TypeError, "head_idx"),
     (dict(mask_mod="causal"), TypeError, "mask_mod"),
     (dict(score_mod=causal_mask), TypeError, "score_mod"),
@@ -150,3 +150,14 @@ def test_leaves_pyplot_backend_alone(tmp_path):
     q, k = qk()
     visualize_attention_scores(q, k, mask_mod=causal_mask, path=tmp_path / "x.png")
     assert matplotlib.get_backend() == before
+
+
+def test_numpy_indices_draw_that_batch_and_head():
+    """batch_idx / head_idx as numpy ints (as create_block_mask and the mask generators take them)."""
+    import numpy as np
+
+    from flexlite.viz import attention_scores
+    q, k = qk()
+    for got, want in zip(attention_scores(q, k, mask_mod=causal_mask, batch_idx=np.int64(1), head_idx=np.int32(2)),
+                         attention_scores(q, k, mask_mod=causal_mask, batch_idx=1, head_idx=2)):
+        assert torch.equal(got, want)

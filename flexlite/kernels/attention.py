@@ -54,8 +54,8 @@ def _validate(fn: str, q, k, v, sm_scale=None, seq_lens=None, causal=False, kern
     head_dim = q.shape[-1]
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         _fail(fn, f"unsupported head_dim {head_dim}: flexlite supports 1..{MAX_HEAD_DIM}")
-    if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float))):
-        _fail(fn, f"sm_scale must be a Python float or None, got {type(sm_scale).__name__}", TypeError)
+    from ..api import check_scale
+    check_scale(sm_scale, lambda message, exc: _fail(fn, message, exc), "sm_scale")
     if seq_lens is not None:
         _validate_seq_lens(fn, seq_lens, q.shape[0], q.shape[-2])
 
@@ -122,7 +122,7 @@ def flash_attention(
             taken as batch = batch*heads, heads = 1); head_dim 1..256; float16, bfloat16 or float32, one
             dtype, one device (CUDA: compiled kernels; CPU: the same kernels through Triton's interpreter).
         causal: query i attends to keys 0..i.
-        sm_scale: score scale, default ``1 / sqrt(head_dim)``.
+        sm_scale: score scale, default ``1 / sqrt(head_dim)``; a number, or a real 0-d tensor (read on the host).
         seq_lens: integer tensor (int32 preferred) of shape (batch,), values in [0, seq_len]: sample b
             is valid for positions < seq_lens[b]. Keys past it are masked and query rows past it are 0;
             the valid rows equal attention over the valid prefix alone.
