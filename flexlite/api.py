@@ -344,8 +344,8 @@ def _validate_block_mask(block_mask, query, key):
     if nq != cdiv(Lq, bq) or nkv != cdiv(Lkv, bkv):
         fix = (f"a mask whose tensors were made for longer sequences: crop it with block_mask._adjust({Lq}, {Lkv}) "
                f"(keeps the upper-left corner)" if nq >= cdiv(Lq, bq) and nkv >= cdiv(Lkv, bkv) else
-               f"a BlockMask sliced over q blocks keeps the original seq_lengths: set block_mask.seq_lengths to "
-               f"the lengths its blocks cover")
+               "a BlockMask sliced over q blocks keeps the original seq_lengths: set block_mask.seq_lengths to "
+               "the lengths its blocks cover")
         _fail(f"block_mask has {nq} x {nkv} blocks of {bq} x {bkv} "
               f"(kv_num_blocks / kv_indices) but its seq_lengths ({mq}, {mkv}) need {cdiv(Lq, bq)} x "
               f"{cdiv(Lkv, bkv)}: {fix}; or rebuild it with create_block_mask")
