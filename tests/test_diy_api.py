@@ -113,7 +113,7 @@ def test_flash_attention_seq_lens_new_lengths_reuse_the_kernel(monkeypatch):
 def test_flash_attention_gradients_guarded():
     """flexlite's backward is optional here: skip if it is not available."""
     q, k, v = (t.requires_grad_() for t in qkv(2, 1, 33, 16))
-    lens = torch.tensor([33, 20], dtype=torch.int32)
+    lens = torch.tensor([33, 20], dtype=torch.int32, device=DEVICE)
     flash_attention(q, k, v, causal=True, seq_lens=lens).sum().backward()
     mask = flexlite.create_block_mask(
         lambda b, h, qi, kv: (qi >= kv) & (qi < lens[b]) & (kv < lens[b]), 2, None, 33, 33, device=DEVICE)

@@ -162,7 +162,7 @@ def test_rows_of_one_huge_score_are_normalized_by_their_own_sum(constant):
     def rows_of_one_value(score, b, h, q_idx, kv_idx):
         return torch.where(q_idx % 3 == 0, constant, score)
     out = flex_attention(q, k, v, score_mod=rows_of_one_value)  # (float64: these torch ops)
-    s = torch.where(torch.arange(48)[:, None] % 3 == 0, constant, q @ k.transpose(-1, -2) * 0.25)
+    s = torch.where(torch.arange(48, device=DEVICE)[:, None] % 3 == 0, constant, q @ k.transpose(-1, -2) * 0.25)
     want = torch.softmax(s, dim=-1) @ v
     assert_close(out, want, 1e-12, 1e-12)
     assert_close(out[0, 0, 0], v[0, 0].mean(0), 1e-12, 1e-12)
