@@ -303,8 +303,9 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
                   f"(torch's performance hints {sorted(TORCH_PERF_HINTS)} are accepted and ignored)")
         backward_only = sorted(k for k in kernel_options if k[:4] == "bwd_" and k[4:] in _FORWARD_ONLY_OPTIONS)
         if backward_only:
-            _fail(f"kernel_options {backward_only[0]}: {backward_only[0][4:]} chooses the forward's decoding kernel, which "
-                  f"the backward does not have; drop the bwd_ prefix (or the option)")
+            name = backward_only[0]
+            _fail(f"kernel_options {name}: {name[4:]} chooses the forward's decoding kernel, which the backward does "
+                  f"not have; drop the bwd_ prefix (or the option)")
         forward_options = _pass_options(kernel_options, "fwd_")
         for options in (forward_options, _pass_options(kernel_options, "bwd_")):
             _check_option_values(options)
@@ -854,7 +855,7 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
     # what the torch ops and a first call's bits evaluate
     score_mod, traced_mask = traced[0], _with_mask_mod(block_mask, traced[1])
     if query.dtype == torch.float64:  # (as its forward: torch ops)
-        return _wanted(_eager.backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, traced_mask,
+        return _wanted(_eager.backward(query, key, value, out, grad_out, grad_lse, score_mod, traced_mask,
                                        scale, tuple(want), limit=False), need_captured)
     interpret = query.device.type != "cuda"
     options = kernel_options or {}
@@ -876,7 +877,7 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
         return _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, first.bits, scale,
                          kernel_options, captured, need_dq, need_captured)
     if first is not None and first.eager:  # in torch ops while the kernels compile beside
-        grads = _run_eager(first, _eager.backward, query, key, value, out, lse, grad_out, grad_lse, score_mod,
+        grads = _run_eager(first, _eager.backward, query, key, value, out, grad_out, grad_lse, score_mod,
                            traced_mask, scale, tuple(want))
         if grads is not None:
             return _wanted(grads, need_captured)
@@ -1149,10 +1150,10 @@ def _check_unchanged_since_forward(ctx) -> None:
     forward, whose gradients would be those of other scores, silently."""
     changed = [t for t, version in zip(ctx.read, ctx.versions) if t._version != version]
     if changed:
-        raise RuntimeError(f"flex_attention's backward: a tensor of shape {tuple(changed[0].shape)} that a mod captures "
-                           f"or the block mask holds was modified by an inplace operation since the forward, so the "
-                           f"gradients would be those of other scores; change it after the backward (or clone it "
-                           f"before the forward)")
+        raise RuntimeError(f"flex_attention's backward: a tensor of shape {tuple(changed[0].shape)} that a mod "
+                           f"captures or the block mask holds was modified by an inplace operation since the forward, "
+                           f"so the gradients would be those of other scores; change it after the backward (or clone "
+                           f"it before the forward)")
 
 
 def _autocast_inputs(query, key, value) -> tuple:

@@ -253,13 +253,13 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
     return out.to(query.dtype), lse, row_max
 
 
-def backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+def backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
              grad_out: Optional[torch.Tensor], grad_lse: Optional[torch.Tensor], score_mod: Optional[Callable],
              block_mask, scale: float, captured: tuple = (), limit: bool = True) -> tuple:
     """(dq, dk, dv, [the gradients of ``captured``, tensors score_mod reads]) in the inputs' dtypes from the
     forward's out: each chunk's scores recomputed, dS from the weights (P as the forward's, :func:`_weights`), and
-    score_mod's derivative by autograd over its vmapped ops. ``lse``: unused (the weights are normalized by their
-    own sums). ``limit``: as :func:`forward`'s."""
+    score_mod's derivative by autograd over its vmapped ops (no LSE: the weights are normalized by their own sums).
+    ``limit``: as :func:`forward`'s."""
     chunks, groups, k, v = _start(query, key, value, block_mask, limit)
     dq = torch.zeros(query.shape, dtype=k.dtype, device=query.device)
     dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))  # (full batch: autograd sums)

@@ -102,7 +102,7 @@ def test_backward_is_the_references(name, lse_grad, chunk_scores):
     grad_out = torch.randn(out.shape, generator=g).to(DEVICE)
     grad_lse = torch.randn(lse.shape, generator=g).to(DEVICE) if lse_grad else None
     with torch.no_grad():  # (as autograd runs a backward)
-        grads = eager.backward(q, k, v, out, lse, grad_out, grad_lse, score_mod, bm, 0.3)
+        grads = eager.backward(q, k, v, out, grad_out, grad_lse, score_mod, bm, 0.3)
     q, k, v = (t.double().requires_grad_() for t in (q, k, v))
     ref_out, ref_lse = attention_reference(q, k, v, score_mod=score_mod, block_mask=bm, scale=0.3, enable_gqa=True)
     loss = (ref_out * grad_out.double()).sum()
@@ -119,7 +119,7 @@ def test_bfloat16_inputs_give_bfloat16_outputs_within_the_kernels_tolerance():
     ref_out, _ = attention_reference(q, k, v, score_mod=score_mod, block_mask=bm, scale=0.25, enable_gqa=True)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     assert_close(out, ref_out, *TOLERANCES[torch.bfloat16])
-    grads = eager.backward(q, k, v, out, lse, torch.ones_like(out), None, score_mod, bm, 0.25)
+    grads = eager.backward(q, k, v, out, torch.ones_like(out), None, score_mod, bm, 0.25)
     assert [t.dtype for t in grads[:3]] == [torch.bfloat16] * 3 and grads[3] == []
 
 
@@ -132,7 +132,7 @@ def test_keys_shared_by_the_batch():
     bm = create_block_mask(causal_mask, None, None, 64, 64, device=DEVICE, BLOCK_SIZE=16)
     out, lse, _ = eager.forward(q, k, v, _softcap, bm, 0.25)
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    dq, dk, dv, _ = eager.backward(q, k, v, out, lse, grad_out, None, _softcap, bm, 0.25)
+    dq, dk, dv, _ = eager.backward(q, k, v, out, grad_out, None, _softcap, bm, 0.25)
     q, k1, v1 = (t[:1].double().requires_grad_() if t is not q else t.double().requires_grad_() for t in (q, k1, v1))
     ref_out, _ = attention_reference(q, k1.expand(3, -1, -1, -1), v1.expand(3, -1, -1, -1), score_mod=_softcap,
                                      block_mask=bm, scale=0.25, enable_gqa=True)
@@ -148,7 +148,7 @@ def test_a_score_mod_that_ignores_the_score():
         return (q_idx - kv_idx).float() * 0.01
     q, k, v = rand_qkv(1, 1, 1, 32, 32, 16, seed=5)
     out, lse, _ = eager.forward(q, k, v, only_bias, None, 1.0)
-    dq, dk, dv, _ = eager.backward(q, k, v, out, lse, torch.ones_like(out), None, only_bias, None, 1.0)
+    dq, dk, dv, _ = eager.backward(q, k, v, out, torch.ones_like(out), None, only_bias, None, 1.0)
     assert (dq == 0).all() and (dk == 0).all() and dv.abs().sum() > 0
 
 
@@ -197,7 +197,7 @@ def test_calls_that_walk_too_many_scores_are_refused(monkeypatch):
         eager.forward(q, k, v, None, None, 0.25)
     out, lse, _ = eager.forward(q, k, v, None, window, 0.25)  # 2 heads x 256 rows x 64 keys (96 for the edges)
     with pytest.raises(eager.TooLarge):
-        eager.backward(q, k, v, out, lse, torch.ones_like(out), None, None, None, 0.25)
+        eager.backward(q, k, v, out, torch.ones_like(out), None, None, None, 0.25)
 
 
 def _float64_case(name):
@@ -285,7 +285,7 @@ def test_a_nonfinite_value_reaches_only_the_rows_whose_blocks_read_it(value, chu
     assert_close(out[finite], kernel[finite], *TOLERANCES[torch.float32], name="finite part")
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
     with torch.no_grad():
-        dq, dk, dv, _ = eager.backward(q, k, v, out, lse, grad_out, None, None, bm, 0.25)
+        dq, dk, dv, _ = eager.backward(q, k, v, out, grad_out, None, None, bm, 0.25)
     qd, kd, vd = (t.double().requires_grad_() for t in (q, k, clean))
     want = torch.autograd.grad(attention_reference(qd, kd, vd, block_mask=bm, scale=0.25, enable_gqa=True)[0],
                                qd, grad_out.double())[0]

@@ -75,7 +75,7 @@ def arguments_read(traced: TracedMod) -> set:
             continue
         op = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
         shape_only = node.op in ("call_method", "call_function") and op in _SHAPE_ONLY_OPS
-        for i, arg in enumerate(node.all_input_nodes):
+        for arg in node.all_input_nodes:
             if not (shape_only and node.args and arg is node.args[0]):
                 live.add(arg)
     return {node.target for node in live if node.op == "placeholder"}
