@@ -144,10 +144,10 @@ def _check_flag(name: str, value):
 # kernel_options' values: flags, ints with their least value, and tile sizes (powers of two >= 16; whether they
 # divide the block mask's blocks is checked where the tiles are picked)
 _FLAG_OPTIONS = ("AUTOTUNE", "USE_TMA", "DETERMINISTIC_CAPTURED_GRADS", "DECODE", "FORCE_USE_FLEX_ATTENTION",
-                 "WARP_SPECIALIZE",
-                 # torch's performance hints (no effect here), flags there too
-                 "PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "OUTPUT_LOGSUMEXP", "OUTPUT_MAX",
-                 "WRITE_DQ")
+                 "WARP_SPECIALIZE")
+# torch's performance hints (no effect here): flags there too, constexprs of its kernels (a bool, or 0 / 1)
+_HINT_FLAGS = ("PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "OUTPUT_LOGSUMEXP", "OUTPUT_MAX",
+               "WRITE_DQ")
 _INT_OPTIONS = {"num_stages": 1, "DECODE_SPLITS": 1, "kpack": 1, "matrix_instr_nonkdim": 0, "waves_per_eu": 0}
 # options of the forward alone (the decoding kernel's): not under a bwd_ prefix
 _FORWARD_ONLY_OPTIONS = ("DECODE", "DECODE_SPLITS")
@@ -173,6 +173,12 @@ def _check_option_values(kernel_options: dict) -> None:
     for name in _FLAG_OPTIONS:
         if name in kernel_options:
             _check_flag(f"kernel_options {name}", kernel_options[name])
+    for name in _HINT_FLAGS:
+        if name in kernel_options and kernel_options[name] not in (True, False):  # (0 and 1 are equal to them)
+            _fail(f"kernel_options {name} must be a bool (or 0 / 1, as torch's kernels take it); got "
+                  f"{type(kernel_options[name]).__name__} {kernel_options[name]!r}", TypeError)
+    if "BACKEND" in kernel_options and kernel_options["BACKEND"] not in _launch.BACKENDS:
+        _fail(f"kernel_options BACKEND must be one of {list(_launch.BACKENDS)}; got {kernel_options['BACKEND']!r}")
     for name, value in kernel_options.items():
         is_int = isinstance(value, int) and not isinstance(value, bool)
         if name in _INT_OPTIONS and not (is_int and value >= _INT_OPTIONS[name]):
@@ -208,19 +214,25 @@ def _check_aux(return_aux, return_lse: bool, kernel_options) -> None:
 
 
 def _resolve_backend(kernel_options):
-    """torch's kernel_options ``BACKEND`` as flexlite's ``DECODE`` (:data:`launch.BACKENDS`); a bad value, or one
-    combined with DECODE or FORCE_USE_FLEX_ATTENTION (which torch refuses too), is a ValueError."""
-    if not isinstance(kernel_options, dict) or "BACKEND" not in kernel_options:
+    """torch's kernel_options ``BACKEND`` (or ``fwd_BACKEND``: the forward is the pass with a choice, the decoding
+    kernel) as flexlite's ``DECODE`` (:data:`launch.BACKENDS`); a bad value, or one combined with DECODE or
+    FORCE_USE_FLEX_ATTENTION (which torch refuses too), is a ValueError."""
+    if not isinstance(kernel_options, dict):
         return kernel_options
-    backend = kernel_options["BACKEND"]
-    if backend not in _launch.BACKENDS:
-        _fail(f"kernel_options BACKEND must be one of {list(_launch.BACKENDS)}; got {backend!r}")
-    both = [k for k in ("DECODE", "FORCE_USE_FLEX_ATTENTION") if k in kernel_options]
-    if both:
-        _fail(f"kernel_options BACKEND cannot be combined with {both[0]} (torch refuses the legacy knobs beside "
-              f"it too): keep one")
-    decode = _launch.BACKENDS[backend]
-    return kernel_options if decode is None else {**kernel_options, "DECODE": decode}
+    for prefix in ("", "fwd_"):
+        if prefix + "BACKEND" not in kernel_options:
+            continue
+        backend = kernel_options[prefix + "BACKEND"]
+        if backend not in _launch.BACKENDS:
+            _fail(f"kernel_options {prefix}BACKEND must be one of {list(_launch.BACKENDS)}; got {backend!r}")
+        both = [prefix + k for k in ("DECODE", "FORCE_USE_FLEX_ATTENTION") if prefix + k in kernel_options]
+        if both:
+            _fail(f"kernel_options {prefix}BACKEND cannot be combined with {both[0]} (torch refuses the legacy "
+                  f"knobs beside it too): keep one")
+        decode = _launch.BACKENDS[backend]
+        if decode is not None:
+            kernel_options = {**kernel_options, prefix + "DECODE": decode}
+    return kernel_options
 
 
 def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, return_lse=False,
@@ -630,8 +642,9 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options, ma
         out = query.new_zeros((B, Hq, Lq, value.shape[-1]))
         lse = torch.full((B, Hq, Lq), float("-inf"), dtype=_eager.compute_dtype(query.dtype), device=query.device)
         return out, lse, lse.clone() if max_scores else None
+    eager_mod, eager_mask = _traced_or_live(score_mod, block_mask, traced)
     if query.dtype == torch.float64:  # no kernel takes float64: torch ops, as torch's flex_attention's math path
-        return _eager.forward(query, key, value, score_mod, block_mask, scale, max_scores, limit=False)
+        return _eager.forward(query, key, value, eager_mod, eager_mask, scale, max_scores, limit=False)
     options = kernel_options or {}
     if max_scores and not _launch.WS_FWD_MAX_SCORES:
         options = {**options, "WARP_SPECIALIZE": False}
@@ -659,7 +672,7 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options, ma
                                                                   (traced[0], None), {"WARP_SPECIALIZE": not ws},
                                                                   backward=False)),)
     first = _first_call(
-        "fwd", (kernel.source,), query, key, value, block_mask, kernel_options, mask_gathers, bits_sources,
+        "fwd", (kernel.source,), query, key, value, eager_mask, kernel_options, mask_gathers, bits_sources,
         lambda bits: _compile_call(query, key, value, bits or block_mask, scale, max_scores,
                                    (traced[0], None) if bits else traced),
         max_scores, other_bits=other_bits)
@@ -667,7 +680,7 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options, ma
         return _forward(query, key, value, score_mod, first.bits, scale, kernel_options, max_scores,
                         (traced[0], None))
     if first is not None and first.eager:  # in torch ops while the kernels compile beside
-        result = _run_eager(first, _eager.forward, query, key, value, score_mod, block_mask, scale, max_scores)
+        result = _run_eager(first, _eager.forward, query, key, value, eager_mod, eager_mask, scale, max_scores)
         if result is not None:
             return result
     if first is not None and first.new and not _launch.compiling_only():
@@ -825,13 +838,23 @@ def _captured_grads_from_ds(score_mod, query, key, scale, ds, captured) -> list:
 
 
 def _with_mask_mod(block_mask, mask_mod):
-    """``block_mask`` (flexlite's or torch's) with ``mask_mod`` (the forward's trace of its own) in its place, for the
-    torch ops: a shallow copy, its tensors the same."""
+    """``block_mask`` (flexlite's or torch's) with ``mask_mod`` (a call's trace of its own) in its place, for what
+    evaluates the mask in torch (the torch ops, a first call's bits): a shallow copy, its tensors the same, kept on
+    the mask for that trace (the forward and its backwards share it, and the bits kept on it)."""
     if block_mask is None or mask_mod is None or block_mask.mask_mod is mask_mod:
         return block_mask
-    copied = copy.copy(block_mask)
-    copied.mask_mod = mask_mod
-    return copied
+
+    def make():
+        copied = copy.copy(block_mask)
+        copied.mask_mod = mask_mod
+        return copied
+    return kept_on(block_mask, "_traced_copy", (mask_mod,), make)
+
+
+def _traced_or_live(score_mod, block_mask, traced: tuple) -> tuple:
+    """(score_mod, block_mask) for the torch ops and the bits: the call's traces where it has them (what its kernels
+    and its backward run, whatever the callables have become since), else the mods as given."""
+    return traced[0] or score_mod, _with_mask_mod(block_mask, traced[1])
 
 
 def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_mask, scale, kernel_options,
@@ -852,8 +875,7 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
     traced = list(traced_mods) if traced_mods is not None else [
         trace_mod(mod, kind) if mod is not None else None for mod, kind in ((score_mod, "score_mod"),
                                                                              (mask_mod, "mask_mod"))]
-    # what the torch ops and a first call's bits evaluate
-    score_mod, traced_mask = traced[0], _with_mask_mod(block_mask, traced[1])
+    score_mod, traced_mask = _traced_or_live(score_mod, block_mask, traced)  # (the torch ops', the bits')
     if query.dtype == torch.float64:  # (as its forward: torch ops)
         return _wanted(_eager.backward(query, key, value, out, grad_out, grad_lse, score_mod, traced_mask,
                                        scale, tuple(want), limit=False), need_captured)

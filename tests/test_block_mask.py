@@ -622,10 +622,16 @@ def test_a_mask_reading_b_or_h_built_for_none_warns():
         warnings.simplefilter("error")
         create_block_mask(per_head, 1, 2, 64, 64, device=DEVICE, BLOCK_SIZE=16)
         create_block_mask(causal, None, None, 64, 64, device=DEVICE, BLOCK_SIZE=16)
-        # b's shape only (noop_mask's b.new_ones(()), and the masks made from it): its value is not read
-        for mask in (noop_mask, and_masks(), or_masks(), and_masks(noop_mask, causal),
+        # b's shape only (noop_mask's b.new_ones(()), torch's with device=b.device, and the masks made from them):
+        # its value is not read
+        from torch.nn.attention import flex_attention as torch_flex
+        for mask in (noop_mask, and_masks(), or_masks(), and_masks(noop_mask, causal), torch_flex.noop_mask,
+                     torch_flex.and_masks(torch_flex.noop_mask, causal),
                      lambda b, h, q_idx, kv_idx: torch.zeros_like(h, dtype=torch.bool) | (q_idx >= kv_idx)):
             create_block_mask(mask, None, None, 64, 64, device=DEVICE, BLOCK_SIZE=16)
+    # (its value read through another argument of a shape-only op)
+    from flexlite.codegen.trace import arguments_read, trace_mod
+    assert "b" in arguments_read(trace_mod(lambda b, h, q_idx, kv_idx: b.new_full((), b) > q_idx, "mask_mod"))
 
 
 def test_a_block_mask_whose_q_side_is_not_its_kv_sides_transpose_is_refused():

@@ -73,6 +73,9 @@ def test_torch_backend_option_picks_the_kernel(monkeypatch, backend, decodes):
     out = flex_attention(q, k, v, enable_gqa=True, kernel_options={"BACKEND": backend})
     assert ran == [True] * decodes
     assert torch.equal(out, flex_attention(q, k, v, enable_gqa=True, kernel_options={"DECODE": decodes}))
+    ran.clear()  # (torch's forward-pass form: the forward is the pass with the choice)
+    assert torch.equal(out, flex_attention(q, k, v, enable_gqa=True, kernel_options={"fwd_BACKEND": backend}))
+    assert ran == [True] * decodes
     with pytest.raises(ValueError, match=r"BACKEND must be one of \['AUTO', 'TRITON', 'TRITON_DECODE', 'FLASH'\]"):
         flex_attention(q, k, v, enable_gqa=True, kernel_options={"BACKEND": backend.lower()})
     for other in ("DECODE", "FORCE_USE_FLEX_ATTENTION"):

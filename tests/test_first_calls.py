@@ -720,6 +720,8 @@ def test_a_first_backward_runs_the_forwards_mask_mod(fresh, monkeypatch, eager):
                                                              BLOCK_SIZE=16)).sum().backward()
         first_calls.wait()
     known = set(first_calls._ready)
+    made, make = [], first_calls._make_bits_mask
+    monkeypatch.setattr(first_calls, "_make_bits_mask", lambda *args: made.append(1) or make(*args))
     ref = attention_reference(q, k, v, block_mask=bm)[0]
     out = flex_attention(q, k, v, block_mask=bm)
     first_calls.wait()  # (its own backward, which the worker compiled beside it, taken back: one still to compile)
@@ -732,3 +734,4 @@ def test_a_first_backward_runs_the_forwards_mask_mod(fresh, monkeypatch, eager):
         assert_close(g, w, *TOLERANCES[torch.float32], name=name)
     assert (first_calls.ran_bits(), first_calls.ran_eager()) == ((calls[0], calls[1] + 1) if eager else
                                                                  (calls[0] + 1, calls[1]))
+    assert len(made) == (0 if eager else 1)  # (the backward's bits are the forward's, made once)

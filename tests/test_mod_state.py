@@ -372,10 +372,13 @@ def test_what_the_forward_traced_rebound_before_its_backward_keeps_the_forwards_
             state.cap, state.bias, bm.mask_mod = saved
 
 
-def test_functional_call_trains():
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic captured grads"])
+def test_functional_call_trains(monkeypatch, deterministic):
     """torch.func.functional_call puts the module's own parameters back when it returns, before the backward: the
     gradients are those of the parameters it was given (the forward's trace holds them), flex_attention's
-    kernels and the reference alike."""
+    kernels and the reference alike; the captured tensors' gradients by atomics or the deterministic path (which
+    runs score_mod in torch ops: the trace's too)."""
+    monkeypatch.setenv("FLEXLITE_DETERMINISTIC_CAPTURED_GRADS", "1" if deterministic else "0")
     module = _Attention()
     params = {"slopes": torch.randn(H + 1, device=DEVICE, requires_grad=True)}
     q, k, v = (t.requires_grad_() for t in rand_qkv(B, H, H, L, L, D, seed=12))
@@ -603,3 +606,17 @@ def test_checkpoint_around_a_mod_with_a_learned_captured_tensor(reentrant):
     (out * grad.to(out.dtype)).sum().backward()  # (a reentrant checkpoint takes no autograd.grad)
     for g, w in zip((q.grad, bias.grad), want):
         assert_close(g, w, 1e-3, 1e-3)
+
+
+def test_a_float64_call_runs_one_trace_forward_and_backward():
+    """float64 (torch ops) runs the call's trace in the forward as in the backward: a Python number read from a
+    tensor while tracing (a constant of the trace, README) changed since gives one function, not a forward of the
+    mod as it is now and a backward of its trace (gradcheck failed)."""
+    t = torch.tensor(2.0, dtype=torch.float64)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score * float(t) + torch.where(q_idx >= kv_idx, 0.0, -1.0) * float(t)
+    q, k, v = (x.double().requires_grad_() for x in rand_qkv(1, 1, 1, 24, 24, 8, seed=13))
+    flex_attention(q, k, v, score_mod=score_mod)  # (traced: the constant is 2)
+    t.fill_(3.0)
+    assert torch.autograd.gradcheck(lambda q, k, v: flex_attention(q, k, v, score_mod=score_mod), (q, k, v))

@@ -60,24 +60,31 @@ class TracedMod:
         return self.graph_module(*args)
 
 
-# ops whose result depends on their first argument's shape, dtype and device only (``b.new_ones(())``, noop_mask's)
+# ops whose result depends on their first argument's shape, dtype and device only (``b.new_ones(())``, noop_mask's),
+# and the attributes that are those (torch's noop_mask: ``batch.new_ones(..., device=batch.device)``)
 _SHAPE_ONLY_OPS = frozenset(("ones_like", "zeros_like", "full_like", "empty_like", "new_ones", "new_zeros", "new_full",
                              "new_empty", "size", "dim"))
+_SHAPE_ONLY_ATTRIBUTES = frozenset(("device", "dtype", "shape", "ndim"))
 
 
 def arguments_read(traced: TracedMod) -> set:
     """The names of the mod's arguments whose values its result depends on: not those it only takes a shape, dtype or
-    device from (``b.new_ones(())``) or does not use."""
+    device from (``b.new_ones(())``, ``b.device``) or does not use."""
     nodes = list(traced.graph_module.graph.nodes)
     live = {nodes[-1]}  # (the output)
     for node in reversed(nodes):
         if node not in live:
             continue
         op = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-        shape_only = node.op in ("call_method", "call_function") and op in _SHAPE_ONLY_OPS
-        for arg in node.all_input_nodes:
-            if not (shape_only and node.args and arg is node.args[0]):
-                live.add(arg)
+        if node.op == "call_function" and op == "getattr" and node.args[1:2] and \
+                node.args[1] in _SHAPE_ONLY_ATTRIBUTES:
+            continue
+        if node.op in ("call_method", "call_function") and op in _SHAPE_ONLY_OPS and node.args:
+            inputs = []  # (the first argument's value is not read; the others' are, itself among them again)
+            fx.node.map_arg((node.args[1:], node.kwargs), lambda n: inputs.append(n) or n)
+        else:
+            inputs = node.all_input_nodes
+        live.update(inputs)
     return {node.target for node in live if node.op == "placeholder"}
 
 

@@ -31,8 +31,10 @@ def check_device_arg(caller: str, device):
     ``device`` else, not torch's from deep inside)."""
     if device is None:
         return None
+    if isinstance(device, int) and not isinstance(device, bool):  # (as torch takes it: GPU N)
+        device = torch.device("cuda", device)
     from ..block_mask import check_device
-    return check_device(caller, device)
+    return check_device(caller, device, any_type=True)  # ("meta" too, as torch's factories)
 
 
 def check_callable(caller: str, name: str, fn) -> None:

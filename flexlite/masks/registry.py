@@ -175,6 +175,7 @@ def build_named_mask(name: str, seq: int, **options) -> tuple:
     if unknown:
         raise TypeError(f"build_named_mask: unknown options {unknown}; valid options: {', '.join(fields)}")
     named = NAMED_MASKS[name]
+    options = {k: v for k, v in options.items() if v is not None}  # (None: the default, as MaskOptions has it)
     unused = sorted(set(options) - set(named.options) - {"device"})
     if unused:
         raise ValueError(f"build_named_mask: mask {name!r} takes no {', '.join(unused)} (it would be ignored); its "
