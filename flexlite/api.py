@@ -847,6 +847,7 @@ def _with_mask_mod(block_mask, mask_mod):
     def make():
         copied = copy.copy(block_mask)
         copied.mask_mod = mask_mod
+        vars(copied).pop("_traced_copy", None)  # (not the last trace's copy: no chain of them)
         return copied
     return kept_on(block_mask, "_traced_copy", (mask_mod,), make)
 
