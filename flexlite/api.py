@@ -177,8 +177,6 @@ def _check_option_values(kernel_options: dict) -> None:
         if name in kernel_options and kernel_options[name] not in (True, False):  # (0 and 1 are equal to them)
             _fail(f"kernel_options {name} must be a bool (or 0 / 1, as torch's kernels take it); got "
                   f"{type(kernel_options[name]).__name__} {kernel_options[name]!r}", TypeError)
-    if "BACKEND" in kernel_options and kernel_options["BACKEND"] not in _launch.BACKENDS:
-        _fail(f"kernel_options BACKEND must be one of {list(_launch.BACKENDS)}; got {kernel_options['BACKEND']!r}")
     for name, value in kernel_options.items():
         is_int = isinstance(value, int) and not isinstance(value, bool)
         if name in _INT_OPTIONS and not (is_int and value >= _INT_OPTIONS[name]):
@@ -215,11 +213,12 @@ def _check_aux(return_aux, return_lse: bool, kernel_options) -> None:
 
 def _resolve_backend(kernel_options):
     """torch's kernel_options ``BACKEND`` (or ``fwd_BACKEND``: the forward is the pass with a choice, the decoding
-    kernel) as flexlite's ``DECODE`` (:data:`launch.BACKENDS`); a bad value, or one combined with DECODE or
-    FORCE_USE_FLEX_ATTENTION (which torch refuses too), is a ValueError."""
+    kernel) as flexlite's ``DECODE`` (:data:`launch.BACKENDS`); a bad value (``bwd_BACKEND``'s too, which picks
+    nothing: the backward has one kernel family), or one combined with DECODE or FORCE_USE_FLEX_ATTENTION (which
+    torch refuses too), is a ValueError."""
     if not isinstance(kernel_options, dict):
         return kernel_options
-    for prefix in ("", "fwd_"):
+    for prefix in ("", "fwd_", "bwd_"):
         if prefix + "BACKEND" not in kernel_options:
             continue
         backend = kernel_options[prefix + "BACKEND"]
@@ -230,7 +229,7 @@ def _resolve_backend(kernel_options):
             _fail(f"kernel_options {prefix}BACKEND cannot be combined with {both[0]} (torch refuses the legacy "
                   f"knobs beside it too): keep one")
         decode = _launch.BACKENDS[backend]
-        if decode is not None:
+        if decode is not None and prefix != "bwd_":
             kernel_options = {**kernel_options, prefix + "DECODE": decode}
     return kernel_options
 

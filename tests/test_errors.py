@@ -185,7 +185,7 @@ def test_bad_tile_options_are_rejected(monkeypatch):
     ({"PRESCALE_QK": None}, TypeError, "PRESCALE_QK must be a bool"),
     ({"OUTPUT_MAX": 2}, TypeError, r"OUTPUT_MAX must be a bool \(or 0 / 1"),
     ({"fwd_BACKEND": "bogus"}, ValueError, "kernel_options fwd_BACKEND must be one of"),
-    ({"bwd_BACKEND": "CUDNN"}, ValueError, "kernel_options BACKEND must be one of"),
+    ({"bwd_BACKEND": "CUDNN"}, ValueError, "kernel_options bwd_BACKEND must be one of"),
     ({"bwd_WRITE_DQ": "1"}, TypeError, "WRITE_DQ must be a bool"),
     ({"kpack": 0}, ValueError, "kpack must be an int >= 1"),
     ({"waves_per_eu": "2"}, TypeError, "waves_per_eu must be an int >= 0"),

@@ -342,10 +342,9 @@ class _DtypeProp(fx.Interpreter):
 
 
 def _example_inputs(kind: str):
-    idx = [torch.ones((), dtype=torch.int32) for _ in MASK_MOD_ARGS]
-    if kind == "score_mod":
-        return [torch.full((), 0.5, dtype=torch.float32)] + idx
-    return idx
+    """0-d examples of the mod's arguments in the kernels' dtypes (:data:`_ARG_DTYPES`): the score 0.5, indices 1."""
+    names = SCORE_MOD_ARGS if kind == "score_mod" else MASK_MOD_ARGS
+    return [torch.full((), 0.5 if name == "score" else 1, dtype=_ARG_DTYPES[name]) for name in names]
 
 
 # ---------------------------------------------------------------------------------------------
