@@ -711,7 +711,8 @@ def _compile_backward_beside(query, key, value, score_mod, block_mask, scale, tr
     out = query.new_empty((B, Hq, Lq, value.shape[-1]))
     lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=query.device)
     bwd_key = ("bwd", (kernel.source, ws_kernel and ws_kernel.source),
-               first_calls.signature(query, key, value, block_mask, query.requires_grad, False))
+               first_calls.signature(query, key, value, block_mask, query.requires_grad, False,
+                                     first_calls.int_classes(*out.stride())))  # (grad_out laid out as out)
     first_calls.compile_beside(bwd_key, lambda: _backward(query, key, value, out, lse, out, None, mods[0], block_mask,
                                                            scale, None, (), need_dq=query.requires_grad,
                                                            need_captured=()))
@@ -870,6 +871,10 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
                 [torch.zeros_like(t) for t in captured])
     if grad_out is None:
         grad_out = torch.zeros_like(out)
+    elif first_calls.int_classes(*grad_out.stride()) != first_calls.int_classes(*out.stride()):
+        # (an expanded grad, out.sum()'s, or rows apart by other than a multiple of 16: copied as out is laid out, so
+        # that the kernels compiled beside the forward for that layout serve it, where Triton would compile others)
+        grad_out = grad_out.contiguous()
     mask_mod = block_mask.mask_mod if block_mask is not None else None
     # traced once for both kernels' generation (each trace fingerprints the mod's captures)
     traced = list(traced_mods) if traced_mods is not None else [
@@ -894,7 +899,7 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
             (traced[0], trace_mod(bits.mask_mod, "mask_mod")), query, key, value, sparse, options, interpret)),
         lambda bits: _backward(query, key, value, out, lse, grad_out, grad_lse, traced[0], bits or traced_mask,
                                scale, kernel_options, captured, need_dq, need_captured),
-        need_dq, grad_lse is not None, with_bits=not want)
+        need_dq, grad_lse is not None, first_calls.int_classes(*grad_out.stride()), with_bits=not want)
     if first is not None and first.bits is not None:  # a new mask_mod's first calls: its kernels compile beside
         return _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, first.bits, scale,
                          kernel_options, captured, need_dq, need_captured)

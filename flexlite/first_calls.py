@@ -100,14 +100,23 @@ def signature(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block
     """What besides the sources decides whether a call needs kernels compiled: device, dtype, head dims, heads per kv
     head, whether the inputs are contiguous, whether the lengths are multiples of 128 (the Gluon kernels' host
     descriptors) and the queries few enough to decode, the block mask's block size and whether it has full blocks,
-    and ``extra``. Not the lengths themselves, which the kernels do not specialize on: a new length (a decoding step)
+    and ``extra``; and what Triton specializes the kernels' integer arguments on (:func:`int_classes`) for the head
+    counts and the inputs' strides, so that kernels compiled at 2 heads are not taken as compiled at 16 (benchmarks/
+    NOTES.md 83). Not the lengths themselves, which the kernels do not specialize on: a new length (a decoding step)
     is no new first call."""
     Lq, Lkv = query.shape[2], key.shape[2]
     blocks = (None, None) if block_mask is None else (tuple(block_mask.BLOCK_SIZE),
                                                       block_mask.full_kv_num_blocks is None)
+    ints = int_classes(query.shape[1], key.shape[1], *query.stride(), *key.stride(), *value.stride())
     return (query.device, query.dtype, query.shape[-1], value.shape[-1], query.shape[1] // key.shape[1],
             query.is_contiguous(), key.is_contiguous(), value.is_contiguous(), Lq % 128 == 0, Lkv % 128 == 0,
-            Lq <= 64, *blocks) + extra
+            Lq <= 64, *blocks, ints) + extra
+
+
+def int_classes(*ns: int) -> tuple:
+    """What Triton compiles integer kernel arguments for (one kernel per class), for each: 1, a multiple of 16 (16),
+    or neither (0)."""
+    return tuple(1 if n == 1 else 16 if n % 16 == 0 else 0 for n in ns)
 
 
 def block_mask_key(source: str, H: int, Q_LEN: int, KV_LEN: int, device: torch.device, block_size: tuple) -> tuple:
@@ -115,7 +124,7 @@ def block_mask_key(source: str, H: int, Q_LEN: int, KV_LEN: int, device: torch.d
     sizes, whether the lengths are whole blocks, and its integer arguments H, Q_LEN and KV_LEN each as 1, a multiple of
     16 or neither)."""
     return ("mask", (source,), (device, tuple(block_size), Q_LEN % block_size[0] == 0, KV_LEN % block_size[1] == 0,
-                                *(1 if n == 1 else 16 if n % 16 == 0 else 0 for n in (H, Q_LEN, KV_LEN))))
+                                *int_classes(H, Q_LEN, KV_LEN)))
 
 
 def block_flags_in_torch(key: tuple, compile_: Callable[[], None], positions: int) -> bool:

@@ -321,6 +321,52 @@ def test_bits_that_fail_to_build_leave_the_call_its_own_kernels(fresh, monkeypat
     assert_close(out, attention_reference(q, k, v, block_mask=window)[0], *TOLERANCES[torch.float32])
 
 
+@pytest.mark.parametrize("same, other", [
+    ((1, 2, 2), (1, 16, 16)),  # 2 heads compile apart from 16 (Triton: a multiple of 16 or not)
+    ((1, 16, 16), (1, 16, 1)),  # one kv head (Triton: an integer 1)
+    ((1, 4, 4, 256, 64), (1, 4, 4, 256, 24)),  # strides (L * 24 and 24 against L * 64 and 64)
+])
+def test_kernels_compiled_for_other_integer_classes_are_not_taken_as_compiled(same, other):
+    # Triton compiles a kernel again where an integer argument (head counts, strides) changes class: 1, a multiple of
+    # 16, or neither; a first call that took those kernels as compiled would compile in the call (benchmarks/NOTES.md
+    # 83: markers from a test run at 2 heads sent the harness's 16-head calls there, 4-5 s)
+    def sig(B, H, Hkv, L=256, D=64):
+        q, k, v = rand_qkv(B, H, Hkv, L, L, D, device="cpu")
+        return first_calls.signature(q, k, v, None)
+
+    assert sig(*same) != sig(*other)
+    assert sig(1, 16, 16) == sig(2, 32, 32)  # the same classes
+    assert sig(1, 4, 4, 256) == sig(1, 4, 4, 384)  # a new length is no new first call
+
+
+def test_a_grad_out_of_other_stride_classes_runs_the_kernels_of_outs_layout(fresh, monkeypatch):
+    # the backward kernels take grad_out's strides, which Triton specializes (first_calls.int_classes): a grad_out of
+    # other classes (an expanded one, rows 17 apart) is copied as out is laid out, so that the backward compiled
+    # beside the forward for that layout serves it; the key (and the gradients) as for a contiguous grad_out
+    extras = []
+    real = first_calls.signature
+    monkeypatch.setattr(first_calls, "signature", lambda *args: extras.append(args[4:]) or real(*args))
+    q, k, v = (t.requires_grad_() for t in rand_qkv(1, 2, 2, 32, 32, 16))
+    out = flex_attention(q, k, v)
+    dense = torch.randn_like(out)
+    grads = [dense, torch.ones(1, 1, 1, 1, device=out.device).expand_as(out),
+             torch.randn(1, 2, 32, 17, device=out.device)[..., :16].copy_(dense)]
+    assert len({first_calls.int_classes(*g.stride()) for g in grads}) == 3
+    results = []
+    for grad in grads:
+        extras.clear()
+        results.append(torch.autograd.grad(out, (q, k, v), grad, retain_graph=True))
+        assert len(extras) == 1
+        if grad is dense:
+            first = extras[0]
+        assert extras[0] == first
+    for a, b in zip(results[0], results[2]):
+        assert torch.equal(a, b)
+    expected = torch.autograd.grad(out, (q, k, v), torch.ones_like(out), retain_graph=True)
+    for a, b in zip(results[1], expected):
+        assert torch.equal(a, b)
+
+
 def test_the_bits_kernels_are_known_to_later_processes(fresh, monkeypatch, tmp_path):
     # a marker file per CUDA key of the bits' kernels (Triton's disk cache has them): a later process's first
     # mask_mod of that kind runs them too, while its own compile

@@ -380,7 +380,7 @@ def test_functional_call_trains(monkeypatch, deterministic):
     runs score_mod in torch ops: the trace's too)."""
     monkeypatch.setenv("FLEXLITE_DETERMINISTIC_CAPTURED_GRADS", "1" if deterministic else "0")
     module = _Attention()
-    params = {"slopes": torch.randn(H + 1, device=DEVICE, requires_grad=True)}
+    params = {"slopes": torch.randn(H + 1, generator=torch.Generator().manual_seed(5)).to(DEVICE).requires_grad_()}
     q, k, v = (t.requires_grad_() for t in rand_qkv(B, H, H, L, L, D, seed=12))
     out = torch.func.functional_call(module, params, (q, k, v))
     grad = torch.randn_like(out)
@@ -413,7 +413,7 @@ class _Attention(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.slopes = nn.Parameter(torch.rand(H + 1, device=DEVICE))
+        self.slopes = nn.Parameter(torch.rand(H + 1, generator=torch.Generator().manual_seed(4)).to(DEVICE))
 
     def score_mod(self, s, b, h, q_idx, kv_idx):
         return s - self.slopes[h] * (q_idx - kv_idx)
