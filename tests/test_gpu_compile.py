@@ -360,14 +360,19 @@ def test_a_kernel_compiled_at_one_length_runs_at_another(case):
     assert reused and all(reused.values()), reused
 
 
+def _probe(name: str):
+    """benchmarks/<name>.py as a module."""
+    spec = importlib.util.spec_from_file_location(name, _TOOL.parent / f"{name}.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    return probe
+
+
 def _compile_stamped(case: str) -> dict:
     import tempfile
 
     kind, grid = case.split(", ")
-    name = f"probe_{kind}_phases"
-    spec = importlib.util.spec_from_file_location(name, _TOOL.parent / f"{name}.py")
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    probe = _probe(f"probe_{kind}_phases")
     offline = _offline()
     template = f"{kind}_ws.py.jinja"
     with tempfile.TemporaryDirectory() as d:
@@ -389,3 +394,36 @@ def test_the_phase_probes_still_find_their_insertion_points(case):
     # after lines they find by their text: a template change that moves them fails here, not on the GPU
     facts = _compiled("stamped", case)
     assert facts["stamps"] >= 2 * facts["fields"]  # each field stamped in both consumer warpgroups
+
+
+def _compile_bounds(variant: str) -> dict:
+    import tempfile
+
+    probe = _probe("probe_fwd_bounds")
+    offline = _offline()
+    D = 128 if variant == "noturn" else 64  # (no turns at D64 in the package either)
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / probe.TEMPLATE
+        path.write_text(probe.variant_source(variant))
+        with probe.templates_from({probe.TEMPLATE: str(path)}):
+            kernel = offline.compile_forward_ws(None, None, D, L=L)
+    facts = {}
+    for label, ptx in (("", kernel.asm["ptx"]), ("base_", offline.compile_forward_ws(None, None, D, L=L).asm["ptx"])):
+        report = offline.ptxas_report(ptx)
+        facts.update({label + "MUFU": report["MUFU"], label + "HGMMA": report["HGMMA"],
+                      label + "waits": ptx.count("mbarrier.try_wait"), label + "spill_bytes": report["spill_bytes"]})
+    return facts
+
+
+@pytest.mark.parametrize("variant", ["noexp", "nosoftmax", "nopv", "noturn"])
+def test_the_bounds_probes_variants_still_find_their_lines_and_compile(variant):
+    # benchmarks/probe_fwd_bounds.py takes parts out of fwd_ws.py.jinja by replacing lines it finds by their text: a
+    # template change that moves them fails here (variant_source raises), not on the GPU; what each takes out is gone
+    facts = _compiled("bounds", variant)
+    assert facts["spill_bytes"] == 0
+    if variant in ("noexp", "nosoftmax"):
+        assert facts["MUFU"] < facts["base_MUFU"]
+    if variant == "nopv":
+        assert facts["HGMMA"] < facts["base_HGMMA"]
+    if variant == "noturn":
+        assert facts["waits"] < facts["base_waits"]
