@@ -343,9 +343,10 @@ def test_a_grad_out_of_other_stride_classes_runs_the_kernels_of_outs_layout(fres
     # the backward kernels take grad_out's strides, which Triton specializes (first_calls.int_classes): a grad_out of
     # other classes (an expanded one, rows 17 apart) is copied as out is laid out, so that the backward compiled
     # beside the forward for that layout serves it; the key (and the gradients) as for a contiguous grad_out
-    extras = []
-    real = first_calls.signature
-    monkeypatch.setattr(first_calls, "signature", lambda *args: extras.append(args[4:]) or real(*args))
+    extras = []  # what a backward call's first_calls key has besides the sources and the inputs'
+    real = api._first_call
+    monkeypatch.setattr(api, "_first_call", lambda kind, *args, **kw: (
+        extras.append(args[9:]) if kind == "bwd" else None) or real(kind, *args, **kw))
     q, k, v = (t.requires_grad_() for t in rand_qkv(1, 2, 2, 32, 32, 16))
     out = flex_attention(q, k, v)
     dense = torch.randn_like(out)
@@ -356,15 +357,16 @@ def test_a_grad_out_of_other_stride_classes_runs_the_kernels_of_outs_layout(fres
     for grad in grads:
         extras.clear()
         results.append(torch.autograd.grad(out, (q, k, v), grad, retain_graph=True))
-        assert len(extras) == 1
+        assert extras
         if grad is dense:
             first = extras[0]
-        assert extras[0] == first
+        assert all(extra == first for extra in extras)
+    # (on a GPU a first call may run in torch ops while the kernels compile: to the tolerances, not to the bit)
     for a, b in zip(results[0], results[2]):
-        assert torch.equal(a, b)
+        assert_close(a, b, *TOLERANCES[torch.float32])
     expected = torch.autograd.grad(out, (q, k, v), torch.ones_like(out), retain_graph=True)
     for a, b in zip(results[1], expected):
-        assert torch.equal(a, b)
+        assert_close(a, b, *TOLERANCES[torch.float32])
 
 
 def test_the_bits_kernels_are_known_to_later_processes(fresh, monkeypatch, tmp_path):
