@@ -7,13 +7,18 @@ checked against the reference; they exist to be timed:
 - ``noexp``: P's exponentials gone (P = the exponent itself, on the FMA pipes; the rescale's stay);
 - ``nosoftmax``: no row max, exponentials or row sums (P = the scaled scores);
 - ``nopv``: no P V in the walk (S waited for alone);
-- ``noturn``: the warpgroups issue their matmuls as they come at every head dim (no ping-pong waits).
+- ``noturn``: the warpgroups issue their matmuls as they come at every head dim (no ping-pong waits);
+- ``sonly``, ``pvonly``: one matmul alone (no softmax; ``pvonly``'s S a function of the columns instead of Q K^T).
 Prints ms per variant and its ratio to the package's kernel.
 
-Usage: python benchmarks/probe_fwd_bounds.py [mask,mask,...] [D,D,...] [--rounds=N] [--variants=a,b,...]"""
+--stages64=N: the K / V ring's stages at D64 (launch.WS_TILES) for the package and every variant.
+
+Usage: python benchmarks/probe_fwd_bounds.py [mask,mask,...] [D,D,...] [--rounds=N] [--variants=a,b,...]
+[--stages64=N]"""
 
 import sys
 import tempfile
+import unittest.mock
 from pathlib import Path
 
 from tabulate import tabulate
@@ -21,6 +26,7 @@ from tabulate import tabulate
 from flexlite import first_calls, flex_attention
 from flexlite.bench import _median_ms, probe_args, probe_cases
 from flexlite.codegen import render
+from flexlite.runtime import launch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from probe_against import templates_from  # noqa: E402
@@ -39,6 +45,16 @@ VARIANTS = {
     "noturn": (("    if D != 64:\n        mbarrier.wait(turn.index(WG), phase=r & 1)\n",
                 "    if False:\n        mbarrier.wait(turn.index(WG), phase=r & 1)\n"),),
 }
+# the matmuls alone: S alone (no softmax, no P V), P V alone (no softmax; S(j) in the walk a function of the columns
+# and of l_i, which the compilers cannot fold, instead of Q K^T)
+VARIANTS["sonly"] = VARIANTS["nosoftmax"] + VARIANTS["nopv"]
+VARIANTS["pvonly"] = VARIANTS["nosoftmax"] + (
+    ("""        s = warpgroup_mma(q, k_smem.index(sj).permute((1, 0)), gl.zeros([HALF, BLOCK_N], gl.float32, layout=s_layout),
+                          use_acc=False, is_async=True)
+""", """        s = gl.expand_dims(gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)).to(gl.float32), 0) * \\
+            gl.expand_dims(l_i * 0.0 + 1e-3, 1)
+"""),
+    ("        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # P V(j-1) may still run\n", ""))
 
 
 def variant_source(name: str) -> str:
@@ -55,6 +71,10 @@ def main():
     masks, dims = probe_args(sys.argv)
     rounds = next((int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--rounds=")), 2)
     names = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--variants=")), list(VARIANTS))
+    stages = next((int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--stages64=")), None)
+    if stages is not None:
+        unittest.mock.patch.object(launch, "WS_TILES", {**launch.WS_TILES, 64: dict(launch.WS_TILES[64],
+                                                                                   STAGES=stages)}).start()
     first_calls.EAGER = False  # (the kernels, also in a new template's first calls)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
