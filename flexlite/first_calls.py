@@ -101,9 +101,9 @@ def signature(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block
     head, whether the inputs are contiguous, whether the lengths are multiples of 128 (the Gluon kernels' host
     descriptors) and the queries few enough to decode, the block mask's block size and whether it has full blocks,
     and ``extra``; and what Triton specializes the kernels' integer arguments on (:func:`int_classes`) for the head
-    counts and the inputs' strides, so that kernels compiled at 2 heads are not taken as compiled at 16 (benchmarks/
-    NOTES.md 83). Not the lengths themselves, which the kernels do not specialize on: a new length (a decoding step)
-    is no new first call."""
+    counts and the inputs' strides, so that kernels compiled at 2 heads are not taken as compiled at 16
+    (benchmarks/NOTES.md 83). Not the lengths themselves, which the kernels do not specialize on: a new length (a
+    decoding step) is no new first call."""
     Lq, Lkv = query.shape[2], key.shape[2]
     blocks = (None, None) if block_mask is None else (tuple(block_mask.BLOCK_SIZE),
                                                       block_mask.full_kv_num_blocks is None)
