@@ -286,6 +286,9 @@ def test_int_constant_beyond_int32_in_a_mask():
 
 _TABLE = torch.randn(64, generator=torch.Generator().manual_seed(6)).to(DEVICE)
 _TABLE[::7] = float("inf")
+# atan2's arguments at the quadrants' edges, zero, infinities, tiny and huge (-0.0 left out: counted as +0.0)
+_SPECIAL = torch.tensor([0.0, 0.5, -0.5, 2.0, -2.0, float("inf"), -float("inf"), 1e-30, -1e30], device=DEVICE)
+_ENDS = torch.tensor([-1.0, -0.5, 0.0, 0.5, 1.0], device=DEVICE)  # asin / acos at the ends of their domain
 
 MORE_OPS = {
     "round": lambda s, b, h, q, kv: s + torch.round(s * 3) * 0.1 + torch.round((q - kv) * 0.5),  # halves to even
@@ -302,6 +305,18 @@ MORE_OPS = {
     "is_floating_point": lambda s, b, h, q, kv: s + (1.0 if s.is_floating_point() else 0.0) + (
         1.0 if q.is_floating_point() else 0.5),
     "tensor_on_the_device": lambda s, b, h, q, kv: s * torch.tensor(0.5, device=s.device),
+    # (x of atan2 negative, zero and positive: every quadrant)
+    "atan_atan2": lambda s, b, h, q, kv: s + torch.atan(s * 3) + torch.atan2(s, ((q - kv) % 5 - 2) * 0.25) * 0.5,
+    "asin_acos": lambda s, b, h, q, kv: s + torch.asin(torch.tanh(s)) * 0.5 + torch.acos(torch.sigmoid(s) * 2 - 1) * 0.3,
+    "tan_sinh_cosh": lambda s, b, h, q, kv: s + torch.tan(s * 0.3) * 0.5 + torch.sinh(s * 0.5) * 0.2 - torch.cosh(
+        s * 0.3) * 0.1,
+    "atan2_special_values": lambda s, b, h, q, kv: s + torch.atan2(_SPECIAL[q % 9], _SPECIAL[kv % 9]) + torch.atan(
+        _SPECIAL[(q + kv) % 9]) * 0.5 + torch.asin(_ENDS[q % 5]) * 0.3 + torch.acos(_ENDS[kv % 5]) * 0.2,
+    # y and x both 0 where q == kv: atan2's gradient 0 there (torch's), not 0 / 0
+    "atan2_at_the_origin": lambda s, b, h, q, kv: s + torch.atan2(s * (q != kv), (q - kv) * 0.5),
+    "arc_aliases_and_methods": lambda s, b, h, q, kv: s + torch.arctan(s) * 0.3 + s.atan() * 0.2 + torch.arcsin(
+        torch.tanh(s)) * 0.1 + s.sinh() * 0.1 + torch.arctan2(s, torch.ones_like(s)) * 0.2 + torch.arccos(
+        torch.tanh(s)) * 0.1,
 }
 
 

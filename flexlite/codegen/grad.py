@@ -208,6 +208,15 @@ def _remainder(rounding: str):
     return rule
 
 
+def _atan2(d, x, kw, y, g):
+    # y = atan2(a, b): d/da = b / (a^2 + b^2), d/db = -a / (a^2 + b^2); 0 at a = b = 0 (torch's)
+    a, b = x
+    norm = d.add(d.mul(a, a), d.mul(b, b))
+    zero = d.cmp(operator.eq, norm, 0.0)
+    recip = d.where(zero, 0.0, d.div(1.0, d.where(zero, 1.0, norm)))
+    return [d.mul(d.mul(g, b), recip), d.neg(d.mul(d.mul(g, a), recip))]
+
+
 def _pow(d, x, kw, y, g):
     base, exponent = x
     if not isinstance(exponent, fx.Node):  # x ** c
@@ -325,6 +334,13 @@ RULES: dict[str, Callable] = {
     "sigmoid": _unary(lambda d, v, y: d.mul(y, d.call(operator.sub, 1.0, y))),
     "tanh": _unary(lambda d, v, y: d.call(operator.sub, 1.0, d.mul(y, y))),
     "tanh_approx": _unary(lambda d, v, y: d.call(operator.sub, 1.0, d.mul(y, y))),
+    "atan": _unary(lambda d, v, y: d.div(1.0, d.add(d.mul(v, v), 1.0))),
+    "asin": _unary(lambda d, v, y: d.fn(torch.rsqrt, d.mul(d.call(operator.sub, 1.0, v), d.add(v, 1.0)))),
+    "acos": _unary(lambda d, v, y: d.neg(d.fn(torch.rsqrt, d.mul(d.call(operator.sub, 1.0, v), d.add(v, 1.0))))),
+    "tan": _unary(lambda d, v, y: d.add(d.mul(y, y), 1.0)),
+    "sinh": _unary(lambda d, v, y: d.fn(torch.cosh, v)),
+    "cosh": _unary(lambda d, v, y: d.fn(torch.sinh, v)),
+    "atan2": _atan2,
     "relu": lambda d, x, kw, y, g: [d.where(d.cmp(operator.gt, y, 0.0), g, None)],
     "gelu": _gelu,
     "square": _unary(lambda d, v, y: d.mul(v, 2.0)),

@@ -306,6 +306,9 @@ OPS: dict[str, Callable] = {
     "log2": _float_fn("tl.log2"), "sqrt": _float_fn("tl.sqrt"), "rsqrt": _float_fn("tl.rsqrt"),
     "sin": _float_fn("tl.sin"), "cos": _float_fn("tl.cos"), "erf": _float_fn("tl.erf"),
     "sigmoid": _float_fn("tl.sigmoid"), "tanh": _float_fn("tanh"), "tanh_approx": _float_fn("tanh_approx"),
+    "atan": _float_fn("atan"), "asin": _float_fn("asin"), "acos": _float_fn("acos"), "tan": _float_fn("tan"),
+    "sinh": _float_fn("sinh"), "cosh": _float_fn("cosh"),
+    "atan2": lambda a, kw, n: f"atan2({as_float(a[0])}, {as_float(a[1])})",
     "log1p": lambda a, kw, n: f"tl.log(1.0 + {as_float(a[0])})",
     "expm1": lambda a, kw, n: f"(tl.exp({as_float(a[0])}) - 1.0)",
     "floor": _floor_ceil("tl.floor"), "ceil": _floor_ceil("tl.ceil"), "sign": _sign,
@@ -359,13 +362,14 @@ for _name in ("add", "sub", "mul", "div", "remainder", "fmod", "pow", "neg", "ab
               "rsqrt", "sin", "cos", "erf", "sigmoid", "tanh", "log1p", "expm1", "floor", "ceil", "sign",
               "relu", "square", "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or",
               "logical_xor", "logical_not", "ones_like", "zeros_like", "full_like", "floor_divide",
-              "reciprocal", "log10", "trunc", "round", "isinf", "isnan", "isfinite", "clone"):
+              "reciprocal", "log10", "trunc", "round", "isinf", "isnan", "isfinite", "clone", "atan", "atan2",
+              "asin", "acos", "tan", "sinh", "cosh", "arctan", "arctan2", "arcsin", "arccos"):
     _FUNCTIONS[getattr(torch, _name)] = _name
 _ALIASES = {"remainder": "mod", "clip": "clamp", "floor_divide": "floordiv", "__getitem__": "getitem",
             "__and__": "and", "__or__": "or", "__xor__": "xor", "__invert__": "invert", "bitwise_not": "invert",
             "float": "to", "int": "to", "long": "to", "bool": "to", "half": "to", "bfloat16": "to",
             "double": "to", "type": "to", "type_as": "to", "fix": "trunc", "new_ones": "ones_like",
-            "new_zeros": "zeros_like",
+            "new_zeros": "zeros_like", "arctan": "atan", "arctan2": "atan2", "arcsin": "asin", "arccos": "acos",
             "masked_fill": None, "true_divide": "truediv", "index_put_": "index_put"}
 
 
