@@ -412,3 +412,28 @@ def test_numpy_scalars_in_a_mod_are_python_numbers(mod):
     q, k, v = rand_qkv(B, H, H, L, L, D)
     assert_close(flex_attention(q, k, v, score_mod=mod), attention_reference(q, k, v, score_mod=mod)[0],
                  *TOLERANCES[torch.float32])
+
+
+def test_a_dot_product_per_score_is_refused_with_the_concatenation_that_computes_it():
+    # MLA's rope term (attention-gym's latent attention): a product of two vectors per score has no lowering; the
+    # error's fix, the vectors concatenated onto q and k with the scale passed, computes what the mod meant
+    Hq, R = 2, 8
+    q, k, v = rand_qkv(1, Hq, 1, L, L, D, seed=11)
+    g = torch.Generator().manual_seed(12)
+    q_rope = torch.randn(1, Hq, L, R, generator=g).to(DEVICE)
+    k_rope = torch.randn(1, 1, L, R, generator=g).to(DEVICE)
+
+    def mla_rope(score, b, h, q_idx, kv_idx):
+        return score + torch.dot(q_rope[b, h, q_idx], k_rope[b, 0, kv_idx])
+
+    def mla_rope_sum(score, b, h, q_idx, kv_idx):
+        return score + (q_rope[b, h, q_idx] * k_rope[b, 0, kv_idx]).sum()
+
+    for mod in (mla_rope, mla_rope_sum):
+        with pytest.raises(UntraceableModError, match=r"torch\.cat\(\[q, q_rope / scale\], -1\)"):
+            flex_attention(q, k, v, score_mod=mod, enable_gqa=True)
+    scale = D ** -0.5
+    out = flex_attention(torch.cat([q, q_rope / scale], -1), torch.cat([k, k_rope], -1), v, scale=scale,
+                         enable_gqa=True)
+    want = attention_reference(q, k.expand(1, Hq, L, D), v.expand(1, Hq, L, D), score_mod=mla_rope, scale=scale)[0]
+    assert_close(out, want, *TOLERANCES[torch.float32])

@@ -404,7 +404,26 @@ def _target_name(node: fx.Node) -> str:
     name = _qualified_op_name(t)
     if name is not None:
         return f"the operator {name!r}"
-    return getattr(t, "__qualname__", None) or getattr(t, "__name__", None) or str(t)
+    qualname = getattr(t, "__qualname__", None) or ""
+    if qualname.startswith("_VariableFunctionsClass."):  # torch.dot and the other torch.* builtins
+        return f"torch.{qualname.split('.', 1)[1]}"
+    return qualname or getattr(t, "__name__", None) or str(t)
+
+
+# ops that combine a vector per score (a dot product: MLA's rope term), which a mod, one score at a time, cannot
+# lower; what to do instead
+_VECTOR_OPS = ("dot", "vdot", "inner", "matmul", "mm", "bmm", "mv", "einsum", "tensordot", "sum", "mean", "prod",
+               "norm", "__matmul__")
+_VECTOR_HINT = ("a mod computes one score at a time, so a product of vectors per score (MLA's rope term, "
+                "q_rope[b, h, q_idx] . k_rope[b, h, kv_idx]) has no lowering; put the vectors into the attention "
+                "instead: query = torch.cat([q, q_rope / scale], -1), key = torch.cat([k, k_rope], -1), and pass "
+                "scale explicitly (the default 1/sqrt(head dim) follows the longer head dim)")
+
+
+def _vector_op(node: fx.Node) -> bool:
+    t = node.target
+    name = t if isinstance(t, str) else getattr(t, "__name__", "")
+    return name in _VECTOR_OPS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -566,7 +585,8 @@ class _Lowerer:
             if v.tensor.dim() == len(v.indices):
                 return self.load(node, v)
             self.fail(node, f"a captured tensor of shape {tuple(v.tensor.shape)} is used with "
-                            f"{len(v.indices)} indices; index every dimension")
+                            f"{len(v.indices)} indices; index every dimension (for a vector per score: "
+                            f"{_VECTOR_HINT})")
         return v
 
     def emit(self, node: fx.Node, expr: str, dtype) -> Val:
@@ -604,7 +624,8 @@ class _Lowerer:
             return self.attribute(node)
         key = op_key(node)
         if key is None:
-            self.fail(node, f"no lowering for {_target_name(node)}; supported ops: {', '.join(sorted(OPS))}")
+            hint = f"; {_VECTOR_HINT}" if _vector_op(node) else ""
+            self.fail(node, f"no lowering for {_target_name(node)}{hint}; supported ops: {', '.join(sorted(OPS))}")
         args = [self.arg(node, a) for a in node.args]
         kwargs = {k: self.arg(node, v) for k, v in node.kwargs.items()}
         if key == "index_put":
