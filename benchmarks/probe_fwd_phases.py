@@ -9,11 +9,13 @@ the SM clock (%clock64) of each of its first NSLOT ring slot uses (tiles, over t
   S and softmax done; at its last tile's slot: ``last``: the last P V done, ``out``: OUT / LSE stored.
 Printed per mask and head dim (the harness shapes, the default grid): each phase's median clocks per tile and warpgroup,
 the two warpgroups' offset, and per q block the clocks of its parts outside the loop, its span beyond its tiles
-(span - tiles x the median tile) in clocks and in tiles, and its tile count.
+(span - tiles x the median tile) in clocks and in tiles, and its tile count. Two consumer warpgroups everywhere
+(the stamps' layout): the dense walk at D64 without its three (launch.WS_FWD_DENSE_TILES off).
 
 Usage: python benchmarks/probe_fwd_phases.py [mask,mask,...] [D,D,...]"""
 
 import sys
+import unittest.mock
 from pathlib import Path
 
 import torch
@@ -21,6 +23,7 @@ from tabulate import tabulate
 
 from flexlite import first_calls, flex_attention
 from flexlite.bench import probe_args, probe_cases
+from flexlite.runtime import launch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import phase_stamps  # noqa: E402
@@ -41,11 +44,11 @@ AFTER = (
      "        mbarrier.arrive(kv_empty.index(sp), count=1)  # this warpgroup is done with tile j-1\n", 8, "pv",
      "i0 + j"),
     ("    mbarrier.wait(q_bar, phase=jj & 1)\n", 4, "q", "i"),
-    ("        mbarrier.arrive(kv_empty.index(last), count=1)\n", 8, "out", "i_last"),
+    ("            mbarrier.arrive(kv_empty.index(last), count=1)\n        else:\n", 12, "out", "i_last"),
 )
 BEFORE = (("    mbarrier.wait(q_bar, phase=jj & 1)\n", 4, "item", "i"),
           ("        # partial tiles 1 .. n_part - 1, then full tiles", 8, "first", "i"),
-          ("        # OUT in the last slot's K buffer", 8, "last", "i_last"))
+          ("            # OUT in the last slot's K buffer", 12, "last", "i_last"))
 
 
 def stamped_template(base: int) -> str:
@@ -103,7 +106,8 @@ def main():
         buf = torch.zeros(NPROG, 2, NSLOT, len(FIELDS), dtype=torch.int64, device="cuda")
         path = Path(f"/tmp/fwd_ws_stamped_{case.name}.py.jinja")
         path.write_text(stamped_template(buf.data_ptr()))
-        with templates_from({"fwd_ws.py.jinja": str(path)}):
+        with templates_from({"fwd_ws.py.jinja": str(path)}), \
+                unittest.mock.patch.object(launch, "WS_FWD_DENSE_TILES", {}):
             for _ in range(3):  # (the last run's stamps are kept: warm caches)
                 buf.zero_()
                 flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm)

@@ -439,6 +439,36 @@ def test_max_scores_take_the_gluon_forward_only_where_allowed(monkeypatch, allow
     assert [c["max_scores"] for c in calls] == [True] * allowed + [False]
 
 
+@pytest.mark.parametrize("D, masked, block_m, stages, regs", [
+    (64, False, 192, 3, 160), (64, True, 128, 2, 232), (128, False, 128, 3, 240)],
+    ids=["D64 dense", "D64 block mask", "D128 dense"])
+def test_the_dense_walk_at_d64_takes_items_of_three_consumer_warpgroups(monkeypatch, D, masked, block_m, stages, regs):
+    """launch.WS_FWD_DENSE_TILES: the Gluon forward's walk without a block mask at D64 takes 192 query rows per item
+    (three consumer warpgroups of 64, FlashAttention-3's D64 tile: benchmarks/NOTES.md 84) with three K / V stages
+    and 160 registers a consumer thread; a block mask's walk (its 128-row blocks) and D128 keep WS_TILES' two."""
+    launches = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((grid, args, kwargs))
+
+    monkeypatch.setattr(launch, "_device_facts", lambda device: (5, 9))
+    monkeypatch.setattr(launch, "WS_FWD_PERSISTENT", False)
+    L = 512  # items of 192 rows: 3 per (batch, head), the last one's third warpgroup past the rows
+    q, k, v = rand_qkv(2, 4, 4, L, L, D, dtype=torch.bfloat16, device="cpu")
+    blocks = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, L, L, device="cpu") \
+        if masked else None
+    from flexlite.api import _block_tensors
+    num, idx, full_num, full_idx, sparse = _block_tensors(blocks, L, L, torch.device("cpu"))
+    launch.launch_forward_ws(types.SimpleNamespace(flex_fwd_ws_kernel=Kernel(), LLVM_OPT_LEVELS={}), [], q, k, v, num,
+                             idx, full_num, full_idx, sparse, 0.125, False, dense=not masked)
+    (grid, args, kwargs), = launches
+    n_qblocks = -(-L // block_m)
+    assert (kwargs["BLOCK_M"], kwargs["STAGES"], kwargs["CONSUMER_REGS"]) == (block_m, stages, regs)
+    assert grid == (2 * 4 * n_qblocks,) and kwargs["EVEN_M"] == (L % block_m == 0) and kwargs["HOST_DESC"]
+    assert args[10 + 4 + 18:10 + 4 + 18 + 2] == (2 * 4 * n_qblocks, n_qblocks)
+
+
 def _counted(real, record):
     """``real`` recording each launch (``record(args, kwargs)``) but the first_calls worker's, which only compile
     (launch.compile_only): a count of the launches that ran."""
@@ -615,6 +645,34 @@ if ON_HOPPER:
             assert_close(lse, ref_lse, *LSE_TOLERANCES[torch.bfloat16], name=f"lse (bounded: {bounded})")
             errors[bounded] = (out.double() - ref).abs().max().item()
         assert errors[True] <= 1.5 * errors[False] + 2e-3, errors
+
+    @pytest.mark.parametrize("shape", [(2, 2, 2, 256, 256, 64), (1, 3, 3, 1152, 384, 64), (2, 4, 2, 320, 200, 64)],
+                             ids=["host descriptors, last item ragged", "items even", "device descriptors, gqa"])
+    @pytest.mark.parametrize("mod", ["none", "alibi", "softcap", "relative"])
+    def test_the_dense_walk_in_items_of_three_warpgroups(monkeypatch, mod, shape):
+        # launch.WS_FWD_DENSE_TILES: D64 without a block mask in items of 192 rows; a head's last item may have
+        # warpgroups past its rows, whose OUT must not land in the next head's rows (host descriptors span every
+        # head). out and lse start as NaN, so that a row left unwritten fails
+        from flexlite.mods import generate_alibi_bias, generate_tanh_softcap
+        from helpers import LSE_TOLERANCES
+
+        mods = {"none": None, "alibi": generate_alibi_bias(shape[1]), "softcap": generate_tanh_softcap(30.0, approx=True),
+                "relative": lambda score, b, h, q_idx, kv_idx: score - 0.01 * (q_idx - kv_idx).abs()}
+        block_ms = []
+        real_launch, real_empty = launch.compiled_launch, torch.empty
+        monkeypatch.setattr(launch, "compiled_launch",
+                            lambda kernel, kw: (block_ms.append(kw.get("BLOCK_M")), real_launch(kernel, kw))[1])
+        monkeypatch.setattr(torch, "empty", lambda *a, **kw: (lambda t: t.fill_(float("nan"))
+                                                              if t.is_floating_point() else t)(real_empty(*a, **kw)))
+        B, Hq, Hkv, Lq, Lkv, D = shape
+        q, k, v = rand_qkv(B, Hq, Hkv, Lq, Lkv, D, dtype=torch.bfloat16, seed=17)
+        out, lse = flex_attention(q, k, v, score_mod=mods[mod], enable_gqa=Hq != Hkv, return_lse=True,
+                                  kernel_options={"WARP_SPECIALIZE": True})
+        monkeypatch.undo()
+        ref, ref_lse = attention_reference(q, k, v, score_mod=mods[mod], enable_gqa=Hq != Hkv)
+        assert 192 in block_ms, block_ms
+        assert_close(out, ref, *TOLERANCES[torch.bfloat16], name="out")
+        assert_close(lse, ref_lse, *LSE_TOLERANCES[torch.bfloat16], name="lse")
 
     @pytest.mark.parametrize("D", [128, 64])
     def test_biases_read_from_captured_tensors_with_non_finite_values(monkeypatch, D):

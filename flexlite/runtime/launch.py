@@ -298,7 +298,15 @@ def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
 # (benchmarks/probe_gluon.py and probe_ws.py on an H200, NOTES 36, 38, 39: three stages at D128 fit once OUT is staged in
 # Q's buffer, and measured 7-11 % faster than two)
 WS_BLOCK_M = 128
+WS_HALF_M = 64  # query rows per consumer warpgroup (the template's HALF): Q's and OUT's descriptors' block rows
 WS_TILES = {64: dict(BLOCK_N=128, STAGES=2, CONSUMER_REGS=232), 128: dict(BLOCK_N=128, STAGES=3, CONSUMER_REGS=240)}
+# per head dim, what the dense walk (no block mask) takes instead in the warp-specialized forward: BLOCK_M query rows
+# per item, a consumer warpgroup per WS_HALF_M (three: FlashAttention-3's D64 tile, which a block mask's 128-row blocks
+# rule out elsewhere), K / V stages, and the consumers' registers (Triton gives the first 168: three consumer
+# warpgroups and the producer's, padded to a warpgroup at 24, fill the register file at 160). H100, B16 H16 S8192
+# (NOTES 84): 6.1-6.8 % faster than two warpgroups with no score_mod (bf16 and fp16; 4.2 % at S2048), softcap 1.5 %
+# faster, ALiBi 1.1 % slower, GQA and ragged S1000 within 1 %; two stages starve it (33 % slower)
+WS_FWD_DENSE_TILES = {64: dict(BLOCK_M=192, STAGES=3, CONSUMER_REGS=160)}
 # the warp-specialized forward's tensor descriptors made on the host where the inputs allow (contiguous, lengths
 # multiples of the tiles); False: always per (z, head) on the device
 WS_HOST_DESCRIPTORS = True
@@ -439,18 +447,19 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
     host_desc = ws_host_descriptors(q, k, v, sparse_block)
     if host_desc:  # over [Z * H * LEN, D] views: a head's tiles never cross into the next head's rows
         descs = [RowsDescriptor(t, (rows, D), _ws_smem_layout(rows, D, q.dtype))
-                 for t, rows in ((q, WS_BLOCK_M // 2), (k, tiles["BLOCK_N"]), (v, tiles["BLOCK_N"]),
-                                 (out, WS_BLOCK_M // 2))]
+                 for t, rows in ((q, WS_HALF_M), (k, tiles["BLOCK_N"]), (v, tiles["BLOCK_N"]), (out, WS_HALF_M))]
     else:
         _ensure_allocator()  # the kernel makes its tensor descriptors on the device
         descs = [None] * 4
-    n_qblocks = cdiv(Lq, WS_BLOCK_M)
+    tiles = {**tiles, "BLOCK_M": WS_BLOCK_M, **(WS_FWD_DENSE_TILES.get(D, {}) if dense else {})}
+    block_m = tiles["BLOCK_M"]
+    n_qblocks = cdiv(Lq, block_m)
     work = n_qblocks * B * Hq
     persistent = WS_FWD_PERSISTENT and host_desc
     programs = min(work, _device_facts(q.device)[0]) if persistent else work
     launch = compiled_launch(module.flex_fwd_ws_kernel, dict(
-        BLOCK_M=WS_BLOCK_M, D=D, SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1],
-        EVEN_M=Lq % WS_BLOCK_M == 0, EVEN_N=Lkv % sparse_block[1] == 0, HAS_FULL_BLOCKS=has_full,
+        D=D, SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1],
+        EVEN_M=Lq % block_m == 0, EVEN_N=Lkv % sparse_block[1] == 0, HAS_FULL_BLOCKS=has_full,
         HAS_SCORE_MOD=has_score_mod, REVERSE_M=REVERSE_Q_BLOCKS, DENSE=dense, HOST_DESC=host_desc,
         PERSISTENT=persistent, STORE_MAX=max_scores, **tiles, num_warps=4))
     with llvm_opt_level(module.LLVM_OPT_LEVELS.get(D)):  # the level its source names (llvm_level.llvm_opt_level)
