@@ -656,7 +656,7 @@ if ON_HOPPER:
         from flexlite.mods import generate_alibi_bias, generate_tanh_softcap
         from helpers import LSE_TOLERANCES
 
-        mods = {"none": None, "alibi": generate_alibi_bias(shape[1]), "softcap": generate_tanh_softcap(30.0, approx=True),
+        mods = {"none": None, "alibi": generate_alibi_bias(shape[1], device=DEVICE), "softcap": generate_tanh_softcap(30.0, approx=True),
                 "relative": lambda score, b, h, q_idx, kv_idx: score - 0.01 * (q_idx - kv_idx).abs()}
         block_ms = []
         real_launch, real_empty = launch.compiled_launch, torch.empty
