@@ -12,8 +12,8 @@ checked against the reference; they exist to be timed:
 Prints ms per variant and its ratio to the package's kernel.
 
 --stages64=N: the K / V ring's stages at D64 (launch.WS_TILES) for the package and every variant.
-(The dense walk at D64, mask full, runs three consumer warpgroups since NOTES 84, with the stages of
-launch.WS_FWD_DENSE_TILES, which --stages64 leaves as they are.)
+(At D64 the forward runs three consumer warpgroups since NOTES 84, with the stages of launch.WS_FWD_WIDE_TILES,
+which --stages64 leaves as they are.)
 
 Usage: python benchmarks/probe_fwd_bounds.py [mask,mask,...] [D,D,...] [--rounds=N] [--variants=a,b,...]
 [--stages64=N]"""

@@ -10,7 +10,7 @@ the SM clock (%clock64) of each of its first NSLOT ring slot uses (tiles, over t
 Printed per mask and head dim (the harness shapes, the default grid): each phase's median clocks per tile and warpgroup,
 the two warpgroups' offset, and per q block the clocks of its parts outside the loop, its span beyond its tiles
 (span - tiles x the median tile) in clocks and in tiles, and its tile count. Two consumer warpgroups everywhere
-(the stamps' layout): the dense walk at D64 without its three (launch.WS_FWD_DENSE_TILES off).
+(the stamps' layout): D64 without its wide items of three (launch.WS_FWD_WIDE_TILES off).
 
 Usage: python benchmarks/probe_fwd_phases.py [mask,mask,...] [D,D,...]"""
 
@@ -107,7 +107,7 @@ def main():
         path = Path(f"/tmp/fwd_ws_stamped_{case.name}.py.jinja")
         path.write_text(stamped_template(buf.data_ptr()))
         with templates_from({"fwd_ws.py.jinja": str(path)}), \
-                unittest.mock.patch.object(launch, "WS_FWD_DENSE_TILES", {}):
+                unittest.mock.patch.object(launch, "WS_FWD_WIDE_TILES", {}):
             for _ in range(3):  # (the last run's stamps are kept: warm caches)
                 buf.zero_()
                 flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm)

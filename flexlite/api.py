@@ -16,7 +16,7 @@ from torch.autograd import forward_ad
 from . import eager as _eager
 from . import first_calls
 from .block_mask import (BlockMask, check_block_tensors, check_device, check_mod_output, from_torch_block_mask,
-                         is_torch_block_mask, kept_on, q_sides)
+                         is_torch_block_mask, item_lists, kept_on, lists_key, q_sides)
 from .codegen.kernel import GeneratedKernel, generate, generate_backward
 from .codegen.lower import FLOAT32_EXACT_INT
 from .codegen.trace import check_arity, trace_mod
@@ -684,6 +684,9 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options, ma
             return result
     if first is not None and first.new and not _launch.compiling_only():
         _compile_backward_beside(query, key, value, score_mod, block_mask, scale, traced, sparse)
+    wide = _wide_items(block_mask, query.shape[-1]) if ws and block_mask is not None else None
+    if wide is not None:  # the warp-specialized forward's three consumer warpgroups (launch.WS_FWD_WIDE_TILES)
+        num, idx, full_num, full_idx, sparse = wide
     result = _run_forward(kernel, template, ws, rows, mask_gathers, query, key, value, score_mod, block_mask, scale,
                           options, max_scores, traced, num, idx, full_num, full_idx, sparse)
     if first is not None:
@@ -1009,6 +1012,27 @@ def _block_count(block_mask, start_only: bool = False) -> Optional[int]:
         return None
     if isinstance(cached[1], _PendingCount):
         cached = block_mask._block_count = (key, cached[1].value())
+    return cached[1]
+
+
+def _wide_items(block_mask, head_dim: int) -> Optional[tuple]:
+    """``block_mask``'s kv block lists for the warp-specialized forward's wide items at this head dim
+    (launch.WS_FWD_WIDE_TILES: BLOCK_M query rows, three consumer warpgroups), with the q block size they take: (num,
+    idx, full_num, full_idx, (BLOCK_M, its kv block size)); kept on the BlockMask for as long as its lists are the
+    same tensors, unmodified. None where the forward keeps its two consumer warpgroups: no wide tiles at this head
+    dim, lists block_mask.item_lists cannot derive (not create_block_mask's), or a CUDA graph being captured before
+    they were made (no allocations in the capture)."""
+    tiles = _launch.WS_FWD_WIDE_TILES.get(head_dim)
+    if tiles is None:
+        return None
+    rows = tiles["BLOCK_M"]
+    key = (rows, lists_key(block_mask))
+    cached = getattr(block_mask, "_wide_items", None)
+    if cached is None or cached[0] != key:
+        if _capturing(block_mask.kv_num_blocks):
+            return None
+        lists = item_lists(block_mask, rows)
+        cached = block_mask._wide_items = (key, None if lists is None else (*lists, (rows, block_mask.BLOCK_SIZE[1])))
     return cached[1]
 
 

@@ -963,7 +963,41 @@ def create_block_mask(
         partial, full = any_blocks & ~all_blocks, all_blocks
     else:
         partial, full = any_blocks, None
-    return BlockMask._from_block_flags(partial, full, (Q_LEN, KV_LEN), block_size, mask_mod)
+    block_mask = BlockMask._from_block_flags(partial, full, (Q_LEN, KV_LEN), block_size, mask_mod)
+    block_mask._exact = lists_key(block_mask)
+    return block_mask
+
+
+def lists_key(block_mask: BlockMask) -> tuple:
+    """What :func:`create_block_mask` made ``block_mask`` from (its kv block lists, unmodified, and its mask_mod):
+    while these are the same, its absent blocks are all False under mask_mod and its full blocks all True."""
+    return tuple((id(t), t._version) for t in (block_mask.kv_num_blocks, block_mask.kv_indices,
+                                               block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+                 if t is not None) + (id(block_mask.mask_mod),)
+
+
+def item_lists(block_mask: BlockMask, rows: int) -> Optional[tuple]:
+    """The kv block lists of ``block_mask`` for q blocks of ``rows`` rows instead of its own: (kv_num_blocks,
+    kv_indices, full_kv_num_blocks, full_kv_indices), a kv block full where it is full for every q block the rows
+    cover and partial where it is listed for any but not full for all (mask_mod then decides each position). Exact
+    only for a block mask whose absent blocks are all False under its mask_mod and full blocks all True, as
+    :func:`create_block_mask` makes them: None for any other (a user's block lists, a modified one, torch's)."""
+    if getattr(block_mask, "_exact", None) != lists_key(block_mask):
+        return None
+    bq = block_mask.BLOCK_SIZE[0]
+    q_len = block_mask.seq_lengths[0]
+    partial, full = block_mask.dense_blocks(full=False), block_mask.dense_blocks(full=True)
+    device = partial.device
+    first = torch.arange(0, q_len, rows, device=device)  # each item's first and last row, their q blocks
+    last = torch.clamp(first + rows, max=q_len) - 1
+    span = -(-rows // bq) + 1
+    covered = torch.minimum(first[:, None] // bq + torch.arange(span, device=device), last[:, None] // bq)
+    listed = (partial | full)[..., covered, :].any(dim=-2)  # [..., items, span, nKV] -> [..., items, nKV]
+    all_full = full[..., covered, :].all(dim=-2)
+    num, idx = _dense_to_ordered(listed & ~all_full)
+    if block_mask.full_kv_num_blocks is None:
+        return num, idx, None, None
+    return (num, idx, *_dense_to_ordered(all_full))
 
 
 def _outside_flexlite() -> int:

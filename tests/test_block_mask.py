@@ -127,6 +127,56 @@ def test_create_block_mask_matches_oracle(name, size, block):
     assert torch.equal(keep, dense)
 
 
+@pytest.mark.parametrize("rows", [192, 96, 320])
+@pytest.mark.parametrize("name, size, broadcast", [
+    pytest.param(name, size, broadcast, id=f"{name}-{'x'.join(map(str, size))}{'-B/H None' * broadcast}")
+    for name in sorted(CATALOG)
+    for size, broadcast in (((2, 3, 640, 384), False), ((1, 2, 200, 333), False), ((2, 2, 448, 256), True))
+    if not (broadcast and name in USES_BH)])  # (a mask that differs per batch or head does not broadcast)
+def test_item_lists_for_other_q_blocks_keep_the_element_mask(name, size, broadcast, rows):
+    """block_mask.item_lists (the warp-specialized forward's 192-row items at D64, launch.WS_FWD_WIDE_TILES): lists for
+    q blocks of ``rows`` rows from create_block_mask's 128-row ones give the same element mask under the kernels'
+    semantics (full blocks kept, mask_mod inside partial ones), list a kv block only where one of an item's q blocks
+    does, and full only where all do."""
+    B, H, Lq, Lkv = size
+    mask_mod = catalog_mask(name, B, H, Lq, Lkv)
+    bm = create_block_mask(mask_mod, None if broadcast else B, None if broadcast else H, Lq, Lkv, device=DEVICE)
+    num, idx, full_num, full_idx = bm_mod.item_lists(bm, rows)
+    n_kv = bm.kv_indices.shape[-1]
+    assert num.shape == bm.kv_num_blocks.shape[:-1] + (-(-Lq // rows),) and idx.shape[-1] == n_kv
+    partial = bm_mod._ordered_to_dense(num, idx, n_kv).cpu()
+    full = bm_mod._ordered_to_dense(full_num, full_idx, n_kv).cpu()
+    check_ordered(num, idx, partial)
+    check_ordered(full_num, full_idx, full)
+    dense = oracle_dense(mask_mod, 1 if broadcast else B, 1 if broadcast else H, Lq, Lkv)
+    keep = expand_blocks(full, rows, 128, Lq, Lkv) | (expand_blocks(partial, rows, 128, Lq, Lkv) & dense)
+    assert torch.equal(keep, dense)
+    listed, full128 = bm.to_dense().bool().cpu(), bm.dense_blocks(full=True).cpu()
+    for i in range(num.shape[-1]):
+        covered = slice(i * rows // 128, (min((i + 1) * rows, Lq) - 1) // 128 + 1)
+        assert torch.equal(partial[..., i, :] | full[..., i, :], listed[..., covered, :].any(-2))
+        assert torch.equal(full[..., i, :], full128[..., covered, :].all(-2))
+
+
+def test_item_lists_only_for_block_masks_that_create_block_mask_made_and_nobody_changed():
+    """Lists of partial blocks let mask_mod decide each position, which only create_block_mask's masks allow (absent
+    blocks all False, full ones all True): block lists given by hand, modified in place, or with another mask_mod give
+    None; separate_full_blocks=False gives partial lists alone."""
+    made = create_block_mask(causal, 1, 1, 384, 384, device=DEVICE)
+    assert bm_mod.item_lists(made, 192) is not None
+    by_hand = BlockMask.from_kv_blocks(made.kv_num_blocks, made.kv_indices, made.full_kv_num_blocks,
+                                       made.full_kv_indices, mask_mod=causal)
+    assert bm_mod.item_lists(by_hand, 192) is None
+    made.kv_num_blocks[..., 0] = 0  # (in place: the first q block now lists nothing)
+    assert bm_mod.item_lists(made, 192) is None
+    other = create_block_mask(causal, 1, 1, 384, 384, device=DEVICE)
+    other.mask_mod = keep_all
+    assert bm_mod.item_lists(other, 192) is None
+    num, idx, full_num, full_idx = bm_mod.item_lists(
+        create_block_mask(causal, 1, 1, 384, 384, device=DEVICE, separate_full_blocks=False), 192)
+    assert full_num is None and full_idx is None and num.flatten().tolist() == [2, 3]
+
+
 @pytest.mark.parametrize("name", sorted(CATALOG))
 def test_broadcast_b_h_none(name):
     B, H, L = 2, 3, 100

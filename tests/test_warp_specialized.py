@@ -439,13 +439,17 @@ def test_max_scores_take_the_gluon_forward_only_where_allowed(monkeypatch, allow
     assert [c["max_scores"] for c in calls] == [True] * allowed + [False]
 
 
-@pytest.mark.parametrize("D, masked, block_m, stages, regs", [
-    (64, False, 192, 3, 160), (64, True, 128, 2, 232), (128, False, 128, 3, 240)],
-    ids=["D64 dense", "D64 block mask", "D128 dense"])
-def test_the_dense_walk_at_d64_takes_items_of_three_consumer_warpgroups(monkeypatch, D, masked, block_m, stages, regs):
-    """launch.WS_FWD_DENSE_TILES: the Gluon forward's walk without a block mask at D64 takes 192 query rows per item
-    (three consumer warpgroups of 64, FlashAttention-3's D64 tile: benchmarks/NOTES.md 84) with three K / V stages
-    and 160 registers a consumer thread; a block mask's walk (its 128-row blocks) and D128 keep WS_TILES' two."""
+@pytest.mark.parametrize("D, walk, block_m, stages, regs", [
+    (64, "dense", 192, 3, 160), (64, "wide lists", 192, 3, 160), (64, "128-row lists", 128, 2, 232),
+    (128, "dense", 128, 3, 240)])
+def test_wide_items_take_three_consumer_warpgroups(monkeypatch, D, walk, block_m, stages, regs):
+    """launch.WS_FWD_WIDE_TILES: at D64 the Gluon forward's dense walk, and a block mask's walk from lists made for
+    192-row q blocks (block_mask.item_lists), take 192 query rows per item (three consumer warpgroups of 64,
+    FlashAttention-3's D64 tile: benchmarks/NOTES.md 84) with three K / V stages and 160 registers a consumer thread;
+    lists of 128-row q blocks and D128 keep WS_TILES' two."""
+    from flexlite.api import _block_tensors
+    from flexlite.block_mask import item_lists
+
     launches = []
 
     class Kernel:
@@ -456,17 +460,50 @@ def test_the_dense_walk_at_d64_takes_items_of_three_consumer_warpgroups(monkeypa
     monkeypatch.setattr(launch, "WS_FWD_PERSISTENT", False)
     L = 512  # items of 192 rows: 3 per (batch, head), the last one's third warpgroup past the rows
     q, k, v = rand_qkv(2, 4, 4, L, L, D, dtype=torch.bfloat16, device="cpu")
-    blocks = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, L, L, device="cpu") \
-        if masked else None
-    from flexlite.api import _block_tensors
+    blocks = None if walk == "dense" else create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None,
+                                                            L, L, device="cpu")
     num, idx, full_num, full_idx, sparse = _block_tensors(blocks, L, L, torch.device("cpu"))
+    if walk == "wide lists":
+        (num, idx, full_num, full_idx), sparse = item_lists(blocks, 192), (192, 128)
     launch.launch_forward_ws(types.SimpleNamespace(flex_fwd_ws_kernel=Kernel(), LLVM_OPT_LEVELS={}), [], q, k, v, num,
-                             idx, full_num, full_idx, sparse, 0.125, False, dense=not masked)
+                             idx, full_num, full_idx, sparse, 0.125, False, dense=walk == "dense")
     (grid, args, kwargs), = launches
     n_qblocks = -(-L // block_m)
     assert (kwargs["BLOCK_M"], kwargs["STAGES"], kwargs["CONSUMER_REGS"]) == (block_m, stages, regs)
+    assert kwargs["SPARSE_Q_BLOCK"] == (sparse[0] if walk != "dense" else 128)
     assert grid == (2 * 4 * n_qblocks,) and kwargs["EVEN_M"] == (L % block_m == 0) and kwargs["HOST_DESC"]
     assert args[10 + 4 + 18:10 + 4 + 18 + 2] == (2 * 4 * n_qblocks, n_qblocks)
+
+
+@pytest.mark.parametrize("made_by", ["create_block_mask", "from_kv_blocks", "bits"])
+def test_flex_attention_passes_the_wide_items_lists_where_they_can_be_made(monkeypatch, made_by):
+    """At D64 flex_attention hands the warp-specialized forward a block mask's lists for 192-row q blocks where
+    block_mask.item_lists can make them (create_block_mask's masks), made once per block mask; block lists given by
+    hand, and a new mask_mod's bits (first_calls.BitsMask: its partial blocks only), keep their own 128-row q blocks
+    (here the Gluon kernel's launch is a stand-in: it runs on a Hopper GPU only)."""
+    import flexlite.api as api
+    from flexlite import BlockMask
+
+    calls = []
+
+    def gluon_launch(module, mod_args, q, k, v, num, idx, full_num, full_idx, sparse, *args, **kwargs):
+        calls.append((num, sparse))
+        return q.new_zeros(q.shape), torch.zeros(q.shape[:3]), None
+    monkeypatch.setattr(api, "_warp_specialize", lambda *args: True)
+    monkeypatch.setattr(api, "launch_forward_ws", gluon_launch)
+    q, k, v = rand_qkv(1, 2, 2, 384, 384, 64, dtype=torch.bfloat16, device="cpu")
+    made = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 384, 384, device="cpu")
+    if made_by == "from_kv_blocks":
+        made = BlockMask.from_kv_blocks(made.kv_num_blocks, made.kv_indices, made.full_kv_num_blocks,
+                                        made.full_kv_indices, mask_mod=made.mask_mod)
+    elif made_by == "bits":
+        made = first_calls.bits_mask(made, 1, 2, False)
+    for _ in range(2):
+        flex_attention(q, k, v, block_mask=made)
+    wide = made_by == "create_block_mask"
+    assert [sparse for _, sparse in calls] == [(192, 128) if wide else (128, 128)] * 2
+    assert calls[0][0] is calls[1][0]  # (the lists made once)
+    assert calls[0][0].flatten().tolist() == ([2, 2] if wide else [1, 1, 1])  # partial blocks per q block
 
 
 def _counted(real, record):
@@ -650,13 +687,14 @@ if ON_HOPPER:
                              ids=["host descriptors, last item ragged", "items even", "device descriptors, gqa"])
     @pytest.mark.parametrize("mod", ["none", "alibi", "softcap", "relative"])
     def test_the_dense_walk_in_items_of_three_warpgroups(monkeypatch, mod, shape):
-        # launch.WS_FWD_DENSE_TILES: D64 without a block mask in items of 192 rows; a head's last item may have
+        # launch.WS_FWD_WIDE_TILES: D64 without a block mask in items of 192 rows; a head's last item may have
         # warpgroups past its rows, whose OUT must not land in the next head's rows (host descriptors span every
         # head). out and lse start as NaN, so that a row left unwritten fails
         from flexlite.mods import generate_alibi_bias, generate_tanh_softcap
         from helpers import LSE_TOLERANCES
 
-        mods = {"none": None, "alibi": generate_alibi_bias(shape[1], device=DEVICE), "softcap": generate_tanh_softcap(30.0, approx=True),
+        mods = {"none": None, "alibi": generate_alibi_bias(shape[1], device=DEVICE),
+                "softcap": generate_tanh_softcap(30.0, approx=True),
                 "relative": lambda score, b, h, q_idx, kv_idx: score - 0.01 * (q_idx - kv_idx).abs()}
         block_ms = []
         real_launch, real_empty = launch.compiled_launch, torch.empty

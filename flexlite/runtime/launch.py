@@ -300,13 +300,15 @@ def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
 WS_BLOCK_M = 128
 WS_HALF_M = 64  # query rows per consumer warpgroup (the template's HALF): Q's and OUT's descriptors' block rows
 WS_TILES = {64: dict(BLOCK_N=128, STAGES=2, CONSUMER_REGS=232), 128: dict(BLOCK_N=128, STAGES=3, CONSUMER_REGS=240)}
-# per head dim, what the dense walk (no block mask) takes instead in the warp-specialized forward: BLOCK_M query rows
-# per item, a consumer warpgroup per WS_HALF_M (three: FlashAttention-3's D64 tile, which a block mask's 128-row blocks
-# rule out elsewhere), K / V stages, and the consumers' registers (Triton gives the first 168: three consumer
-# warpgroups and the producer's, padded to a warpgroup at 24, fill the register file at 160). H100, B16 H16 S8192
-# (NOTES 84): 6.1-6.8 % faster than two warpgroups with no score_mod (bf16 and fp16; 4.2 % at S2048), softcap 1.5 %
-# faster, ALiBi 1.1 % slower, GQA and ragged S1000 within 1 %; two stages starve it (33 % slower)
-WS_FWD_DENSE_TILES = {64: dict(BLOCK_M=192, STAGES=3, CONSUMER_REGS=160)}
+# per head dim, the warp-specialized forward's wide items: BLOCK_M query rows per item, a consumer warpgroup per
+# WS_HALF_M (three: FlashAttention-3's D64 tile), K / V stages, and the consumers' registers (Triton gives the first
+# 168: three consumer warpgroups and the producer's, padded to a warpgroup at 24, fill the register file at 160). The
+# dense walk takes them, and a block mask whose lists can be made for BLOCK_M-row q blocks (block_mask.item_lists:
+# create_block_mask's, mask_mod deciding each position of a block partial for any of an item's q blocks; api
+# passes them with that q block size). H100, B16 H16 S8192, dense (NOTES 84): 6.1-6.8 % faster than two warpgroups with
+# no score_mod (bf16 and fp16; 4.2 % at S2048), softcap 1.5 % faster, ALiBi 1.1 % slower, GQA and ragged S1000
+# within 1 %; two stages starve it (33 % slower)
+WS_FWD_WIDE_TILES = {64: dict(BLOCK_M=192, STAGES=3, CONSUMER_REGS=160)}
 # the warp-specialized forward's tensor descriptors made on the host where the inputs allow (contiguous, lengths
 # multiples of the tiles); False: always per (z, head) on the device
 WS_HOST_DESCRIPTORS = True
@@ -451,7 +453,8 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
     else:
         _ensure_allocator()  # the kernel makes its tensor descriptors on the device
         descs = [None] * 4
-    tiles = {**tiles, "BLOCK_M": WS_BLOCK_M, **(WS_FWD_DENSE_TILES.get(D, {}) if dense else {})}
+    wide = WS_FWD_WIDE_TILES.get(D, {})
+    tiles = {**tiles, "BLOCK_M": WS_BLOCK_M, **(wide if dense or sparse_block[0] == wide.get("BLOCK_M") else {})}
     block_m = tiles["BLOCK_M"]
     n_qblocks = cdiv(Lq, block_m)
     work = n_qblocks * B * Hq
