@@ -29,6 +29,7 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime.jit import JITFunction
 
 from flexlite import create_block_mask
+from flexlite.block_mask import item_lists
 from flexlite.api import _block_tensors, _float_index, _generate, _q_block_tensors
 from flexlite.codegen.kernel import generate_backward
 from flexlite.masks import causal_mask
@@ -154,11 +155,14 @@ def compile_forward(score_mod, block_mask, D: int, tile: tuple, use_tma: bool, L
 
 
 def compile_forward_ws(score_mod, block_mask, D: int, L: int = 1024, Lkv: Optional[int] = None, dtype=torch.bfloat16,
-                       heads: tuple = (2, 2), persistent: Optional[bool] = None, max_scores: bool = False):
+                       heads: tuple = (2, 2), persistent: Optional[bool] = None, max_scores: bool = False,
+                       wide: bool = False):
     """The compiled warp-specialized (Gluon) forward kernel for these mods at head dim ``D``, ``L`` queries and
     ``Lkv`` keys (default ``L``), ``heads`` = (query heads, kv heads); ``persistent``: with its persistent grid or
-    without (launch.WS_FWD_PERSISTENT; None: its default); ``max_scores``: storing the row maxima (STORE_MAX). The
-    source is the one flex_attention would run for ``dtype`` and ``max_scores`` (api._generate)."""
+    without (launch.WS_FWD_PERSISTENT; None: its default); ``max_scores``: storing the row maxima (STORE_MAX);
+    ``wide``: in the wide items of launch.WS_FWD_WIDE_TILES (three consumer warpgroups, the block mask's lists for
+    their q blocks), whatever it spills, else in 128-row items. The source is the one flex_attention would run for
+    ``dtype`` and ``max_scores`` (api._generate)."""
     Lkv = L if Lkv is None else Lkv
     q = torch.randn(1, heads[0], L, D, dtype=dtype)
     k, v = [torch.randn(1, heads[1], Lkv, D, dtype=dtype) for _ in range(2)]
@@ -166,14 +170,17 @@ def compile_forward_ws(score_mod, block_mask, D: int, L: int = 1024, Lkv: Option
                        _float_index("fwd_ws.py.jinja", L, Lkv), dtype=dtype, max_scores=max_scores)
     module = load_module(kernel.source, interpret=False)
     num, idx, full_num, full_idx, sparse = _block_tensors(block_mask, L, Lkv, torch.device("cpu"))
-    saved = launch.WS_FWD_PERSISTENT
-    launch.WS_FWD_PERSISTENT = saved if persistent is None else persistent
+    saved = launch.WS_FWD_PERSISTENT, launch.CompiledLaunch.local_bytes
+    launch.WS_FWD_PERSISTENT = saved[0] if persistent is None else persistent
+    launch.CompiledLaunch.local_bytes = lambda self, grid, args: 0  # (no driver to load the kernel and ask)
     try:
         with offline_cuda() as compiled:
             launch.launch_forward_ws(module, kernel.mod_args(), q, k, v, num, idx, full_num, full_idx, sparse,
-                                     D ** -0.5, kernel.has_score_mod, dense=block_mask is None, max_scores=max_scores)
+                                     D ** -0.5, kernel.has_score_mod, dense=block_mask is None, max_scores=max_scores,
+                                     wide=wide and (block_mask is None
+                                                    or item_lists(block_mask, launch.WS_FWD_WIDE_TILES[D]["BLOCK_M"])))
     finally:
-        launch.WS_FWD_PERSISTENT = saved
+        launch.WS_FWD_PERSISTENT, launch.CompiledLaunch.local_bytes = saved
     return compiled[-1]
 
 

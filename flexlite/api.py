@@ -684,9 +684,6 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options, ma
             return result
     if first is not None and first.new and not _launch.compiling_only():
         _compile_backward_beside(query, key, value, score_mod, block_mask, scale, traced, sparse)
-    wide = _wide_items(block_mask, query.shape[-1]) if ws and block_mask is not None else None
-    if wide is not None:  # the warp-specialized forward's three consumer warpgroups (launch.WS_FWD_WIDE_TILES)
-        num, idx, full_num, full_idx, sparse = wide
     result = _run_forward(kernel, template, ws, rows, mask_gathers, query, key, value, score_mod, block_mask, scale,
                           options, max_scores, traced, num, idx, full_num, full_idx, sparse)
     if first is not None:
@@ -749,9 +746,11 @@ def _run_forward(kernel, template, ws, rows, mask_gathers, query, key, value, sc
                              use_tma=_use_tma(options), max_scores=max_scores)
     if ws:
         try:
+            # (the three consumer warpgroups of launch.WS_FWD_WIDE_TILES where they fit)
+            wide = True if block_mask is None else _wide_items(block_mask, query.shape[-1])
             return launch_forward_ws(module, kernel.mod_args(), query, key, value, num, idx, full_num, full_idx,
                                      sparse, scale, kernel.has_score_mod, dense=block_mask is None,
-                                     max_scores=max_scores)
+                                     max_scores=max_scores, wide=wide)
         except Exception as e:  # noqa: BLE001 - only compiler failures are handled, the rest re-raised
             if not is_compile_error(e):
                 raise
@@ -1017,11 +1016,11 @@ def _block_count(block_mask, start_only: bool = False) -> Optional[int]:
 
 def _wide_items(block_mask, head_dim: int) -> Optional[tuple]:
     """``block_mask``'s kv block lists for the warp-specialized forward's wide items at this head dim
-    (launch.WS_FWD_WIDE_TILES: BLOCK_M query rows, three consumer warpgroups), with the q block size they take: (num,
-    idx, full_num, full_idx, (BLOCK_M, its kv block size)); kept on the BlockMask for as long as its lists are the
-    same tensors, unmodified. None where the forward keeps its two consumer warpgroups: no wide tiles at this head
-    dim, lists block_mask.item_lists cannot derive (not create_block_mask's), or a CUDA graph being captured before
-    they were made (no allocations in the capture)."""
+    (launch.WS_FWD_WIDE_TILES: BLOCK_M query rows, three consumer warpgroups): (num, idx, full_num, full_idx) for
+    q blocks of BLOCK_M rows, kept on the BlockMask for as long as its lists are the same tensors, unmodified. None
+    where the forward keeps its two consumer warpgroups: no wide tiles at this head dim, lists block_mask.item_lists
+    cannot make (not create_block_mask's), or a CUDA graph being captured before they were made (no allocations in
+    the capture)."""
     tiles = _launch.WS_FWD_WIDE_TILES.get(head_dim)
     if tiles is None:
         return None
@@ -1032,7 +1031,7 @@ def _wide_items(block_mask, head_dim: int) -> Optional[tuple]:
         if _capturing(block_mask.kv_num_blocks):
             return None
         lists = item_lists(block_mask, rows)
-        cached = block_mask._wide_items = (key, None if lists is None else (*lists, (rows, block_mask.BLOCK_SIZE[1])))
+        cached = block_mask._wide_items = (key, lists)
     return cached[1]
 
 

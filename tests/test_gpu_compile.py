@@ -14,6 +14,7 @@ front end (seen once in a parallel CI run), which says nothing about the kernel.
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -140,6 +141,8 @@ FORWARD_WS = {
     "document, LLVM at O0 against Triton's O3, D128": (None, "document", 128, L, L, (2, 2)),
     "causal, softcap against its cap, exp2 one in 4 on the FMA pipes, D64": (
         generate_tanh_softcap(30.0, approx=True), "causal", 64, L, L, (2, 2)),
+    "dense, wide items, D64": (None, "none", 64, L, L, (2, 2)),
+    "causal, wide items, GQA, D64": (None, "causal", 64, L, L, (4, 2)),
 }
 
 
@@ -157,9 +160,12 @@ def _compile_ws(case: str) -> dict:
         launch.WS_FWD_POLY_EXP2 = {D: 4}
     rows = _count_rows_descriptors()
     kernel = offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads,
-                                        max_scores="max_scores" in case)
+                                        max_scores="max_scores" in case, wide="wide" in case)
     facts = {**_facts(kernel, offline, rows), "loops": offline.sass_loops(kernel),
-             "stores": kernel.asm["ptx"].count("st.global")}
+             "stores": kernel.asm["ptx"].count("st.global"),
+             "threads": int(re.search(r"\.reqntid (\d+)", kernel.asm["ptx"]).group(1)),
+             "maxnreg": sorted({int(n) for n in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)",
+                                                           kernel.asm["ptx"])})}
     if "FMA pipes" in case:
         facts["sfu_loops"] = offline.sass_loops(sfu)
     if "max_scores" in case:  # and the same kernel without: what storing the maxima costs
@@ -204,6 +210,10 @@ def test_warp_specialized_forward_compiles_for_sm90(case):
     assert 0 < facts["report"]["regs"] <= 255 and facts["report"]["HGMMA"] > 0
     # its K / V ring (three stages at D128) and Q / OUT staging fit in what a Hopper block may have (227 KB)
     assert facts["shared"] <= 232448
+    # launch.WS_FWD_WIDE_TILES: wide items run three consumer warpgroups of 160 registers beside the producer's,
+    # padded to a warpgroup (512 threads); else two (Triton gives the first consumer what the others leave)
+    assert facts["threads"] == (512 if "wide" in case else 384), facts["threads"]
+    assert (160 in facts["maxnreg"]) == ("wide" in case), facts["maxnreg"]
     # P crosses the walk's iterations in fp32: carried as 16-bit values through its two loops it was split into
     # scalars and repacked with 33-64 PRMTs per tile and loop (benchmarks/NOTES.md 57)
     prmt = [loop["PRMT"] for loop in facts["loops"]]

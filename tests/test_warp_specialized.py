@@ -439,14 +439,16 @@ def test_max_scores_take_the_gluon_forward_only_where_allowed(monkeypatch, allow
     assert [c["max_scores"] for c in calls] == [True] * allowed + [False]
 
 
-@pytest.mark.parametrize("D, walk, block_m, stages, regs", [
-    (64, "dense", 192, 3, 160), (64, "wide lists", 192, 3, 160), (64, "128-row lists", 128, 2, 232),
-    (128, "dense", 128, 3, 240)])
-def test_wide_items_take_three_consumer_warpgroups(monkeypatch, D, walk, block_m, stages, regs):
-    """launch.WS_FWD_WIDE_TILES: at D64 the Gluon forward's dense walk, and a block mask's walk from lists made for
+@pytest.mark.parametrize("local", [80, 200], ids=["spills 80 bytes", "spills 200 bytes"])
+@pytest.mark.parametrize("D, walk, wide", [(64, "dense", True), (64, "block mask", True), (64, "block mask", False),
+                                           (128, "dense", True)])
+def test_wide_items_take_three_consumer_warpgroups_where_they_spill_little(monkeypatch, D, walk, wide, local):
+    """launch.WS_FWD_WIDE_TILES: at D64 the Gluon forward's dense walk, and a block mask's walk with its lists for
     192-row q blocks (block_mask.item_lists), take 192 query rows per item (three consumer warpgroups of 64,
-    FlashAttention-3's D64 tile: benchmarks/NOTES.md 84) with three K / V stages and 160 registers a consumer thread;
-    lists of 128-row q blocks and D128 keep WS_TILES' two."""
+    FlashAttention-3's D64 tile: benchmarks/NOTES.md 84) with three K / V stages and 160 registers a consumer
+    thread, where that kernel spills at most WS_FWD_WIDE_MAX_LOCAL (128) bytes a thread; else, without such lists
+    and at D128, WS_TILES' 128-row items and two consumers, from the lists given. Inside compile_only both kernels
+    compile (the first_calls worker's: the call then has the one it takes)."""
     from flexlite.api import _block_tensors
     from flexlite.block_mask import item_lists
 
@@ -458,36 +460,49 @@ def test_wide_items_take_three_consumer_warpgroups(monkeypatch, D, walk, block_m
 
     monkeypatch.setattr(launch, "_device_facts", lambda device: (5, 9))
     monkeypatch.setattr(launch, "WS_FWD_PERSISTENT", False)
+    monkeypatch.setattr(launch.CompiledLaunch, "local_bytes", lambda self, grid, args: local)
+    monkeypatch.setattr(launch, "_LAUNCHES", {})
     L = 512  # items of 192 rows: 3 per (batch, head), the last one's third warpgroup past the rows
     q, k, v = rand_qkv(2, 4, 4, L, L, D, dtype=torch.bfloat16, device="cpu")
     blocks = None if walk == "dense" else create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None,
                                                             L, L, device="cpu")
-    num, idx, full_num, full_idx, sparse = _block_tensors(blocks, L, L, torch.device("cpu"))
-    if walk == "wide lists":
-        (num, idx, full_num, full_idx), sparse = item_lists(blocks, 192), (192, 128)
-    launch.launch_forward_ws(types.SimpleNamespace(flex_fwd_ws_kernel=Kernel(), LLVM_OPT_LEVELS={}), [], q, k, v, num,
-                             idx, full_num, full_idx, sparse, 0.125, False, dense=walk == "dense")
+    lists = _block_tensors(blocks, L, L, torch.device("cpu"))
+    wide_arg = wide and (True if blocks is None else item_lists(blocks, 192))
+    module = types.SimpleNamespace(flex_fwd_ws_kernel=Kernel(), LLVM_OPT_LEVELS={})
+    launch.launch_forward_ws(module, [], q, k, v, *lists, 0.125, False, dense=walk == "dense", wide=wide_arg)
     (grid, args, kwargs), = launches
+    taken = D == 64 and wide and local <= 128
+    block_m, stages, regs = (192, 3, 160) if taken else (128, *[launch.WS_TILES[D][n] for n in ("STAGES",
+                                                                                               "CONSUMER_REGS")])
     n_qblocks = -(-L // block_m)
     assert (kwargs["BLOCK_M"], kwargs["STAGES"], kwargs["CONSUMER_REGS"]) == (block_m, stages, regs)
-    assert kwargs["SPARSE_Q_BLOCK"] == (sparse[0] if walk != "dense" else 128)
+    assert kwargs["SPARSE_Q_BLOCK"] == (192 if taken and walk != "dense" else 128)
     assert grid == (2 * 4 * n_qblocks,) and kwargs["EVEN_M"] == (L % block_m == 0) and kwargs["HOST_DESC"]
     assert args[10 + 4 + 18:10 + 4 + 18 + 2] == (2 * 4 * n_qblocks, n_qblocks)
+    # the lists: the wide items' own (causal: 2 partial blocks per 192-row item, 1 in the last, of 128 rows) or the
+    # block mask's
+    if walk != "dense":
+        assert args[10].flatten().tolist() == ([2, 2, 1] if taken else [1, 1, 1, 1])
+    launches.clear()
+    monkeypatch.setattr(launch, "_launch", lambda kernel, grid, args, kwargs: launches.append((grid, args, kwargs)))
+    with launch.compile_only():
+        launch.launch_forward_ws(module, [], q, k, v, *lists, 0.125, False, dense=walk == "dense", wide=wide_arg)
+    assert [kw["BLOCK_M"] for _, _, kw in launches] == ([192, 128] if D == 64 and wide else [128])
 
 
 @pytest.mark.parametrize("made_by", ["create_block_mask", "from_kv_blocks", "bits"])
-def test_flex_attention_passes_the_wide_items_lists_where_they_can_be_made(monkeypatch, made_by):
-    """At D64 flex_attention hands the warp-specialized forward a block mask's lists for 192-row q blocks where
-    block_mask.item_lists can make them (create_block_mask's masks), made once per block mask; block lists given by
-    hand, and a new mask_mod's bits (first_calls.BitsMask: its partial blocks only), keep their own 128-row q blocks
-    (here the Gluon kernel's launch is a stand-in: it runs on a Hopper GPU only)."""
+def test_flex_attention_offers_the_wide_items_lists_where_they_can_be_made(monkeypatch, made_by):
+    """At D64 flex_attention offers the warp-specialized forward a block mask's lists for 192-row q blocks where
+    block_mask.item_lists can make them (create_block_mask's masks), made once per block mask; for block lists
+    given by hand, and a new mask_mod's bits (first_calls.BitsMask: its partial blocks only), none (here the Gluon
+    kernel's launch is a stand-in: it runs on a Hopper GPU only)."""
     import flexlite.api as api
     from flexlite import BlockMask
 
     calls = []
 
     def gluon_launch(module, mod_args, q, k, v, num, idx, full_num, full_idx, sparse, *args, **kwargs):
-        calls.append((num, sparse))
+        calls.append((sparse, kwargs["wide"]))
         return q.new_zeros(q.shape), torch.zeros(q.shape[:3]), None
     monkeypatch.setattr(api, "_warp_specialize", lambda *args: True)
     monkeypatch.setattr(api, "launch_forward_ws", gluon_launch)
@@ -500,10 +515,14 @@ def test_flex_attention_passes_the_wide_items_lists_where_they_can_be_made(monke
         made = first_calls.bits_mask(made, 1, 2, False)
     for _ in range(2):
         flex_attention(q, k, v, block_mask=made)
-    wide = made_by == "create_block_mask"
-    assert [sparse for _, sparse in calls] == [(192, 128) if wide else (128, 128)] * 2
-    assert calls[0][0] is calls[1][0]  # (the lists made once)
-    assert calls[0][0].flatten().tolist() == ([2, 2] if wide else [1, 1, 1])  # partial blocks per q block
+    assert [sparse for sparse, _ in calls] == [(128, 128)] * 2
+    if made_by == "create_block_mask":
+        assert calls[0][1] is calls[1][1]  # (the lists made once)
+        assert calls[0][1][0].flatten().tolist() == [2, 2]  # partial blocks per 192-row item
+    else:
+        assert [wide for _, wide in calls] == [None, None]
+    flex_attention(q, k, v)
+    assert calls[-1][1] is True  # (the dense walk)
 
 
 def _counted(real, record):

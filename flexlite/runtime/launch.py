@@ -309,6 +309,11 @@ WS_TILES = {64: dict(BLOCK_N=128, STAGES=2, CONSUMER_REGS=232), 128: dict(BLOCK_
 # no score_mod (bf16 and fp16; 4.2 % at S2048), softcap 1.5 % faster, ALiBi 1.1 % slower, GQA and ragged S1000
 # within 1 %; two stages starve it (33 % slower)
 WS_FWD_WIDE_TILES = {64: dict(BLOCK_M=192, STAGES=3, CONSUMER_REGS=160)}
+# local memory a thread of the wide items' kernel may use (spilled registers) for a call to take it: at 160 registers
+# the D64 kernel of the dense walk spills into 80 bytes, causal's 88, softcap + causal's 16 (faster than two
+# warpgroups), sliding window's 200, prefix-LM's 208, ALiBi + causal's 224 and the document mask's 320 (1.3-3x slower:
+# H100, NOTES 84)
+WS_FWD_WIDE_MAX_LOCAL = 128
 # the warp-specialized forward's tensor descriptors made on the host where the inputs allow (contiguous, lengths
 # multiples of the tiles); False: always per (z, head) on the device
 WS_HOST_DESCRIPTORS = True
@@ -435,16 +440,19 @@ def _ws_smem_layout(rows: int, D: int, dtype: torch.dtype):
 def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
                       full_kv_num_blocks: Optional[torch.Tensor], full_kv_indices: Optional[torch.Tensor],
                       sparse_block: tuple, scale: float, has_score_mod: bool, dense: bool = False,
-                      max_scores: bool = False):
+                      max_scores: bool = False, wide=None):
     """Run ``module.flex_fwd_ws_kernel`` (the warp-specialized forward; the inputs must pass
     :func:`ws_forward_unmet`); returns out [B, Hq, Lq, D] (q.dtype), lse [B, Hq, Lq] fp32 and the row maxima (or
-    None), as :func:`launch_forward`."""
+    None), as :func:`launch_forward`. ``wide``: where the items may take :data:`WS_FWD_WIDE_TILES` (three consumer
+    warpgroups) at this head dim: True for the dense walk, for a block mask its four lists for q blocks of those
+    tiles' rows (block_mask.item_lists); they are taken where that kernel spills at most
+    :data:`WS_FWD_WIDE_MAX_LOCAL` bytes a thread (its compile checked once), else the lists given, in items of
+    :data:`WS_BLOCK_M` rows. Inside :func:`compile_only` both kernels compile."""
     B, Hq, Lq, D = q.shape
     Hkv, Lkv = k.shape[1], k.shape[2]
     out = torch.empty((B, Hq, Lq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
     row_max = torch.empty_like(lse) if max_scores else None
-    blocks, block_strides, has_full = _block_args(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
     tiles = WS_TILES[D]
     host_desc = ws_host_descriptors(q, k, v, sparse_block)
     if host_desc:  # over [Z * H * LEN, D] views: a head's tiles never cross into the next head's rows
@@ -453,23 +461,33 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
     else:
         _ensure_allocator()  # the kernel makes its tensor descriptors on the device
         descs = [None] * 4
-    wide = WS_FWD_WIDE_TILES.get(D, {})
-    tiles = {**tiles, "BLOCK_M": WS_BLOCK_M, **(wide if dense or sparse_block[0] == wide.get("BLOCK_M") else {})}
-    block_m = tiles["BLOCK_M"]
-    n_qblocks = cdiv(Lq, block_m)
-    work = n_qblocks * B * Hq
+    lists = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
+    choices = [({**tiles, "BLOCK_M": WS_BLOCK_M}, lists, sparse_block)]
+    wide_tiles = WS_FWD_WIDE_TILES.get(D) if wide is True or isinstance(wide, tuple) else None
+    if wide_tiles:
+        choices.insert(0, ({**tiles, **wide_tiles}, lists, sparse_block) if wide is True else
+                       ({**tiles, **wide_tiles}, tuple(wide), (wide_tiles["BLOCK_M"], sparse_block[1])))
     persistent = WS_FWD_PERSISTENT and host_desc
-    programs = min(work, _device_facts(q.device)[0]) if persistent else work
-    launch = compiled_launch(module.flex_fwd_ws_kernel, dict(
-        D=D, SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1],
-        EVEN_M=Lq % block_m == 0, EVEN_N=Lkv % sparse_block[1] == 0, HAS_FULL_BLOCKS=has_full,
-        HAS_SCORE_MOD=has_score_mod, REVERSE_M=REVERSE_Q_BLOCKS, DENSE=dense, HOST_DESC=host_desc,
-        PERSISTENT=persistent, STORE_MAX=max_scores, **tiles, num_warps=4))
-    with llvm_opt_level(module.LLVM_OPT_LEVELS.get(D)):  # the level its source names (llvm_level.llvm_opt_level)
-        launch((programs,), (
-            q, k, v, out, *descs, lse, lse if row_max is None else row_max, *blocks, *q.stride()[:3], *k.stride()[:3],
-            *v.stride()[:3], *out.stride()[:3], *block_strides, work, n_qblocks, Hq, Hq // Hkv, Lq, Lkv, float(scale),
-            *scalars_to(mod_args, q.device)))
+    for n, (tiles_n, lists_n, sparse) in enumerate(choices):
+        blocks, block_strides, has_full = _block_args(*lists_n)
+        block_m = tiles_n["BLOCK_M"]
+        n_qblocks = cdiv(Lq, block_m)
+        work = n_qblocks * B * Hq
+        programs = min(work, _device_facts(q.device)[0]) if persistent else work
+        launch = compiled_launch(module.flex_fwd_ws_kernel, dict(
+            D=D, SPARSE_Q_BLOCK=sparse[0], SPARSE_KV_BLOCK=sparse[1],
+            EVEN_M=Lq % block_m == 0, EVEN_N=Lkv % sparse[1] == 0, HAS_FULL_BLOCKS=has_full,
+            HAS_SCORE_MOD=has_score_mod, REVERSE_M=REVERSE_Q_BLOCKS, DENSE=dense, HOST_DESC=host_desc,
+            PERSISTENT=persistent, STORE_MAX=max_scores, **tiles_n, num_warps=4))
+        args = (q, k, v, out, *descs, lse, lse if row_max is None else row_max, *blocks, *q.stride()[:3],
+                *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *block_strides, work, n_qblocks, Hq, Hq // Hkv,
+                Lq, Lkv, float(scale), *scalars_to(mod_args, q.device))
+        with llvm_opt_level(module.LLVM_OPT_LEVELS.get(D)):  # the level its source names (llvm_level.llvm_opt_level)
+            if (compiling_only() or n == len(choices) - 1
+                    or launch.local_bytes((programs,), args) <= WS_FWD_WIDE_MAX_LOCAL):
+                launch((programs,), args)
+                if not compiling_only():
+                    break
     return out, lse, row_max
 
 
@@ -678,6 +696,17 @@ class CompiledLaunch:
             p.is_constexpr == (i >= len(runtime)) for i, p in enumerate(params)) and all(
             p.name in kwargs for p in params if p.is_constexpr)
         self.compiled: dict = {}  # the arguments' properties -> _Direct
+        self.local: Optional[int] = None  # (local_bytes)
+
+    def local_bytes(self, grid: tuple, args: tuple) -> int:
+        """The local memory (spilled registers) a thread of the kernel uses, compiled for these arguments (and
+        loaded) here if it is not yet; the first answer is kept for every later call."""
+        if self.local is None:
+            ck = self.kernel.run(*_made(args), grid=grid, warmup=True, **self.kwargs)
+            ck = ck.result() if hasattr(ck, "result") else ck
+            ck._init_handles()
+            self.local = 4 * ck.n_spills  # (Triton's n_spills: CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES / 4)
+        return self.local
 
     def __call__(self, grid: tuple, args: tuple):
         if not (self.direct and COMPILED_LAUNCHES) or compiling_only():
