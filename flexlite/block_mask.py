@@ -964,7 +964,9 @@ def create_block_mask(
     else:
         partial, full = any_blocks, None
     block_mask = BlockMask._from_block_flags(partial, full, (Q_LEN, KV_LEN), block_size, mask_mod)
-    block_mask._exact = lists_key(block_mask)
+    # (with the lists and mask_mod themselves, so that no other object takes their ids while the key is kept)
+    block_mask._exact = (lists_key(block_mask), block_mask.kv_num_blocks, block_mask.kv_indices,
+                         block_mask.full_kv_num_blocks, block_mask.full_kv_indices, mask_mod)
     return block_mask
 
 
@@ -982,7 +984,7 @@ def item_lists(block_mask: BlockMask, rows: int) -> Optional[tuple]:
     cover and partial where it is listed for any but not full for all (mask_mod then decides each position). Exact
     only for a block mask whose absent blocks are all False under its mask_mod and full blocks all True, as
     :func:`create_block_mask` makes them: None for any other (a user's block lists, a modified one, torch's)."""
-    if getattr(block_mask, "_exact", None) != lists_key(block_mask):
+    if getattr(block_mask, "_exact", (None,))[0] != lists_key(block_mask):
         return None
     bq = block_mask.BLOCK_SIZE[0]
     q_len = block_mask.seq_lengths[0]

@@ -412,8 +412,6 @@ def _compile_bounds(variant: str) -> dict:
     probe = _probe("probe_fwd_bounds")
     offline = _offline()
     D = 128 if variant == "noturn" else 64  # (no turns at D64 in the package either)
-    # two consumer warpgroups at D64 too (launch.WS_FWD_WIDE_TILES: three have 160 registers, where the variants spill)
-    launch.WS_FWD_WIDE_TILES = {}
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / probe.TEMPLATE
         path.write_text(probe.variant_source(variant))

@@ -303,11 +303,11 @@ WS_TILES = {64: dict(BLOCK_N=128, STAGES=2, CONSUMER_REGS=232), 128: dict(BLOCK_
 # per head dim, the warp-specialized forward's wide items: BLOCK_M query rows per item, a consumer warpgroup per
 # WS_HALF_M (three: FlashAttention-3's D64 tile), K / V stages, and the consumers' registers (Triton gives the first
 # 168: three consumer warpgroups and the producer's, padded to a warpgroup at 24, fill the register file at 160). The
-# dense walk takes them, and a block mask whose lists can be made for BLOCK_M-row q blocks (block_mask.item_lists:
-# create_block_mask's, mask_mod deciding each position of a block partial for any of an item's q blocks; api
-# passes them with that q block size). H100, B16 H16 S8192, dense (NOTES 84): 6.1-6.8 % faster than two warpgroups with
-# no score_mod (bf16 and fp16; 4.2 % at S2048), softcap 1.5 % faster, ALiBi 1.1 % slower, GQA and ragged S1000
-# within 1 %; two stages starve it (33 % slower)
+# dense walk may take them, and a block mask whose lists can be made for BLOCK_M-row q blocks (block_mask.item_lists:
+# create_block_mask's, mask_mod deciding each position of a block partial for any of an item's q blocks; api offers
+# them to launch_forward_ws, which takes them where the kernel spills little: WS_FWD_WIDE_MAX_LOCAL). H100, B16 H16
+# S8192, dense (NOTES 84): 6.1-6.8 % faster than two warpgroups with no score_mod (bf16 and fp16; 4.2 % at S2048),
+# softcap 1.5 % faster, ALiBi 1.1 % slower, GQA and ragged S1000 within 1 %; two stages starve it (33 % slower)
 WS_FWD_WIDE_TILES = {64: dict(BLOCK_M=192, STAGES=3, CONSUMER_REGS=160)}
 # local memory a thread of the wide items' kernel may use (spilled registers) for a call to take it: at 160 registers
 # the D64 kernel of the dense walk spills into 80 bytes, causal's 88, softcap + causal's 16 (faster than two
