@@ -342,23 +342,30 @@ def test_the_gluon_launch_gets_a_zeroed_fp32_dq_buffer_unless_sums_must_be_repro
     assert ("flex_bwd_dq_kernel" in kernels) == deterministic and "flex_bwd_dkdv_kernel" not in kernels
 
 
+def _recording_kernel():
+    """A stand-in for a Gluon kernel (those run on a Hopper GPU only) and the list that ``kernel[grid](*args,
+    **kwargs)`` appends (grid, args, kwargs) to."""
+    launches = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((grid, args, kwargs))
+    return Kernel(), launches
+
+
 @pytest.mark.parametrize("persistent, programs", [(False, 12), (True, 5)], ids=["per key block", "persistent"])
 def test_the_gluon_grid_is_a_program_per_key_block_or_one_per_sm(monkeypatch, persistent, programs):
     """The Gluon launch's grid (the kernel itself runs on a Hopper GPU): 12 key blocks (3 per (batch, kv head)) as
     12 programs, or with the persistent grid as many programs as SMs (here 5), each told how many items there are."""
     from flexlite.api import _q_block_tensors
 
-    launches = []
-
-    class Kernel:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((grid, args, kwargs))
+    kernel, launches = _recording_kernel()
 
     monkeypatch.setattr(launch, "_device_facts", lambda device: (5, 9))
     q, k, v = rand_qkv(2, 4, 2, 384, 384, 64, dtype=torch.bfloat16, device="cpu")
     lse, delta = torch.zeros(2, 4, 384), torch.zeros(2, 4, 384)
     q_blocks, _, has_full = launch._block_args(*_q_block_tensors(None, 384, 384, torch.device("cpu")))
-    launch._launch_dkdv_ws(types.SimpleNamespace(flex_bwd_ws_dkdv_kernel=Kernel(), LLVM_OPT_LEVELS={}), [], [], q, k,
+    launch._launch_dkdv_ws(types.SimpleNamespace(flex_bwd_ws_dkdv_kernel=kernel, LLVM_OPT_LEVELS={}), [], [], q, k,
                            v, q, lse, delta, torch.empty_like(k), torch.empty_like(v), q_blocks, (128, 128), 0.125,
                            False, has_full, True, persistent=persistent)
     (grid, args, kwargs), = launches
@@ -374,11 +381,7 @@ def test_the_gluon_forward_grid_is_a_program_per_q_block_or_one_per_sm(monkeypat
     programs, or with the persistent grid (launch.WS_FWD_PERSISTENT) as many programs as SMs (here 5), each told how
     many items and q blocks per head there are; where the descriptors are made on the device (here a query length
     that is not a multiple of 128) a program per q block whatever the setting."""
-    launches = []
-
-    class Kernel:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((grid, args, kwargs))
+    kernel, launches = _recording_kernel()
 
     monkeypatch.setattr(launch, "_device_facts", lambda device: (5, 9))
     monkeypatch.setattr(launch, "WS_FWD_PERSISTENT", setting)
@@ -388,7 +391,7 @@ def test_the_gluon_forward_grid_is_a_program_per_q_block_or_one_per_sm(monkeypat
                                device="cpu")
     from flexlite.api import _block_tensors
     num, idx, full_num, full_idx, sparse = _block_tensors(blocks, shape[3], shape[4], torch.device("cpu"))
-    launch.launch_forward_ws(types.SimpleNamespace(flex_fwd_ws_kernel=Kernel(), LLVM_OPT_LEVELS={}), [], q, k, v, num,
+    launch.launch_forward_ws(types.SimpleNamespace(flex_fwd_ws_kernel=kernel, LLVM_OPT_LEVELS={}), [], q, k, v, num,
                              idx, full_num, full_idx, sparse, 0.125, False)
     (grid, args, kwargs), = launches
     n_qblocks = -(-shape[3] // 128)
@@ -452,11 +455,7 @@ def test_wide_items_take_three_consumer_warpgroups_where_they_spill_little(monke
     from flexlite.api import _block_tensors
     from flexlite.block_mask import item_lists
 
-    launches = []
-
-    class Kernel:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((grid, args, kwargs))
+    kernel, launches = _recording_kernel()
 
     monkeypatch.setattr(launch, "_device_facts", lambda device: (5, 9))
     monkeypatch.setattr(launch, "WS_FWD_PERSISTENT", False)
@@ -468,7 +467,7 @@ def test_wide_items_take_three_consumer_warpgroups_where_they_spill_little(monke
                                                             L, L, device="cpu")
     lists = _block_tensors(blocks, L, L, torch.device("cpu"))
     wide_arg = wide and (True if blocks is None else item_lists(blocks, 192))
-    module = types.SimpleNamespace(flex_fwd_ws_kernel=Kernel(), LLVM_OPT_LEVELS={})
+    module = types.SimpleNamespace(flex_fwd_ws_kernel=kernel, LLVM_OPT_LEVELS={})
     launch.launch_forward_ws(module, [], q, k, v, *lists, 0.125, False, dense=walk == "dense", wide=wide_arg)
     (grid, args, kwargs), = launches
     taken = D == 64 and wide and local <= 128
