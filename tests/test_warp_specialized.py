@@ -705,9 +705,10 @@ if ON_HOPPER:
                              ids=["host descriptors, last item ragged", "items even", "device descriptors, gqa"])
     @pytest.mark.parametrize("mod", ["none", "alibi", "softcap", "relative"])
     def test_the_dense_walk_in_items_of_three_warpgroups(monkeypatch, mod, shape):
-        # launch.WS_FWD_WIDE_TILES: D64 without a block mask in items of 192 rows; a head's last item may have
-        # warpgroups past its rows, whose OUT must not land in the next head's rows (host descriptors span every
-        # head). out and lse start as NaN, so that a row left unwritten fails
+        # launch.WS_FWD_WIDE_TILES: D64 without a block mask in items of 192 rows (offered to every mod, taken where
+        # the kernel spills at most WS_FWD_WIDE_MAX_LOCAL bytes a thread); a head's last item may have warpgroups
+        # past its rows, whose OUT must not land in the next head's rows (host descriptors span every head). out and
+        # lse start as NaN, so that a row left unwritten fails
         from flexlite.mods import generate_alibi_bias, generate_tanh_softcap
         from helpers import LSE_TOLERANCES
 
