@@ -566,7 +566,8 @@ def _generate(score_mod, block_mask, device: torch.device, template: str = "fwd.
                     key_values=_launch.WS_FWD_KEY_VALUES,
                     separate=_launch.SEPARATE_SCORE_BIAS, compact_bias_dims=_launch.WS_FWD_COMPACT_BIAS_HEAD_DIMS,
                     bounded=_launch.WS_FWD_BOUNDED_SOFTMAX and dtype == torch.bfloat16 and not max_scores,
-                    llvm_opt_levels=_launch.WS_FWD_LLVM_OPT_LEVELS,
+                    llvm_opt_levels=(_launch.WS_FWD_DENSE_LLVM_OPT_LEVELS if block_mask is None
+                                     else _launch.WS_FWD_LLVM_OPT_LEVELS),
                     poly_exp2=_launch.WS_FWD_POLY_EXP2)  # (generate keeps each for its templates)
 
 

@@ -310,9 +310,9 @@ WS_TILES = {64: dict(BLOCK_N=128, STAGES=2, CONSUMER_REGS=232), 128: dict(BLOCK_
 # softcap 1.5 % faster, ALiBi 1.1 % slower, GQA and ragged S1000 within 1 %; two stages starve it (33 % slower)
 WS_FWD_WIDE_TILES = {64: dict(BLOCK_M=192, STAGES=3, CONSUMER_REGS=160)}
 # local memory a thread of the wide items' kernel may use (spilled registers) for a call to take it: at 160 registers
-# the D64 kernel of the dense walk spills into 80 bytes, causal's 88, softcap + causal's 16 (faster than two
-# warpgroups), sliding window's 200, prefix-LM's 208, ALiBi + causal's 224 and the document mask's 320 (1.3-3x slower:
-# H100, NOTES 84)
+# and LLVM O0 the D64 kernel of the dense walk spills into 80 bytes (0 at O3, where it compiles:
+# WS_FWD_DENSE_LLVM_OPT_LEVELS), causal's 88, softcap + causal's 16 (faster than two warpgroups), sliding window's 200,
+# prefix-LM's 208, ALiBi + causal's 224 and the document mask's 320 (1.3-3x slower: H100, NOTES 84)
 WS_FWD_WIDE_MAX_LOCAL = 128
 # the warp-specialized forward's tensor descriptors made on the host where the inputs allow (contiguous, lengths
 # multiples of the tiles); False: always per (z, head) on the device
@@ -548,6 +548,10 @@ WS_FWD_BOUNDED_SOFTMAX = True
 # what ptxas makes of the kernel alone (H200: the document mask's forward 9.8 % faster at D128, 5.9 % at D64, the
 # other harness masks even or up to 4.7 % faster; NOTES 65)
 WS_FWD_LLVM_OPT_LEVELS = {64: "O0", 128: "O0"}
+# the same for the dense walk's kernels (no block mask: no mask compares but those of the keys past KV_LEN): at D64
+# Triton's own O3, where the wide items' kernel (WS_FWD_WIDE_TILES) spills nothing at 160 registers (80 bytes a thread
+# at O0) and ran 10.4 % faster than two warpgroups (7.4 % at O0; H100, B16 H16 S8192, NOTES 84)
+WS_FWD_DENSE_LLVM_OPT_LEVELS = {128: "O0"}
 # the same for the warp-specialized dK / dV kernel: at D128 O0 also ends O3's spills in its tile loops (H200: the
 # backward 0.4-2.3 % faster, document's 13 %); at D64 its full-tile loops grow by ~45 instructions at O0 (2-3.4 %
 # slower but for document and softcap; NOTES 65)
