@@ -459,7 +459,14 @@ def test_wide_items_take_three_consumer_warpgroups_where_they_spill_little(monke
 
     monkeypatch.setattr(launch, "_device_facts", lambda device: (5, 9))
     monkeypatch.setattr(launch, "WS_FWD_PERSISTENT", False)
-    monkeypatch.setattr(launch.CompiledLaunch, "local_bytes", lambda self, grid, args: local)
+    asked = []
+
+    def local_bytes(self, grid, args):  # (as the real one: compiled and asked once, the answer kept)
+        if self.local is None:
+            asked.append(self.kwargs["BLOCK_M"])
+            self.local = local
+        return self.local
+    monkeypatch.setattr(launch.CompiledLaunch, "local_bytes", local_bytes)
     monkeypatch.setattr(launch, "_LAUNCHES", {})
     L = 512  # items of 192 rows: 3 per (batch, head), the last one's third warpgroup past the rows
     q, k, v = rand_qkv(2, 4, 4, L, L, D, dtype=torch.bfloat16, device="cpu")
@@ -482,6 +489,10 @@ def test_wide_items_take_three_consumer_warpgroups_where_they_spill_little(monke
     # block mask's
     if walk != "dense":
         assert args[10].flatten().tolist() == ([2, 2, 1] if taken else [1, 1, 1, 1])
+    # a second call takes the same kernel without asking again (a wide kernel that does not fit is not even given its
+    # arguments)
+    launch.launch_forward_ws(module, [], q, k, v, *lists, 0.125, False, dense=walk == "dense", wide=wide_arg)
+    assert launches[1][2]["BLOCK_M"] == block_m and asked == ([192] if D == 64 and wide else [])
     launches.clear()
     monkeypatch.setattr(launch, "_launch", lambda kernel, grid, args, kwargs: launches.append((grid, args, kwargs)))
     with launch.compile_only():
@@ -715,10 +726,14 @@ if ON_HOPPER:
         mods = {"none": None, "alibi": generate_alibi_bias(shape[1], device=DEVICE),
                 "softcap": generate_tanh_softcap(30.0, approx=True),
                 "relative": lambda score, b, h, q_idx, kv_idx: score - 0.01 * (q_idx - kv_idx).abs()}
-        block_ms = []
-        real_launch, real_empty = launch.compiled_launch, torch.empty
-        monkeypatch.setattr(launch, "compiled_launch",
-                            lambda kernel, kw: (block_ms.append(kw.get("BLOCK_M")), real_launch(kernel, kw))[1])
+        ran = []  # the items' rows of each forward launch that ran (not the first_calls worker's compiles)
+        real_call, real_empty = launch.CompiledLaunch.__call__, torch.empty
+
+        def call(self, grid, args):
+            if not launch.compiling_only() and "BLOCK_M" in self.kwargs:
+                ran.append(self.kwargs["BLOCK_M"])
+            return real_call(self, grid, args)
+        monkeypatch.setattr(launch.CompiledLaunch, "__call__", call)
         monkeypatch.setattr(torch, "empty", lambda *a, **kw: (lambda t: t.fill_(float("nan"))
                                                               if t.is_floating_point() else t)(real_empty(*a, **kw)))
         B, Hq, Hkv, Lq, Lkv, D = shape
@@ -727,7 +742,8 @@ if ON_HOPPER:
                                   kernel_options={"WARP_SPECIALIZE": True})
         monkeypatch.undo()
         ref, ref_lse = attention_reference(q, k, v, score_mod=mods[mod], enable_gqa=Hq != Hkv)
-        assert 192 in block_ms, block_ms
+        # (no score_mod and softcap spill nothing in three warpgroups at LLVM O3, offline: they take them)
+        assert ran and (ran == [192] if mod in ("none", "softcap") else set(ran) <= {128, 192}), ran
         assert_close(out, ref, *TOLERANCES[torch.bfloat16], name="out")
         assert_close(lse, ref_lse, *LSE_TOLERANCES[torch.bfloat16], name="lse")
 

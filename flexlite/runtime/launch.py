@@ -306,8 +306,9 @@ WS_TILES = {64: dict(BLOCK_N=128, STAGES=2, CONSUMER_REGS=232), 128: dict(BLOCK_
 # dense walk may take them, and a block mask whose lists can be made for BLOCK_M-row q blocks (block_mask.item_lists:
 # create_block_mask's, mask_mod deciding each position of a block partial for any of an item's q blocks; api offers
 # them to launch_forward_ws, which takes them where the kernel spills little: WS_FWD_WIDE_MAX_LOCAL). H100, B16 H16
-# S8192, dense (NOTES 84): 6.1-6.8 % faster than two warpgroups with no score_mod (bf16 and fp16; 4.2 % at S2048),
-# softcap 1.5 % faster, ALiBi 1.1 % slower, GQA and ragged S1000 within 1 %; two stages starve it (33 % slower)
+# S8192, dense, both at LLVM O0 (NOTES 84): 6.1-6.8 % faster than two warpgroups with no score_mod (bf16 and fp16;
+# 4.2 % at S2048), softcap 1.5 % faster, ALiBi 1.1 % slower, GQA and ragged S1000 within 1 %; two stages starve it
+# (33 % slower)
 WS_FWD_WIDE_TILES = {64: dict(BLOCK_M=192, STAGES=3, CONSUMER_REGS=160)}
 # local memory a thread of the wide items' kernel may use (spilled registers) for a call to take it: at 160 registers
 # and LLVM O0 the D64 kernel of the dense walk spills into 80 bytes (0 at O3, where it compiles:
@@ -468,6 +469,7 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
         choices.insert(0, ({**tiles, **wide_tiles}, lists, sparse_block) if wide is True else
                        ({**tiles, **wide_tiles}, tuple(wide), (wide_tiles["BLOCK_M"], sparse_block[1])))
     persistent = WS_FWD_PERSISTENT and host_desc
+    scalars = scalars_to(mod_args, q.device)
     for n, (tiles_n, lists_n, sparse) in enumerate(choices):
         blocks, block_strides, has_full = _block_args(*lists_n)
         block_m = tiles_n["BLOCK_M"]
@@ -479,12 +481,14 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
             EVEN_M=Lq % block_m == 0, EVEN_N=Lkv % sparse[1] == 0, HAS_FULL_BLOCKS=has_full,
             HAS_SCORE_MOD=has_score_mod, REVERSE_M=REVERSE_Q_BLOCKS, DENSE=dense, HOST_DESC=host_desc,
             PERSISTENT=persistent, STORE_MAX=max_scores, **tiles_n, num_warps=4))
+        last = n == len(choices) - 1
+        if not (last or compiling_only()) and (launch.local or 0) > WS_FWD_WIDE_MAX_LOCAL:
+            continue  # (the wide kernel known not to fit: no arguments built for it)
         args = (q, k, v, out, *descs, lse, lse if row_max is None else row_max, *blocks, *q.stride()[:3],
                 *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *block_strides, work, n_qblocks, Hq, Hq // Hkv,
-                Lq, Lkv, float(scale), *scalars_to(mod_args, q.device))
+                Lq, Lkv, float(scale), *scalars)
         with llvm_opt_level(module.LLVM_OPT_LEVELS.get(D)):  # the level its source names (llvm_level.llvm_opt_level)
-            if (compiling_only() or n == len(choices) - 1
-                    or launch.local_bytes((programs,), args) <= WS_FWD_WIDE_MAX_LOCAL):
+            if compiling_only() or last or launch.local_bytes((programs,), args) <= WS_FWD_WIDE_MAX_LOCAL:
                 launch((programs,), args)
                 if not compiling_only():
                     break
