@@ -210,10 +210,17 @@ def test_warp_specialized_forward_compiles_for_sm90(case):
     assert 0 < facts["report"]["regs"] <= 255 and facts["report"]["HGMMA"] > 0
     # its K / V ring (three stages at D128) and Q / OUT staging fit in what a Hopper block may have (227 KB)
     assert facts["shared"] <= 232448
-    # launch.WS_FWD_WIDE_TILES: wide items run three consumer warpgroups of 160 registers beside the producer's,
-    # padded to a warpgroup (512 threads); else two (Triton gives the first consumer what the others leave)
+    # launch.WS_FWD_WIDE_TILES: wide items run three consumer warpgroups of 160 registers, the producer the default
+    # partition's warpgroup (512 threads); else two beside the producer's warp, padded to a warpgroup (Triton gives
+    # the first consumer, the default partition, what the others leave)
     assert facts["threads"] == (512 if "wide" in case else 384), facts["threads"]
     assert (160 in facts["maxnreg"]) == ("wide" in case), facts["maxnreg"]
+    if "wide" in case:
+        # all three consumers are worker partitions with the same tile loops, none spilling (as the default partition
+        # at LLVM O0, causal's and the dense walk's loops of its third consumer spilled 14 registers a tile, and
+        # sliding window's and prefix-LM's kernels 200-208 bytes: NOTES 85)
+        assert len(facts["loops"]) >= 3 and not any(loop["STL"] for loop in facts["loops"]), facts["loops"]
+        assert facts["report"]["spill_bytes"] == 0, facts["report"]
     # P crosses the walk's iterations in fp32: carried as 16-bit values through its two loops it was split into
     # scalars and repacked with 33-64 PRMTs per tile and loop (benchmarks/NOTES.md 57)
     prmt = [loop["PRMT"] for loop in facts["loops"]]

@@ -517,7 +517,9 @@ def test_flex_attention_offers_the_wide_items_lists_where_they_can_be_made(monke
     monkeypatch.setattr(api, "_warp_specialize", lambda *args: True)
     monkeypatch.setattr(api, "launch_forward_ws", gluon_launch)
     q, k, v = rand_qkv(1, 2, 2, 384, 384, 64, dtype=torch.bfloat16, device="cpu")
-    made = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 384, 384, device="cpu")
+    # (keys past 300: a partial kv block per q block of either size, as many tiles per query in 192-row items as in
+    # 128-row ones: launch.WS_FWD_WIDE_MAX_WORK)
+    made = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx < 300, None, None, 384, 384, device="cpu")
     if made_by == "from_kv_blocks":
         made = BlockMask.from_kv_blocks(made.kv_num_blocks, made.kv_indices, made.full_kv_num_blocks,
                                         made.full_kv_indices, mask_mod=made.mask_mod)
@@ -528,11 +530,38 @@ def test_flex_attention_offers_the_wide_items_lists_where_they_can_be_made(monke
     assert [sparse for sparse, _ in calls] == [(128, 128)] * 2
     if made_by == "create_block_mask":
         assert calls[0][1] is calls[1][1]  # (the lists made once)
-        assert calls[0][1][0].flatten().tolist() == [2, 2]  # partial blocks per 192-row item
+        assert calls[0][1][0].flatten().tolist() == [1, 1]  # partial blocks per 192-row item
     else:
         assert [wide for _, wide in calls] == [None, None]
     flex_attention(q, k, v)
     assert calls[-1][1] is True  # (the dense walk)
+
+
+@pytest.mark.parametrize("L, wide_masks", [(8192, {"causal", "prefix_lm_2048", "alibi_causal", "softcap30_causal"}),
+                                            (2048, {"prefix_lm_2048"})])
+def test_wide_items_only_where_they_walk_little_more_than_the_masks_own(L, wide_masks):
+    """Wider items walk more keys per query on a banded mask, more of them partial: a block mask's wide items are
+    offered where their tiles, weighed by rows and a partial tile as launch.WS_FWD_PARTIAL_TILE_COST full ones, come
+    to at most launch.WS_FWD_WIDE_MAX_WORK times its own items' (sliding window 1024 at S8192: 1.27x, 68 % slower in
+    three warpgroups on an H100; causal 1.06x, 11 % faster: NOTES 85). The weighed ratio is checked against the
+    lists counted here."""
+    import flexlite.api as api
+    from flexlite.bench import mask_cases
+    from flexlite.block_mask import item_lists
+    offered = set()
+    for name, case in mask_cases(L, 2, "cpu").items():
+        if case.mask_mod is None:
+            continue
+        made = create_block_mask(case.mask_mod, None, None, L, L, device="cpu")
+        num, _, full_num, _ = item_lists(made, 192)
+        cost = launch.WS_FWD_PARTIAL_TILE_COST
+        counted = ((num.sum() * cost + full_num.sum()) * 192 /
+                   ((made.kv_num_blocks.sum() * cost + made.full_kv_num_blocks.sum()) * 128)).item()
+        assert api._wide_work(made, item_lists(made, 192), 192) == pytest.approx(counted)
+        if api._wide_items(made, 64) is not None:
+            offered.add(name)
+        assert (name in offered) == (counted <= launch.WS_FWD_WIDE_MAX_WORK), (name, counted)
+    assert offered == wide_masks
 
 
 def _counted(real, record):

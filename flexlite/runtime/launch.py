@@ -301,20 +301,27 @@ WS_BLOCK_M = 128
 WS_HALF_M = 64  # query rows per consumer warpgroup (the template's HALF): Q's and OUT's descriptors' block rows
 WS_TILES = {64: dict(BLOCK_N=128, STAGES=2, CONSUMER_REGS=232), 128: dict(BLOCK_N=128, STAGES=3, CONSUMER_REGS=240)}
 # per head dim, the warp-specialized forward's wide items: BLOCK_M query rows per item, a consumer warpgroup per
-# WS_HALF_M (three: FlashAttention-3's D64 tile), K / V stages, and the consumers' registers (Triton gives the first
-# 168: three consumer warpgroups and the producer's, padded to a warpgroup at 24, fill the register file at 160). The
-# dense walk may take them, and a block mask whose lists can be made for BLOCK_M-row q blocks (block_mask.item_lists:
-# create_block_mask's, mask_mod deciding each position of a block partial for any of an item's q blocks; api offers
-# them to launch_forward_ws, which takes them where the kernel spills little: WS_FWD_WIDE_MAX_LOCAL). H100, B16 H16
-# S8192, dense, both at LLVM O0 (NOTES 84): 6.1-6.8 % faster than two warpgroups with no score_mod (bf16 and fp16;
-# 4.2 % at S2048), softcap 1.5 % faster, ALiBi 1.1 % slower, GQA and ragged S1000 within 1 %; two stages starve it
-# (33 % slower)
+# WS_HALF_M (three: FlashAttention-3's D64 tile), K / V stages, and the consumers' registers (three consumer
+# warpgroups, worker partitions, and the producer, the default partition's warpgroup at 32, fill the register file at
+# 160; as the default partition at 168 the first consumer's tile loops spilled: NOTES 85). The dense walk may take
+# them, and a block mask whose lists can be made for BLOCK_M-row q blocks (block_mask.item_lists: create_block_mask's,
+# mask_mod deciding each position of a block partial for any of an item's q blocks) and whose wide items walk little
+# more than its own (WS_FWD_WIDE_MAX_WORK; api offers them to launch_forward_ws, which takes them where the kernel
+# spills little: WS_FWD_WIDE_MAX_LOCAL). H100, B16 H16 S8192 against two warpgroups (NOTES 84, 85): dense 15 %
+# faster (LLVM O3), causal 11 %, prefix-LM 7 % (O0); two stages starve it (33 % slower)
 WS_FWD_WIDE_TILES = {64: dict(BLOCK_M=192, STAGES=3, CONSUMER_REGS=160)}
 # local memory a thread of the wide items' kernel may use (spilled registers) for a call to take it: at 160 registers
-# and LLVM O0 the D64 kernel of the dense walk spills into 80 bytes (0 at O3, where it compiles:
-# WS_FWD_DENSE_LLVM_OPT_LEVELS), causal's 88, softcap + causal's 16 (faster than two warpgroups), sliding window's 200,
-# prefix-LM's 208, ALiBi + causal's 224 and the document mask's 320 (1.3-3x slower: H100, NOTES 84)
+# and LLVM O0 (offline, L 2048, ptxas's spill stores) the D64 kernels of the dense walk, causal, sliding window and
+# prefix-LM spill nothing, softcap + causal 72 bytes, ALiBi + causal 168 (in its full-tile loop), the document
+# mask 1,464
 WS_FWD_WIDE_MAX_LOCAL = 128
+# a block mask's wide items are taken where their tiles, weighed by rows and a partial tile as
+# WS_FWD_PARTIAL_TILE_COST full ones (D64: a partial tile's loop is 1.4-2.1x a full one's instructions), come to at
+# most WS_FWD_WIDE_MAX_WORK times the mask's own items' (api._wide_work): banded masks' wider items walk more keys,
+# more of them partial (at S8192 sliding window 1024 1.27x, 68 % slower in three warpgroups, document 1.52x; causal
+# 1.06x and prefix-LM 1.05x: H100, NOTES 85)
+WS_FWD_PARTIAL_TILE_COST = 2.0
+WS_FWD_WIDE_MAX_WORK = 1.10
 # the warp-specialized forward's tensor descriptors made on the host where the inputs allow (contiguous, lengths
 # multiples of the tiles); False: always per (z, head) on the device
 WS_HOST_DESCRIPTORS = True
