@@ -311,10 +311,10 @@ WS_TILES = {64: dict(BLOCK_N=128, STAGES=2, CONSUMER_REGS=232), 128: dict(BLOCK_
 # faster (LLVM O3), causal 11 %, prefix-LM 7 % (O0); two stages starve it (33 % slower)
 WS_FWD_WIDE_TILES = {64: dict(BLOCK_M=192, STAGES=3, CONSUMER_REGS=160)}
 # local memory a thread of the wide items' kernel may use (spilled registers) for a call to take it: at 160 registers
-# and LLVM O0 (offline, L 2048, ptxas's spill stores) the D64 kernels of the dense walk, causal, sliding window and
-# prefix-LM spill nothing, softcap + causal 72 bytes, ALiBi + causal 168 (in its full-tile loop), the document
-# mask 1,464
-WS_FWD_WIDE_MAX_LOCAL = 128
+# and LLVM O0 (offline, L 2048, ptxas's spill stores) the D64 kernels of causal, sliding window and prefix-LM spill
+# nothing (the dense walk's at O3 neither), softcap + causal 72 bytes, ALiBi + causal 168 (in its full-tile loop:
+# 12 % slower than two warpgroups on an H100, NOTES 85), the document mask 1,464
+WS_FWD_WIDE_MAX_LOCAL = 0
 # a block mask's wide items are taken where their tiles, weighed by rows and a partial tile as
 # WS_FWD_PARTIAL_TILE_COST full ones (D64: a partial tile's loop is 1.4-2.1x a full one's instructions), come to at
 # most WS_FWD_WIDE_MAX_WORK times the mask's own items' (api._wide_work): banded masks' wider items walk more keys,
