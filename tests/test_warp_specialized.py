@@ -15,7 +15,7 @@ import types
 import pytest
 import torch
 
-from catalog import CATALOG
+from catalog import CATALOG, USES_BH
 from flexlite import attention_reference, create_block_mask, first_calls, flex_attention, kernel_source
 from flexlite.runtime import launch
 from helpers import DEVICE, TOLERANCES, assert_close, assert_grad_close, rand_qkv
@@ -605,6 +605,45 @@ if ON_HOPPER:
             facts = launch._device_facts(torch.device(DEVICE))
             monkeypatch.setattr(launch, "_device_facts", lambda device: (3, facts[1]))
         run_case(name, shape, dtype, kernel_options={"WARP_SPECIALIZE": True})
+
+    @pytest.mark.parametrize("shape, grid", [run for run in WS_FORWARD_RUNS if run.values[0][5] == 64])
+    @pytest.mark.parametrize("name", WS_CATALOG)
+    def test_block_masks_in_items_of_three_warpgroups(monkeypatch, name, shape, grid):
+        # launch.WS_FWD_WIDE_TILES for block masks: their lists remade for 192-row q blocks (block_mask.item_lists),
+        # offered here whatever they walk (launch.WS_FWD_WIDE_MAX_WORK: at these lengths a banded mask's would not
+        # be), taken where the kernel spills nothing (causal's with host descriptors, lengths multiples of 128,
+        # offline and on an H100: it takes them). out and lse start as NaN, so that a row left unwritten fails
+        from helpers import LSE_TOLERANCES
+
+        monkeypatch.setattr(launch, "WS_FWD_WIDE_MAX_WORK", float("inf"))
+        monkeypatch.setattr(launch, "WS_FWD_PERSISTENT", grid == "persistent")
+        if grid == "persistent":
+            facts = launch._device_facts(torch.device(DEVICE))
+            monkeypatch.setattr(launch, "_device_facts", lambda device: (3, facts[1]))
+        ran = []  # the items' rows of each forward launch that ran (not the first_calls worker's compiles)
+        real_call, real_empty = launch.CompiledLaunch.__call__, torch.empty
+
+        def call(self, grid, args):
+            if not launch.compiling_only() and "BLOCK_M" in self.kwargs:
+                ran.append(self.kwargs["BLOCK_M"])
+            return real_call(self, grid, args)
+        B, Hq, Hkv, Lq, Lkv, D = shape
+        case = CATALOG[name](B, Hq, Lq, Lkv, DEVICE)
+        uses_bh = name in USES_BH
+        bm = create_block_mask(case.mask_mod, B if uses_bh else None, Hq if uses_bh else None, Lq, Lkv,
+                               device=DEVICE) if case.mask_mod is not None else None
+        q, k, v = rand_qkv(B, Hq, Hkv, Lq, Lkv, D, dtype=torch.bfloat16, seed=29)
+        monkeypatch.setattr(launch.CompiledLaunch, "__call__", call)
+        monkeypatch.setattr(torch, "empty", lambda *a, **kw: (lambda t: t.fill_(float("nan"))
+                                                              if t.is_floating_point() else t)(real_empty(*a, **kw)))
+        out, lse = flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm, enable_gqa=Hq != Hkv,
+                                  return_lse=True, kernel_options={"WARP_SPECIALIZE": True})
+        monkeypatch.undo()
+        ref, ref_lse = attention_reference(q, k, v, score_mod=case.score_mod, block_mask=bm, enable_gqa=Hq != Hkv)
+        host_desc = Lq % 128 == Lkv % 128 == 0
+        assert ran and (ran == [192] if name == "causal" and host_desc else set(ran) <= {128, 192}), ran
+        assert_close(out, ref, *TOLERANCES[torch.bfloat16], name="out")
+        assert_close(lse, ref_lse, *LSE_TOLERANCES[torch.bfloat16], name="lse")
 
     @pytest.mark.parametrize("one_in", [2, 4, 8])
     @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
