@@ -1043,11 +1043,10 @@ def _wide_work(block_mask, lists: tuple, rows: int) -> float:
     its rows and a partial tile as launch.WS_FWD_PARTIAL_TILE_COST full ones: a banded mask's wider items walk more
     keys per query and more of them partial (sliding window 1024 at S8192: 1.27x; causal 1.05x)."""
     def work(num, full_num, q_rows):
-        full = 0 if full_num is None else full_num.sum()
-        return (num.sum() * _launch.WS_FWD_PARTIAL_TILE_COST + full) * q_rows
-    own = work(block_mask.kv_num_blocks, block_mask.full_kv_num_blocks, block_mask.BLOCK_SIZE[0])
-    wide = work(lists[0], lists[2], rows)
-    own, wide = torch.stack([torch.as_tensor(own), torch.as_tensor(wide)]).double().tolist()
+        full = 0 if full_num is None else full_num.sum().double()
+        return (num.sum().double() * _launch.WS_FWD_PARTIAL_TILE_COST + full) * q_rows
+    own, wide = torch.stack([work(block_mask.kv_num_blocks, block_mask.full_kv_num_blocks, block_mask.BLOCK_SIZE[0]),
+                             work(lists[0], lists[2], rows)]).tolist()  # (one read from the device)
     return wide / max(own, 1.0)
 
 

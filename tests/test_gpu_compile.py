@@ -216,8 +216,8 @@ def test_warp_specialized_forward_compiles_for_sm90(case):
     assert facts["threads"] == (512 if "wide" in case else 384), facts["threads"]
     assert (160 in facts["maxnreg"]) == ("wide" in case), facts["maxnreg"]
     if "wide" in case:
-        # all three consumers are worker partitions with the same tile loops, none spilling (as the default partition
-        # at LLVM O0, causal's and the dense walk's loops of its third consumer spilled 14 registers a tile, and
+        # all three consumers are worker partitions with the same tile loops, none spilling (at LLVM O0 the first
+        # consumer as the default partition spilled 14 registers a tile in causal's and the dense walk's loops, and
         # sliding window's and prefix-LM's kernels 200-208 bytes: NOTES 85)
         assert len(facts["loops"]) >= 3 and not any(loop["STL"] for loop in facts["loops"]), facts["loops"]
         assert facts["report"]["spill_bytes"] == 0, facts["report"]

@@ -445,11 +445,11 @@ def test_max_scores_take_the_gluon_forward_only_where_allowed(monkeypatch, allow
 @pytest.mark.parametrize("local", [0, 16], ids=["spills nothing", "spills 16 bytes"])
 @pytest.mark.parametrize("D, walk, wide", [(64, "dense", True), (64, "block mask", True), (64, "block mask", False),
                                            (128, "dense", True)])
-def test_wide_items_take_three_consumer_warpgroups_where_they_spill_little(monkeypatch, D, walk, wide, local):
+def test_wide_items_take_three_consumer_warpgroups_where_they_spill_nothing(monkeypatch, D, walk, wide, local):
     """launch.WS_FWD_WIDE_TILES: at D64 the Gluon forward's dense walk, and a block mask's walk with its lists for
     192-row q blocks (block_mask.item_lists), take 192 query rows per item (three consumer warpgroups of 64,
     FlashAttention-3's D64 tile: benchmarks/NOTES.md 84) with three K / V stages and 160 registers a consumer
-    thread, where that kernel spills at most WS_FWD_WIDE_MAX_LOCAL (0) bytes a thread; else, without such lists
+    thread, where that kernel spills nothing (WS_FWD_WIDE_MAX_LOCAL: 0 bytes a thread); else, without such lists
     and at D128, WS_TILES' 128-row items and two consumers, from the lists given. Inside compile_only both kernels
     compile (the first_calls worker's: the call then has the one it takes)."""
     from flexlite.api import _block_tensors
@@ -606,21 +606,13 @@ if ON_HOPPER:
             monkeypatch.setattr(launch, "_device_facts", lambda device: (3, facts[1]))
         run_case(name, shape, dtype, kernel_options={"WARP_SPECIALIZE": True})
 
-    @pytest.mark.parametrize("shape, grid", [run for run in WS_FORWARD_RUNS if run.values[0][5] == 64])
-    @pytest.mark.parametrize("name", WS_CATALOG)
-    def test_block_masks_in_items_of_three_warpgroups(monkeypatch, name, shape, grid):
-        # launch.WS_FWD_WIDE_TILES for block masks: their lists remade for 192-row q blocks (block_mask.item_lists),
-        # offered here whatever they walk (launch.WS_FWD_WIDE_MAX_WORK: at these lengths a banded mask's would not
-        # be), taken where the kernel spills nothing (causal's with host descriptors, lengths multiples of 128,
-        # offline and on an H100: it takes them). out and lse start as NaN, so that a row left unwritten fails
+    def _poisoned_forward(monkeypatch, shape, score_mod, block_mask, seed: int) -> list:
+        """The warp-specialized forward of random bf16 inputs of ``shape`` (B, Hq, Hkv, Lq, Lkv, D) with out and
+        lse starting as NaN, so that a row left unwritten fails, checked against the reference; returns the items'
+        rows of each forward launch that ran (not the first_calls worker's compiles)."""
         from helpers import LSE_TOLERANCES
 
-        monkeypatch.setattr(launch, "WS_FWD_WIDE_MAX_WORK", float("inf"))
-        monkeypatch.setattr(launch, "WS_FWD_PERSISTENT", grid == "persistent")
-        if grid == "persistent":
-            facts = launch._device_facts(torch.device(DEVICE))
-            monkeypatch.setattr(launch, "_device_facts", lambda device: (3, facts[1]))
-        ran = []  # the items' rows of each forward launch that ran (not the first_calls worker's compiles)
+        ran = []
         real_call, real_empty = launch.CompiledLaunch.__call__, torch.empty
 
         def call(self, grid, args):
@@ -628,22 +620,38 @@ if ON_HOPPER:
                 ran.append(self.kwargs["BLOCK_M"])
             return real_call(self, grid, args)
         B, Hq, Hkv, Lq, Lkv, D = shape
+        q, k, v = rand_qkv(B, Hq, Hkv, Lq, Lkv, D, dtype=torch.bfloat16, seed=seed)
+        with monkeypatch.context() as patched:
+            patched.setattr(launch.CompiledLaunch, "__call__", call)
+            patched.setattr(torch, "empty", lambda *a, **kw: (lambda t: t.fill_(float("nan"))
+                                                              if t.is_floating_point() else t)(real_empty(*a, **kw)))
+            out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=Hq != Hkv,
+                                      return_lse=True, kernel_options={"WARP_SPECIALIZE": True})
+        ref, ref_lse = attention_reference(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=Hq != Hkv)
+        assert_close(out, ref, *TOLERANCES[torch.bfloat16], name="out")
+        assert_close(lse, ref_lse, *LSE_TOLERANCES[torch.bfloat16], name="lse")
+        return ran
+
+    @pytest.mark.parametrize("shape, grid", [run for run in WS_FORWARD_RUNS if run.values[0][5] == 64])
+    @pytest.mark.parametrize("name", WS_CATALOG)
+    def test_block_masks_in_items_of_three_warpgroups(monkeypatch, name, shape, grid):
+        # launch.WS_FWD_WIDE_TILES for block masks: their lists remade for 192-row q blocks (block_mask.item_lists),
+        # offered here whatever they walk (launch.WS_FWD_WIDE_MAX_WORK: at these lengths a banded mask's would not
+        # be), taken where the kernel spills nothing (causal's with host descriptors, lengths multiples of 128,
+        # offline and on an H100: it takes them)
+        monkeypatch.setattr(launch, "WS_FWD_WIDE_MAX_WORK", float("inf"))
+        monkeypatch.setattr(launch, "WS_FWD_PERSISTENT", grid == "persistent")
+        if grid == "persistent":
+            facts = launch._device_facts(torch.device(DEVICE))
+            monkeypatch.setattr(launch, "_device_facts", lambda device: (3, facts[1]))
+        B, Hq, Hkv, Lq, Lkv, D = shape
         case = CATALOG[name](B, Hq, Lq, Lkv, DEVICE)
         uses_bh = name in USES_BH
         bm = create_block_mask(case.mask_mod, B if uses_bh else None, Hq if uses_bh else None, Lq, Lkv,
                                device=DEVICE) if case.mask_mod is not None else None
-        q, k, v = rand_qkv(B, Hq, Hkv, Lq, Lkv, D, dtype=torch.bfloat16, seed=29)
-        monkeypatch.setattr(launch.CompiledLaunch, "__call__", call)
-        monkeypatch.setattr(torch, "empty", lambda *a, **kw: (lambda t: t.fill_(float("nan"))
-                                                              if t.is_floating_point() else t)(real_empty(*a, **kw)))
-        out, lse = flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm, enable_gqa=Hq != Hkv,
-                                  return_lse=True, kernel_options={"WARP_SPECIALIZE": True})
-        monkeypatch.undo()
-        ref, ref_lse = attention_reference(q, k, v, score_mod=case.score_mod, block_mask=bm, enable_gqa=Hq != Hkv)
+        ran = _poisoned_forward(monkeypatch, shape, case.score_mod, bm, seed=29)
         host_desc = Lq % 128 == Lkv % 128 == 0
         assert ran and (ran == [192] if name == "causal" and host_desc else set(ran) <= {128, 192}), ran
-        assert_close(out, ref, *TOLERANCES[torch.bfloat16], name="out")
-        assert_close(lse, ref_lse, *LSE_TOLERANCES[torch.bfloat16], name="lse")
 
     @pytest.mark.parametrize("one_in", [2, 4, 8])
     @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -785,35 +793,16 @@ if ON_HOPPER:
     @pytest.mark.parametrize("mod", ["none", "alibi", "softcap", "relative"])
     def test_the_dense_walk_in_items_of_three_warpgroups(monkeypatch, mod, shape):
         # launch.WS_FWD_WIDE_TILES: D64 without a block mask in items of 192 rows (offered to every mod, taken where
-        # the kernel spills at most WS_FWD_WIDE_MAX_LOCAL bytes a thread); a head's last item may have warpgroups
-        # past its rows, whose OUT must not land in the next head's rows (host descriptors span every head). out and
-        # lse start as NaN, so that a row left unwritten fails
+        # the kernel spills nothing: WS_FWD_WIDE_MAX_LOCAL); a head's last item may have warpgroups past its rows,
+        # whose OUT must not land in the next head's rows (host descriptors span every head)
         from flexlite.mods import generate_alibi_bias, generate_tanh_softcap
-        from helpers import LSE_TOLERANCES
 
         mods = {"none": None, "alibi": generate_alibi_bias(shape[1], device=DEVICE),
                 "softcap": generate_tanh_softcap(30.0, approx=True),
                 "relative": lambda score, b, h, q_idx, kv_idx: score - 0.01 * (q_idx - kv_idx).abs()}
-        ran = []  # the items' rows of each forward launch that ran (not the first_calls worker's compiles)
-        real_call, real_empty = launch.CompiledLaunch.__call__, torch.empty
-
-        def call(self, grid, args):
-            if not launch.compiling_only() and "BLOCK_M" in self.kwargs:
-                ran.append(self.kwargs["BLOCK_M"])
-            return real_call(self, grid, args)
-        monkeypatch.setattr(launch.CompiledLaunch, "__call__", call)
-        monkeypatch.setattr(torch, "empty", lambda *a, **kw: (lambda t: t.fill_(float("nan"))
-                                                              if t.is_floating_point() else t)(real_empty(*a, **kw)))
-        B, Hq, Hkv, Lq, Lkv, D = shape
-        q, k, v = rand_qkv(B, Hq, Hkv, Lq, Lkv, D, dtype=torch.bfloat16, seed=17)
-        out, lse = flex_attention(q, k, v, score_mod=mods[mod], enable_gqa=Hq != Hkv, return_lse=True,
-                                  kernel_options={"WARP_SPECIALIZE": True})
-        monkeypatch.undo()
-        ref, ref_lse = attention_reference(q, k, v, score_mod=mods[mod], enable_gqa=Hq != Hkv)
+        ran = _poisoned_forward(monkeypatch, shape, mods[mod], None, seed=17)
         # (no score_mod and softcap spill nothing in three warpgroups at LLVM O3, offline: they take them)
         assert ran and (ran == [192] if mod in ("none", "softcap") else set(ran) <= {128, 192}), ran
-        assert_close(out, ref, *TOLERANCES[torch.bfloat16], name="out")
-        assert_close(lse, ref_lse, *LSE_TOLERANCES[torch.bfloat16], name="lse")
 
     @pytest.mark.parametrize("D", [128, 64])
     def test_biases_read_from_captured_tensors_with_non_finite_values(monkeypatch, D):
