@@ -1020,13 +1020,14 @@ def _wide_items(block_mask, head_dim: int) -> Optional[tuple]:
     (launch.WS_FWD_WIDE_TILES: BLOCK_M query rows, three consumer warpgroups): (num, idx, full_num, full_idx) for
     q blocks of BLOCK_M rows, kept on the BlockMask for as long as its lists are the same tensors, unmodified. None
     where the forward keeps its two consumer warpgroups: no wide tiles at this head dim, lists block_mask.item_lists
-    cannot make (not create_block_mask's), or a CUDA graph being captured before they were made (no allocations in
-    the capture)."""
+    cannot make (not create_block_mask's), lists that walk more than launch.WS_FWD_WIDE_MAX_WORK times the mask's own
+    tiles (:func:`_wide_work`; the answer kept with the settings it was made under), or a CUDA graph being captured
+    before they were made (no allocations in the capture)."""
     tiles = _launch.WS_FWD_WIDE_TILES.get(head_dim)
     if tiles is None:
         return None
     rows = tiles["BLOCK_M"]
-    key = (rows, lists_key(block_mask))
+    key = (rows, lists_key(block_mask), _launch.WS_FWD_PARTIAL_TILE_COST, _launch.WS_FWD_WIDE_MAX_WORK)
     cached = getattr(block_mask, "_wide_items", None)
     if cached is None or cached[0] != key:
         if _capturing(block_mask.kv_num_blocks):

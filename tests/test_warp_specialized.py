@@ -539,29 +539,31 @@ def test_flex_attention_offers_the_wide_items_lists_where_they_can_be_made(monke
 
 @pytest.mark.parametrize("L, wide_masks", [(8192, {"causal", "prefix_lm_2048", "alibi_causal", "softcap30_causal"}),
                                             (2048, {"prefix_lm_2048"})])
-def test_wide_items_only_where_they_walk_little_more_than_the_masks_own(L, wide_masks):
+def test_wide_items_only_where_they_walk_little_more_than_the_masks_own(monkeypatch, L, wide_masks):
     """Wider items walk more keys per query on a banded mask, more of them partial: a block mask's wide items are
     offered where their tiles, weighed by rows and a partial tile as launch.WS_FWD_PARTIAL_TILE_COST full ones, come
     to at most launch.WS_FWD_WIDE_MAX_WORK times its own items' (sliding window 1024 at S8192: 1.27x, 68 % slower in
     three warpgroups on an H100; causal 1.06x, 11 % faster: NOTES 85). The weighed ratio is checked against the
-    lists counted here."""
+    lists counted here; the answer kept on the BlockMask follows the settings."""
     import flexlite.api as api
     from flexlite.bench import mask_cases
     from flexlite.block_mask import item_lists
-    offered = set()
+    offered, made = set(), {}
     for name, case in mask_cases(L, 2, "cpu").items():
         if case.mask_mod is None:
             continue
-        made = create_block_mask(case.mask_mod, None, None, L, L, device="cpu")
-        num, _, full_num, _ = item_lists(made, 192)
+        made[name] = create_block_mask(case.mask_mod, None, None, L, L, device="cpu")
+        num, _, full_num, _ = item_lists(made[name], 192)
         cost = launch.WS_FWD_PARTIAL_TILE_COST
         counted = ((num.sum() * cost + full_num.sum()) * 192 /
-                   ((made.kv_num_blocks.sum() * cost + made.full_kv_num_blocks.sum()) * 128)).item()
-        assert api._wide_work(made, item_lists(made, 192), 192) == pytest.approx(counted)
-        if api._wide_items(made, 64) is not None:
+                   ((made[name].kv_num_blocks.sum() * cost + made[name].full_kv_num_blocks.sum()) * 128)).item()
+        assert api._wide_work(made[name], item_lists(made[name], 192), 192) == pytest.approx(counted)
+        if api._wide_items(made[name], 64) is not None:
             offered.add(name)
         assert (name in offered) == (counted <= launch.WS_FWD_WIDE_MAX_WORK), (name, counted)
     assert offered == wide_masks
+    monkeypatch.setattr(launch, "WS_FWD_WIDE_MAX_WORK", float("inf"))
+    assert all(api._wide_items(mask, 64) is not None for mask in made.values())
 
 
 def _counted(real, record):
