@@ -307,7 +307,7 @@ WS_TILES = {64: dict(BLOCK_N=128, STAGES=2, CONSUMER_REGS=232), 128: dict(BLOCK_
 # them, and a block mask whose lists can be made for BLOCK_M-row q blocks (block_mask.item_lists: create_block_mask's,
 # mask_mod deciding each position of a block partial for any of an item's q blocks) and whose wide items walk little
 # more than its own (WS_FWD_WIDE_MAX_WORK; api offers them to launch_forward_ws, which takes them where the kernel
-# spills little: WS_FWD_WIDE_MAX_LOCAL). H100, B16 H16 S8192 against two warpgroups (NOTES 84, 85): dense 15 %
+# spills nothing: WS_FWD_WIDE_MAX_LOCAL). H100, B16 H16 S8192 against two warpgroups (NOTES 84, 85): dense 15 %
 # faster (LLVM O3), causal 11 %, prefix-LM 7 % (O0); two stages starve it (33 % slower)
 WS_FWD_WIDE_TILES = {64: dict(BLOCK_M=192, STAGES=3, CONSUMER_REGS=160)}
 # local memory a thread of the wide items' kernel may use (spilled registers) for a call to take it: at 160 registers
@@ -560,8 +560,10 @@ WS_FWD_BOUNDED_SOFTMAX = True
 # other harness masks even or up to 4.7 % faster; NOTES 65)
 WS_FWD_LLVM_OPT_LEVELS = {64: "O0", 128: "O0"}
 # the same for the dense walk's kernels (no block mask: no mask compares but those of the keys past KV_LEN): at D64
-# Triton's own O3, where the wide items' kernel (WS_FWD_WIDE_TILES) spills nothing at 160 registers (80 bytes a thread
-# at O0) and ran 10.4 % faster than two warpgroups (7.4 % at O0; H100, B16 H16 S8192, NOTES 84)
+# Triton's own O3, where the wide items' kernel (WS_FWD_WIDE_TILES) spilled nothing at 160 registers (80 bytes a
+# thread at O0) and ran 10.4 % faster than two warpgroups (7.4 % at O0; H100, B16 H16 S8192, NOTES 84). Measured with
+# the first consumer as the default partition; since NOTES 85 (the producer there) the O0 build spills nothing either,
+# and O3 against O0 has not been timed again
 WS_FWD_DENSE_LLVM_OPT_LEVELS = {128: "O0"}
 # the same for the warp-specialized dK / dV kernel: at D128 O0 also ends O3's spills in its tile loops (H200: the
 # backward 0.4-2.3 % faster, document's 13 %); at D64 its full-tile loops grow by ~45 instructions at O0 (2-3.4 %
