@@ -564,7 +564,9 @@ def _generate(score_mod, block_mask, device: torch.device, template: str = "fwd.
     return generate(template, score_mod, mask_mod, interpret=device.type != "cuda", float_index=float_index,
                     fold_scales=_launch.FOLD_SCORE_SCALES and template in ("fwd.py.jinja", "fwd_ws.py.jinja"),
                     key_values=_launch.WS_FWD_KEY_VALUES,
-                    separate=_launch.SEPARATE_SCORE_BIAS, compact_bias_dims=_launch.WS_FWD_COMPACT_BIAS_HEAD_DIMS,
+                    separate=_launch.SEPARATE_SCORE_BIAS, affine_keys=_launch.AFFINE_KEY_BIAS,
+                    compact_bias_dims=_launch.WS_FWD_COMPACT_BIAS_HEAD_DIMS,
+                    affine_bias_dims=_launch.WS_FWD_AFFINE_BIAS_HEAD_DIMS,
                     bounded=_launch.WS_FWD_BOUNDED_SOFTMAX and dtype == torch.bfloat16 and not max_scores,
                     llvm_opt_levels=(_launch.WS_FWD_DENSE_LLVM_OPT_LEVELS if block_mask is None
                                      else _launch.WS_FWD_LLVM_OPT_LEVELS),

@@ -556,29 +556,31 @@ _q_bias = torch.randn(512, generator=torch.Generator().manual_seed(12)).to(DEVIC
 _k_bias = torch.randn(512, generator=torch.Generator().manual_seed(13)).to(DEVICE)
 
 SEPARABLE_MODS = {
-    # score_mod, whether lower_mod's separate finds it the score plus a bias of a query side and a key side
-    "alibi": (lambda s, b, h, q, kv: s + _slopes[h] * (kv - q), True),
-    "bias_first": (lambda s, b, h, q, kv: (kv * 0.01 - q * 0.02) + s, True),
-    "input_factor_and_sides": (lambda s, b, h, q, kv: s * 0.5 + q.float() * 0.3 - (kv // 3).float() / 2, True),
-    "minus_a_float_distance": (lambda s, b, h, q, kv: s - _slopes[h] * (q - kv).float() / 7, True),
-    "query_side_only": (lambda s, b, h, q, kv: s + _slopes[h] * q, True),
+    # score_mod, whether lower_mod's separate finds it the score plus a bias of a query side and a key side, and
+    # whether that bias is affine in kv_idx (lower_mod's affine_keys)
+    "alibi": (lambda s, b, h, q, kv: s + _slopes[h] * (kv - q), True, True),
+    "bias_first": (lambda s, b, h, q, kv: (kv * 0.01 - q * 0.02) + s, True, True),
+    "input_factor_and_sides": (lambda s, b, h, q, kv: s * 0.5 + q.float() * 0.3 - (kv // 3).float() / 2, True, False),
+    "minus_a_float_distance": (lambda s, b, h, q, kv: s - _slopes[h] * (q - kv).float() / 7, True, True),
+    "query_side_only": (lambda s, b, h, q, kv: s + _slopes[h] * q, True, True),
+    "key_side_squared": (lambda s, b, h, q, kv: s + (kv * kv).float() * 1e-4 - q * 0.01, True, False),
     # terms read from captured tensors may be non-finite at a tile's anchors: not separated
-    "query_side_read": (lambda s, b, h, q, kv: s + _q_bias[q], False),
-    "key_padding_read": (lambda s, b, h, q, kv: _k_bias[kv] + s, False),
-    "head_bias_read": (lambda s, b, h, q, kv: s + _slopes[h] + kv * 0.1, False),
+    "query_side_read": (lambda s, b, h, q, kv: s + _q_bias[q], False, False),
+    "key_padding_read": (lambda s, b, h, q, kv: _k_bias[kv] + s, False, False),
+    "head_bias_read": (lambda s, b, h, q, kv: s + _slopes[h] + kv * 0.1, False, False),
     "two_slopes_and_a_head_term": (lambda s, b, h, q, kv: s + _slopes[h] * kv - _slopes[(h + 1) % H] * q + h * 0.25,
-                                   True),
-    "relative_table": (lambda s, b, h, q, kv: s + _table[h % 4, (kv - q) % 64], False),
-    "product_of_sides": (lambda s, b, h, q, kv: s + q * kv * 1e-3, False),
-    "absolute_distance": (lambda s, b, h, q, kv: s - _slopes[h] * (kv - q).abs(), False),
-    "score_not_linear": (lambda s, b, h, q, kv: torch.tanh(s) + _q_bias[q], False),
-    "score_times_a_side": (lambda s, b, h, q, kv: s * _q_bias[q], False),
-    "score_subtracted": (lambda s, b, h, q, kv: _k_bias[kv] - s, False),
-    "score_used_twice": (lambda s, b, h, q, kv: s + s * 0.1 + _q_bias[q], False),
-    "factor_on_the_sum": (lambda s, b, h, q, kv: (s + _q_bias[q]) * 0.5, False),
-    "where_on_both_sides": (lambda s, b, h, q, kv: s + torch.where(q >= kv, 0.0, -1.0), False),
-    "floor_division": (lambda s, b, h, q, kv: s + (kv - q) // 2, False),
-    "identity": (lambda s, b, h, q, kv: s, False),
+                                   True, True),
+    "relative_table": (lambda s, b, h, q, kv: s + _table[h % 4, (kv - q) % 64], False, False),
+    "product_of_sides": (lambda s, b, h, q, kv: s + q * kv * 1e-3, False, False),
+    "absolute_distance": (lambda s, b, h, q, kv: s - _slopes[h] * (kv - q).abs(), False, False),
+    "score_not_linear": (lambda s, b, h, q, kv: torch.tanh(s) + _q_bias[q], False, False),
+    "score_times_a_side": (lambda s, b, h, q, kv: s * _q_bias[q], False, False),
+    "score_subtracted": (lambda s, b, h, q, kv: _k_bias[kv] - s, False, False),
+    "score_used_twice": (lambda s, b, h, q, kv: s + s * 0.1 + _q_bias[q], False, False),
+    "factor_on_the_sum": (lambda s, b, h, q, kv: (s + _q_bias[q]) * 0.5, False, False),
+    "where_on_both_sides": (lambda s, b, h, q, kv: s + torch.where(q >= kv, 0.0, -1.0), False, False),
+    "floor_division": (lambda s, b, h, q, kv: s + (kv - q) // 2, False, False),
+    "identity": (lambda s, b, h, q, kv: s, False, False),
 }
 
 
@@ -587,46 +589,68 @@ def test_which_score_mods_are_the_score_plus_a_separable_bias(name):
     """lower_mod's separate (launch.SEPARATE_SCORE_BIAS): a score_mod that adds to the score (or to its folded
     input factor's product) terms of the queries alone and of the keys alone is found separable; products of the two
     sides, gathers or non-linear functions of both, a score used twice, negated or scaled after the sum are not. The
-    forwards take the separable ones apart (row_bias); the backward and decoding keep the mod as it is."""
+    forwards take the separable ones apart (row_bias); the backward and decoding keep the mod as it is. Of those, a
+    bias whose terms of kv_idx are kv_idx under sums and constant factors is affine in it (lower_mod's affine_keys:
+    not a floor division or a square of kv_idx); the forwards take its key side as a vector per walk and a scalar
+    per tile (tile_bias), fwd_ws.py.jinja at the head dims asked (AFFINE_BIAS), the others there on the compact
+    vector or the tile's columns."""
     from flexlite.codegen.kernel import generate, generate_backward
     from flexlite.codegen.lower import lower_mod
 
-    mod, separable = SEPARABLE_MODS[name]
+    mod, separable, affine = SEPARABLE_MODS[name]
     low = lower_mod(trace_mod(mod, "score_mod"), "score_mod", "sm_", fold_scales=True, separate=True)
-    assert low.separable == separable
-    assert not lower_mod(trace_mod(mod, "score_mod"), "score_mod", "sm_", fold_scales=True).separable
+    assert low.separable == separable and low.affine_keys == affine
+    plain = lower_mod(trace_mod(mod, "score_mod"), "score_mod", "sm_", fold_scales=True)
+    assert not plain.separable and not plain.affine_keys
     source = flexlite.kernel_source(mod, device=DEVICE)
     assert ("row_bias" in source) == separable and ("score_mod(-0.0, " in source) == separable
-    for template in ("fwd_ws.py.jinja",):
-        ws = generate(template, mod, None, interpret=False, fold_scales=True, separate=True,
-                      compact_bias_dims=(64, 128))
-        assert ("row_bias" in ws.source) == separable and ("offs_kb" in ws.source) == separable
+    assert ("tile_bias" in source) == affine
+    ws = generate("fwd_ws.py.jinja", mod, None, interpret=False, fold_scales=True, separate=True,
+                  compact_bias_dims=(128,))
+    assert ("row_bias" in ws.source) == separable and ("offs_kb" in ws.source) == separable
+    assert "tile_bias" not in ws.source  # (affine_keys off)
+    ws = generate("fwd_ws.py.jinja", mod, None, interpret=False, fold_scales=True, separate=True, affine_keys=True,
+                  compact_bias_dims=(128,), affine_bias_dims=(64,))
+    assert ("tile_bias" in ws.source) == affine and ("AFFINE_BIAS: gl.constexpr = (D == 64)" in ws.source) == affine
+    assert ("row_bias" in ws.source) == separable and ("offs_kb" in ws.source) == separable
     assert "row_bias" not in generate("decode.py.jinja", mod, None, interpret=False, separate=True).source
     assert "row_bias" not in generate_backward(mod, None, interpret=False).source
 
 
 @pytest.mark.parametrize("Lq, Lkv", [(100, 70), (63, 200)], ids=["more-queries-than-keys", "ragged"])
-@pytest.mark.parametrize("name", sorted(n for n, (_, separable) in SEPARABLE_MODS.items() if separable))
-def test_a_separable_bias_leaves_outputs_lse_max_scores_and_gradients_the_references(name, Lq, Lkv):
+@pytest.mark.parametrize("name, affine", [(n, a) for n, (_, separable, affine) in sorted(SEPARABLE_MODS.items())
+                                          if separable for a in ((True, False) if affine else (False,))])
+def test_a_separable_bias_leaves_outputs_lse_max_scores_and_gradients_the_references(monkeypatch, name, affine,
+                                                                                      Lq, Lkv):
     """The forward adds bias(q_anchor, kv) to the scores and bias(q, k0) - bias(q_anchor, k0) to each row's LSE and
     max_scores (k0 a key in range: with more queries than keys the query block's first row is not one); the backward
-    reads that LSE with the whole mod. All of it is the reference's, under a block mask with partial and full
-    blocks, with GQA."""
+    reads that LSE with the whole mod. A bias affine in kv_idx (launch.AFFINE_KEY_BIAS) goes in as
+    bias(q_anchor, q_anchor + j) - bias(q_anchor, q_anchor) along a tile's columns j (keys past the sequence where
+    q_anchor is) and bias(q_anchor, start_n) in the row max. All of it is the reference's, under a block mask with
+    partial and full blocks, with GQA."""
     from flexlite import AuxRequest
+    from flexlite.runtime import launch
 
+    monkeypatch.setattr(launch, "AFFINE_KEY_BIAS", affine)
     mod = SEPARABLE_MODS[name][0]
     q, k, v = (t.requires_grad_() for t in rand_qkv(1, H, 1, Lq, Lkv, 16, seed=21))
     bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx + 20 >= kv_idx, None, None, Lq, Lkv, device=DEVICE,
                            BLOCK_SIZE=32)
     out, aux = flex_attention(q, k, v, score_mod=mod, block_mask=bm, enable_gqa=True,
                               return_aux=AuxRequest(lse=True, max_scores=True))
-    assert "row_bias" in flexlite.kernel_source(mod, bm, device=DEVICE)
+    source = flexlite.kernel_source(mod, bm, device=DEVICE)
+    assert "row_bias" in source and ("tile_bias" in source) == affine
     ref, ref_lse, ref_max = attention_reference(q, k, v, score_mod=mod, block_mask=bm, enable_gqa=True,
                                                 return_max=True)
     assert_close(out, ref, *TOLERANCES[torch.float32])
     assert_close(aux.lse, ref_lse, *TOLERANCES[torch.float32], name="lse")
     assert_close(aux.max_scores, ref_max, *TOLERANCES[torch.float32], name="max_scores")
     assert_grads_like_reference(out, ref, (q, k, v))
+    with torch.no_grad():  # and without a block mask (the dense walk's tiles)
+        out, lse = flex_attention(q, k, v, score_mod=mod, enable_gqa=True, return_lse=True)
+        ref, ref_lse = attention_reference(q, k, v, score_mod=mod, enable_gqa=True)
+    assert_close(out, ref, *TOLERANCES[torch.float32], name="out, dense")
+    assert_close(lse, ref_lse, *TOLERANCES[torch.float32], name="lse, dense")
 
 
 def test_a_bias_read_from_a_captured_tensor_is_not_separated_whatever_it_holds(monkeypatch):

@@ -136,6 +136,7 @@ FORWARD_WS = {
     "causal, max_scores stored, D128": (None, "causal", 128, L, L, (2, 2)),
     "document, key values on a compact vector, D64": (None, "document", 64, L, L, (2, 2)),
     "causal, ALiBi a separable bias, D128": (generate_alibi_bias(2), "causal", 128, L, L, (2, 2)),
+    "causal, ALiBi affine in kv_idx, D64": (generate_alibi_bias(2), "causal", 64, L, L, (2, 2)),
     "causal, softcap folded, against its bound, D128": (generate_tanh_softcap(30.0, approx=True), "causal", 128, L,
                                                         L, (2, 2)),
     "document, LLVM at O0 against Triton's O3, D128": (None, "document", 128, L, L, (2, 2)),
@@ -184,6 +185,10 @@ def _compile_ws(case: str) -> dict:
         launch.WS_FWD_LLVM_OPT_LEVELS = {}
         o3 = offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads)
         facts.update(o3_loops=offline.sass_loops(o3), o3_llir_i1_vectors=o3.asm["llir"].count("x i1>"))
+    if "affine" in case:  # and with its key side computed on the tile's columns
+        launch.AFFINE_KEY_BIAS = False
+        facts["column_loops"] = offline.sass_loops(
+            offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads))
     if "separable" in case:  # and with its key side on the tile's columns, and with the bias in every score
         launch.WS_FWD_COMPACT_BIAS_HEAD_DIMS = frozenset()
         column = offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads)
@@ -267,8 +272,11 @@ def test_warp_specialized_forward_compiles_for_sm90(case):
         for i in tiles:
             assert loops[i]["MUFU"] == sfu[i]["MUFU"] - 16 and loops[i]["STL"] == 0, (loops[i], sfu[i])
             assert 100 <= loops[i]["instructions"] - sfu[i]["instructions"] <= 160, (loops[i], sfu[i])
-    # launch.WS_FWD_LLVM_OPT_LEVELS (O0): no vector of compare results for the NVPTX backend to unpack bit by bit
-    assert facts["llir_i1_vectors"] == 0
+    # launch.WS_FWD_LLVM_OPT_LEVELS (O0): no vector of compare results for the NVPTX backend to unpack bit by bit (the
+    # dense walk at D64 compiles at Triton's O3, WS_FWD_DENSE_LLVM_OPT_LEVELS: there ragged keys' compares may be)
+    score_mod, mask, D = FORWARD_WS[case][:3]
+    if mask != "none" or D in launch.WS_FWD_DENSE_LLVM_OPT_LEVELS:
+        assert facts["llir_i1_vectors"] == 0
     if "LLVM" in case:
         # at Triton's O3 the SLP vectorizer packs the partial tiles' mask compares into <64 x i1> vectors, unpacked
         # with shifts and logic ops (L 256, document: partial-tile loops ~1350 -> ~850 instructions at O0, full-tile
@@ -299,6 +307,19 @@ def test_warp_specialized_forward_compiles_for_sm90(case):
             assert loops[i]["instructions"] < column[i]["instructions"] - 100, (loops[i], column[i])
         for i in partial:
             assert abs(loops[i]["instructions"] - column[i]["instructions"]) <= 8, (loops[i], column[i])
+
+
+    if "affine" in case:
+        # launch.AFFINE_KEY_BIAS, WS_FWD_AFFINE_BIAS_HEAD_DIMS: ALiBi's key side, affine in kv_idx, as a vector of the
+        # tile's columns computed once per item and held in registers, plus one scalar per tile in the row max: no
+        # index, conversion or multiply per column in the tile loops (L 1024: full-tile loops 654 -> 505
+        # instructions, partial ones 784 -> 666; benchmarks/NOTES.md 86), no spill stores in them
+        loops, column = facts["loops"], facts["column_loops"]
+        tiles = [i for i, loop in enumerate(column) if loop["MUFU"] == 66]  # 64 exponentials and 2 rescales a tile
+        assert len(tiles) == 4 and len(loops) == len(column), column
+        for i in tiles:
+            assert loops[i]["instructions"] < column[i]["instructions"] - 100 and loops[i]["STL"] == 0, \
+                (loops[i], column[i])
 
 
 # the warp-specialized (Gluon) dK / dV kernel: (score_mod, mask, head dim, (query heads, kv heads), options of

@@ -719,18 +719,23 @@ if ON_HOPPER:
         assert torch.equal(out, plain) and torch.equal(aux.lse, lse)
         assert_close(aux.max_scores, ref_max, *LSE_TOLERANCES[torch.bfloat16], name="max_scores")
 
-    @pytest.mark.parametrize("compact", [True, False], ids=["compact key vector", "column vector"])
+    @pytest.mark.parametrize("key_side", ["affine", "compact key vector", "column vector"])
     @pytest.mark.parametrize("shape, grid", WS_FORWARD_RUNS)
     @pytest.mark.parametrize("name", ["alibi", "input_factor_and_sides", "two_slopes_and_a_head_term",
                                       "query_side_only", "minus_a_float_distance"])
-    def test_separable_score_mod_biases(monkeypatch, name, shape, grid, compact):
-        # launch.SEPARATE_SCORE_BIAS, WS_FWD_COMPACT_BIAS_HEAD_DIMS: the key side of the bias taken along the tiles'
-        # keys (on a compact vector or on the tile's columns), the query side added to LSE and max_scores once per
-        # row; out, lse and max_scores are the reference's (test_codegen's mods, at every head count here)
+    def test_separable_score_mod_biases(monkeypatch, name, shape, grid, key_side):
+        # launch.SEPARATE_SCORE_BIAS, AFFINE_KEY_BIAS, WS_FWD_AFFINE_BIAS_HEAD_DIMS, WS_FWD_COMPACT_BIAS_HEAD_DIMS: the
+        # key side of the bias taken along the tiles' keys (where affine in kv_idx as one vector per item plus a
+        # scalar per tile in the row max, else on a compact vector or on the tile's columns), the query side added to
+        # LSE and max_scores once per row; out, lse and max_scores are the reference's (test_codegen's mods, at every
+        # head count here; input_factor_and_sides' key side is not affine)
         from flexlite import AuxRequest
         from helpers import LSE_TOLERANCES
         from test_codegen import SEPARABLE_MODS
 
+        compact = key_side == "compact key vector"
+        monkeypatch.setattr(launch, "AFFINE_KEY_BIAS", key_side == "affine")
+        monkeypatch.setattr(launch, "WS_FWD_AFFINE_BIAS_HEAD_DIMS", frozenset({64, 128}))
         monkeypatch.setattr(launch, "WS_FWD_COMPACT_BIAS_HEAD_DIMS", frozenset({64, 128} if compact else ()))
         monkeypatch.setattr(launch, "WS_FWD_PERSISTENT", grid == "persistent")
         if grid == "persistent":
@@ -749,6 +754,7 @@ if ON_HOPPER:
         q, k, v = rand_qkv(B, Hq, Hkv, Lq, Lkv, D, dtype=torch.bfloat16, seed=23)
         source = kernel_source(mod, bm, device=DEVICE, kernel="forward_ws")
         assert "row_bias" in source and ("offs_kb" in source) == compact
+        assert ("tile_bias" in source) == (key_side == "affine" and SEPARABLE_MODS[name][2])
         out, aux = flex_attention(q, k, v, score_mod=mod, block_mask=bm, enable_gqa=Hq != Hkv,
                                   kernel_options={"WARP_SPECIALIZE": True},
                                   return_aux=AuxRequest(lse=True, max_scores=True))

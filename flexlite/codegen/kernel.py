@@ -80,16 +80,18 @@ def _refuse_bfloat16_arithmetic(*traced_mods) -> None:
 def _render(template: str, sm_source: str, mm_source: str, sm_params: tuple, mm_params: tuple,
             interpret: bool, sm_name: str, mm_name: str, extra: tuple = (), sm_hoisted: tuple = (),
             sm_hoist_source: str = "", mm_hoisted: tuple = (), mm_hoist_source: str = "",
-            sm_scales: tuple = (None, None), sm_separable: bool = False, compact_bias_dims: tuple = (),
-            score_bound: Optional[float] = None, llvm_opt_levels: tuple = (), poly_exp2: tuple = ()) -> str:
+            sm_scales: tuple = (None, None), sm_separable: bool = False, sm_affine_keys: bool = False,
+            compact_bias_dims: tuple = (), affine_bias_dims: tuple = (), score_bound: Optional[float] = None,
+            llvm_opt_levels: tuple = (), poly_exp2: tuple = ()) -> str:
     sm = LoweredMod("score_mod", sm_source, list(sm_params), [], hoisted=sm_hoisted, hoist_source=sm_hoist_source,
-                    in_scale=sm_scales[0], out_scale=sm_scales[1], separable=sm_separable)
+                    in_scale=sm_scales[0], out_scale=sm_scales[1], separable=sm_separable,
+                    affine_keys=sm_affine_keys)
     mm = LoweredMod("mask_mod", mm_source, list(mm_params), [], hoisted=mm_hoisted, hoist_source=mm_hoist_source)
     extra_mods = {name: LoweredMod(name, src, list(params), []) if src is not None else None
                   for name, src, params in extra}
     return render(template, sm, mm, interpret=interpret, score_mod_name=sm_name, mask_mod_name=mm_name,
-                  extra_mods=extra_mods, compact_bias_dims=compact_bias_dims, score_bound=score_bound,
-                  llvm_opt_levels=llvm_opt_levels, poly_exp2=poly_exp2)
+                  extra_mods=extra_mods, compact_bias_dims=compact_bias_dims, affine_bias_dims=affine_bias_dims,
+                  score_bound=score_bound, llvm_opt_levels=llvm_opt_levels, poly_exp2=poly_exp2)
 
 
 # the largest score bound (base 2) a kernel takes in place of the running row max: P's smallest weight,
@@ -132,8 +134,8 @@ def _levels(levels: Optional[dict]) -> tuple:
 
 def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Callable], *,
              interpret: bool, float_index: bool = False, fold_scales: bool = False,
-             key_values: bool = False, separate: bool = False, compact_bias_dims: tuple = (),
-             bounded: bool = False, llvm_opt_levels: Optional[dict] = None,
+             key_values: bool = False, separate: bool = False, affine_keys: bool = False,
+             compact_bias_dims: tuple = (), affine_bias_dims: tuple = (), bounded: bool = False, llvm_opt_levels: Optional[dict] = None,
              poly_exp2: Optional[dict] = None) -> GeneratedKernel:
     """Kernel source for ``template`` with ``score_mod`` / ``mask_mod`` (None: identity / keep all).
     ``float_index``: lower index arithmetic that ends in float32 from float index vectors (the caller guarantees
@@ -142,8 +144,11 @@ def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Ca
     (fwd_ws.py.jinja): mask_mod's values from b, h, kv_idx and captured tensors alone (its gathers along the keys)
     computed apart, on a compact key vector. ``separate`` (the forward templates): a score_mod that is the score plus
     a bias of a query side and a key side takes the query side once per row, into the LSE (lower_mod's
-    ``separate``); ``compact_bias_dims`` (fwd_ws.py.jinja): the head dims at which that bias along the keys is
-    computed on a compact key vector. ``bounded`` (fwd_ws.py.jinja, bf16 inputs only: the caller's to know): where
+    ``separate``); ``affine_keys``: where that bias is affine in kv_idx, its key side as one vector per walk plus a
+    scalar per tile that joins the row max (lower_mod's :attr:`~flexlite.codegen.lower.LoweredMod.affine_keys`);
+    ``affine_bias_dims`` (fwd_ws.py.jinja): the head dims at which it does so there (fwd.py.jinja: at all);
+    ``compact_bias_dims`` (fwd_ws.py.jinja): the head dims at which a bias not taken so is computed along the keys
+    on a compact key vector. ``bounded`` (fwd_ws.py.jinja, bf16 inputs only: the caller's to know): where
     score_mod's folded output factor bounds it (``cap * tanh`` with cap * log2(e) up to :data:`MAX_BOUND`), the
     softmax runs against that bound instead of the running row max. ``llvm_opt_levels`` (fwd_ws.py.jinja): head
     dim -> the LLVM optimization level its launcher compiles it at (others: Triton's own;
@@ -162,8 +167,11 @@ def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Ca
                      interpret, sm.name if sm else "none", mm.name if mm else "none", (), low_sm.hoisted,
                      low_sm.hoist_source, low_mm.hoisted, low_mm.hoist_source,
                      sm_scales=(low_sm.in_scale, low_sm.out_scale), sm_separable=low_sm.separable,
+                     sm_affine_keys=affine_keys and low_sm.affine_keys,
                      compact_bias_dims=tuple(sorted(compact_bias_dims))
                      if low_sm.separable and template == "fwd_ws.py.jinja" else (),
+                     affine_bias_dims=tuple(sorted(affine_bias_dims))
+                     if affine_keys and low_sm.affine_keys and template == "fwd_ws.py.jinja" else (),
                      score_bound=_score_bound(low_sm) if bounded and template == "fwd_ws.py.jinja" else None,
                      llvm_opt_levels=_levels(llvm_opt_levels) if template == "fwd_ws.py.jinja" else (),
                      poly_exp2=_one_in(poly_exp2) if template == "fwd_ws.py.jinja" else ())

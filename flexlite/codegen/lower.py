@@ -448,6 +448,9 @@ class LoweredMod:
     # score_mod is ``score + bias`` with a bias that splits into a query side and a key side (lower_mod's
     # ``separate``): the function then gives the bias when called with score -0.0
     separable: bool = False
+    # that bias is affine in kv_idx (:func:`_affine_in_keys`): along a tile's keys start_n + j, the bias at
+    # start_n plus one vector of j that is the same for every tile
+    affine_keys: bool = False
 
     def kernel_args(self) -> list:
         """Runtime values for ``params``: per tensor its pointer, strides, sizes."""
@@ -982,6 +985,46 @@ def _separable_bias(low: "_Lowerer") -> bool:
             all(len(n.users) == 1 for n in scored) and score_plus_bias(out))
 
 
+def _affine_in_keys(low: "_Lowerer") -> bool:
+    """Whether a separable score_mod's (:func:`_separable_bias`) bias is affine in kv_idx: its terms that read kv_idx
+    are kv_idx under adds, subtracts, negations, conversions to float and multiplies or divisions by numbers or what
+    b and h alone give (ALiBi's ``slopes[h] * (kv_idx - q_idx)``; not ``(kv_idx // 3)``). Then bias(q0, start_n + j)
+    = bias(q0, start_n) + [bias(q0, q0 + j) - bias(q0, q0)] for every tile start_n: the bracket, a vector of the
+    tile's columns, is the same in every tile, and the forwards add it to each score and the first term, one scalar
+    per tile, to the row max (fwd.py.jinja, fwd_ws.py.jinja). Nothing it computes from kv_idx reads a captured tensor,
+    so the kernel may evaluate it at keys past the sequence (q0 + j)."""
+    gm = low.traced.graph_module
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    kv = next((n for n in gm.graph.nodes if n.op == "placeholder" and n.target == "kv_idx"), None)
+    reads_keys = set() if kv is None else {kv}
+    for node in gm.graph.nodes:
+        if any(i in reads_keys for i in node.all_input_nodes):
+            reads_keys.add(node)
+    tile_constant = low.bh_only[0]
+
+    def constant(v) -> bool:  # along the tile's keys, and a number or a value of b and h alone
+        return (isinstance(v, (int, float)) and not isinstance(v, bool)) or v in tile_constant
+
+    def affine(v) -> bool:
+        if not isinstance(v, fx.Node) or v not in reads_keys or v is kv:
+            return True
+        if v.kwargs:
+            return False
+        key = op_key(v)
+        if key in _SUM_OPS:
+            return all(affine(a) for a in v.args)
+        if key == "to":
+            return v.meta.get("dtype") in (torch.float32, torch.float64) and len(v.args) >= 1 and affine(v.args[0])
+        if key in _SCALE_OPS and len(v.args) == 2:
+            a, b = v.args
+            if constant(b):
+                return affine(a)
+            return key == "mul" and constant(a) and affine(b)
+        return False
+
+    return affine(out)
+
+
 def lower_mod(traced: TracedMod, fn_name: str, prefix: str, float_index: bool = False,
               hoist: tuple = (), fold_scales: bool = False,
               separate: bool = False) -> LoweredMod:
@@ -995,11 +1038,13 @@ def lower_mod(traced: TracedMod, fn_name: str, prefix: str, float_index: bool = 
     input and a small positive one of a bounded output (softcap's ``30 * tanh(score / 30)``; :func:`_fold_scales`)
     are left to the kernel, which folds them into its own multiplies (:attr:`LoweredMod.in_scale`,
     :attr:`LoweredMod.out_scale`). ``separate`` (score_mod): whether the mod is the score plus a bias that splits
-    into a query side and a key side (:func:`_separable_bias`, :attr:`LoweredMod.separable`); the source is the
-    same either way."""
+    into a query side and a key side (:func:`_separable_bias`, :attr:`LoweredMod.separable`), and whether that bias
+    is affine in kv_idx (:func:`_affine_in_keys`, :attr:`LoweredMod.affine_keys`); the source is the same either
+    way."""
     low = _Lowerer(traced, prefix, float_index)
     in_scale, out_scale = _fold_scales(low) if fold_scales else (None, None)
     separable = separate and traced.kind == "score_mod" and _separable_bias(low)
+    affine_keys = separable and _affine_in_keys(low)
     lines, result = low.run()
     invariant, moved, hoisted = _hoistable(low, hoist) if hoist else (set(), set(), [])
     hoist_lines = [line for n in low.traced.graph_module.graph.nodes if n in invariant
@@ -1028,7 +1073,7 @@ def lower_mod(traced: TracedMod, fn_name: str, prefix: str, float_index: bool = 
             + [f"    {line}" for line in hoist_lines] + [f"    return {', '.join(names)}"]) + "\n"
     return LoweredMod(fn_name=fn_name, source=source, params=low.params, tensors=low.tensors,
                       result_dtype=result.dtype, hoisted=names, hoist_source=hoist_source, in_scale=in_scale,
-                      out_scale=out_scale, separable=separable)
+                      out_scale=out_scale, separable=separable, affine_keys=affine_keys)
 
 
 def identity_score_mod() -> LoweredMod:

@@ -40,14 +40,15 @@ def _param_list(names: list) -> str:
 
 def render(template: str, score_mod: LoweredMod, mask_mod: LoweredMod, *, interpret: bool,
            score_mod_name: str = "none", mask_mod_name: str = "none", extra_mods: Optional[dict] = None,
-           compact_bias_dims: tuple = (), score_bound: Optional[float] = None,
+           compact_bias_dims: tuple = (), affine_bias_dims: tuple = (), score_bound: Optional[float] = None,
            llvm_opt_levels: tuple = (), poly_exp2: tuple = ()) -> str:
     """Render ``template`` (e.g. ``"fwd.py.jinja"``) into kernel source text.
 
     ``extra_mods`` (name -> LoweredMod or None), for the backward's derivative functions: each becomes
     ``<name>_source`` and ``<name>_args`` ("" if None), and all their parameters ``extra_params``.
     ``compact_bias_dims`` (fwd_ws.py.jinja): the head dims at which a separable score_mod's bias along the keys is
-    computed on a compact vector. ``score_bound`` (fwd_ws.py.jinja): a bound of score_mod's output in base 2 that the
+    computed on a compact vector; ``affine_bias_dims`` (fwd_ws.py.jinja): those at which a bias affine in kv_idx
+    (:attr:`LoweredMod.affine_keys`) is taken as one vector per walk plus a scalar per tile. ``score_bound`` (fwd_ws.py.jinja): a bound of score_mod's output in base 2 that the
     kernel takes instead of the running row max. ``llvm_opt_levels`` (the Gluon templates, fwd_ws.py.jinja and
     bwd_ws.py.jinja): (head dim, LLVM optimization level) pairs, the level the kernel compiles at per head dim (others:
     Triton's own; llvm_level.llvm_opt_level). ``poly_exp2`` (fwd_ws.py.jinja): (head dim, N) pairs, P's exponentials
@@ -95,7 +96,11 @@ def render(template: str, score_mod: LoweredMod, mask_mod: LoweredMod, *, interp
         # score_mod is the score plus a bias of a query side and a key side (lower_mod's separate): the forwards add
         # the key side to each score and the query side to each row's LSE
         score_separable=score_mod.separable,
+        # and that bias is affine in kv_idx: its key side a vector of the tile's columns computed once per walk plus a
+        # scalar per tile, added to the row max (lower_mod's affine_keys)
+        score_affine=score_mod.separable and score_mod.affine_keys,
         compact_bias_dims=compact_bias_dims,
+        affine_bias_dims=affine_bias_dims,
         score_bound=None if score_bound is None else repr(float(score_bound)),
         llvm_opt_levels=repr(dict(llvm_opt_levels)),
         poly_exp2=poly_exp2,

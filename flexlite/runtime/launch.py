@@ -544,11 +544,19 @@ FOLD_SCORE_SCALES = True
 # per score with that key side computed along a tile's columns, and add the rest, constant along each row, to the
 # row's LSE (and max_scores) once: a softmax does not see what is constant along a row (NOTES 62)
 SEPARATE_SCORE_BIAS = True
-# head dims at which the warp-specialized forward computes that key side on full tiles once per tile on a compact key
-# vector, a key per thread, and spreads it along the tile's columns (as WS_FWD_KEY_VALUES does for mask_mod); elsewhere
-# on the tile's column vector, 32 keys per thread (H200, ALiBi + causal's forward: 5.5 % faster at D128, 5.3 % slower
-# at D64, NOTES 62)
+# where that bias is affine in kv_idx (ALiBi's; lower_mod's affine_keys), the forwards take its key side as a vector of
+# a tile's columns computed once per walk, the same in every tile, plus the bias at the tile's first key, one scalar
+# per tile added to the row max: no per-score bias arithmetic in the tile loop (NOTES 86)
+AFFINE_KEY_BIAS = True
+# head dims at which the warp-specialized forward computes a key side that is not affine (or all with AFFINE_KEY_BIAS
+# off) on full tiles once per tile on a compact key vector, a key per thread, and spreads it along the tile's columns
+# (as WS_FWD_KEY_VALUES does for mask_mod); elsewhere on the tile's column vector, 32 keys per thread (H200, ALiBi +
+# causal's forward: 5.5 % faster at D128, 5.3 % slower at D64, NOTES 62)
 WS_FWD_COMPACT_BIAS_HEAD_DIMS = frozenset({128})
+# head dims at which the warp-specialized forward takes an affine key side so (AFFINE_KEY_BIAS), the vector held in
+# registers through the walk (32 a thread; offline, ALiBi + causal's full-tile loop 654 -> 505 instructions at D64; at
+# D128 its compact form's 571 against 564 with 16 spill loads a tile: NOTES 86)
+WS_FWD_AFFINE_BIAS_HEAD_DIMS = frozenset({64})
 # the warp-specialized forward runs a bounded score_mod (softcap's cap * tanh, cap * log2(e) up to kernel.MAX_BOUND)
 # against that bound instead of the running row max, with bf16 inputs and without max_scores: no row max, no rescale
 # of O, P's row sums from the tensor cores (P times ones), so that l sums the bf16 weights P V multiplies (NOTES 64)
