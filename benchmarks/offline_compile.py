@@ -127,8 +127,10 @@ def sass_loops(ck) -> list:
         sass = _disassemble(f.name)
     ins = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in
            re.finditer(r"^\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)\s*([^;]*)", sass, re.M)]
-    spans = [(int(arg.split()[0], 16), addr) for addr, op, arg in ins
-             if op == "BRA" and int(arg.split()[0], 16) < addr]  # backward branches: loops
+    # backward branches: loops (a branch's target is its last operand: ``BRA 0x...`` or ``BRA P1, 0x...``)
+    targets = [(int(re.findall(r"0x[0-9a-f]+", arg)[-1], 16), addr) for addr, op, arg in ins
+               if op.split(".")[0] == "BRA" and re.search(r"0x[0-9a-f]+", arg)]
+    spans = [(target, addr) for target, addr in targets if target < addr]
     ops = {span: collections.Counter(op.split(".")[0] for addr, op, _ in ins if span[0] <= addr <= span[1])
            for span in set(spans)}
     tile = [span for span, c in ops.items() if c["HGMMA"]]

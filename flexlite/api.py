@@ -566,7 +566,7 @@ def _generate(score_mod, block_mask, device: torch.device, template: str = "fwd.
                     key_values=_launch.WS_FWD_KEY_VALUES,
                     separate=_launch.SEPARATE_SCORE_BIAS, affine_keys=_launch.AFFINE_KEY_BIAS,
                     compact_bias_dims=_launch.WS_FWD_COMPACT_BIAS_HEAD_DIMS,
-                    affine_bias_dims=_launch.WS_FWD_AFFINE_BIAS_HEAD_DIMS,
+                    affine_bias_dims=_launch.WS_FWD_AFFINE_BIAS_HEAD_DIMS, decide_mask_terms=_launch.DECIDE_MASK_TERMS,
                     bounded=_launch.WS_FWD_BOUNDED_SOFTMAX and dtype == torch.bfloat16 and not max_scores,
                     llvm_opt_levels=(_launch.WS_FWD_DENSE_LLVM_OPT_LEVELS if block_mask is None
                                      else _launch.WS_FWD_LLVM_OPT_LEVELS),

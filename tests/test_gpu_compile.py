@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from flexlite import create_block_mask
-from flexlite.masks import causal_mask, generate_doc_mask_mod
+from flexlite.masks import causal_mask, generate_doc_mask_mod, generate_sliding_window
 from flexlite.mods import generate_alibi_bias, generate_tanh_softcap
 from flexlite.runtime import launch
 
@@ -82,7 +82,8 @@ def _masks():
     document = torch.arange(L) // 96
     return {"none": None, "causal": create_block_mask(causal_mask, None, None, L, L, device="cpu"),
             "document": create_block_mask(generate_doc_mask_mod(causal_mask, document), None, None, L, L,
-                                          device="cpu")}
+                                          device="cpu"),
+            "sliding window": create_block_mask(generate_sliding_window(300), None, None, L, L, device="cpu")}
 
 
 # (score_mod, mask, head dim, tile (BLOCK_M, BLOCK_N, warps, stages), tensor descriptors, half partial tiles)
@@ -92,13 +93,21 @@ FORWARD = {
     "causal, ALiBi (hoisted gather)": (generate_alibi_bias(2), "causal", 128, (128, 64, 4, 2), False, False),
     "causal, half partial tiles": (None, "causal", 128, (128, 64, 4, 2), False, True),
     "document (mask gathers), D80": (None, "document", 80, (64, 64, 4, 3), False, False),
+    "sliding window, mask terms decided per tile": (None, "sliding window", 64, (128, 128, 4, 3), True, False),
+    "causal, its one mask term decided per tile": (None, "causal", 128, (128, 64, 4, 2), False, False),
 }
 
 
 def _compile_forward(case: str) -> dict:
     score_mod, mask, D, tile, tma, split = FORWARD[case]
     offline = _offline()
-    return _facts(offline.compile_forward(score_mod, _masks()[mask], D, tile, tma, L=L, split_partial=split), offline)
+    if "decided" in case:  # (launch.DECIDE_MASK_TERMS: the Triton forward too; a branch of -inf between the mask's
+        # variants made Triton's software pipeliner fail there)
+        launch.DECIDE_MASK_TERMS = launch.DECIDE_MASK_TERMS | {"fwd.py.jinja"}
+    from flexlite.api import _generate
+    source = _generate(score_mod, _masks()[mask], torch.device("cuda"), "fwd.py.jinja").source
+    return dict(_facts(offline.compile_forward(score_mod, _masks()[mask], D, tile, tma, L=L, split_partial=split),
+                       offline), source_decides="mask_mod_decide(" in source)
 
 
 @pytest.mark.parametrize("case", list(FORWARD))
@@ -107,6 +116,8 @@ def test_forward_compiles_for_sm90(case):
     assert facts["name"] == "flex_fwd_kernel"
     assert facts["ptx"]["wgmma"]  # Hopper's matmul, not a fallback
     assert 0 < facts["report"]["regs"] <= 255 and facts["report"]["HGMMA"] > 0
+    if "decided" in case:
+        assert facts["source_decides"], case
 
 
 def _compile_backward(case: str) -> dict:
@@ -137,6 +148,7 @@ FORWARD_WS = {
     "document, key values on a compact vector, D64": (None, "document", 64, L, L, (2, 2)),
     "causal, ALiBi a separable bias, D128": (generate_alibi_bias(2), "causal", 128, L, L, (2, 2)),
     "causal, ALiBi affine in kv_idx, D64": (generate_alibi_bias(2), "causal", 64, L, L, (2, 2)),
+    "sliding window, mask terms decided per tile, D64": (None, "sliding window", 64, L, L, (2, 2)),
     "causal, softcap folded, against its bound, D128": (generate_tanh_softcap(30.0, approx=True), "causal", 128, L,
                                                         L, (2, 2)),
     "document, LLVM at O0 against Triton's O3, D128": (None, "document", 128, L, L, (2, 2)),
@@ -155,6 +167,9 @@ def _compile_ws(case: str) -> dict:
     launch.FOLD_SCORE_SCALES = "folded" in case  # (a fresh process per compile)
     # (the other softcap cases keep the running max)
     launch.WS_FWD_BOUNDED_SOFTMAX = "bound" in case or "FMA pipes" in case
+    # (the affine key side's loops measured without the branches of causal's decided mask term)
+    if "affine" in case:
+        launch.DECIDE_MASK_TERMS = frozenset()
     if "FMA pipes" in case:  # and the same kernel with every exponential on the SFU, compiled first
         launch.WS_FWD_POLY_EXP2 = {}
         sfu = offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads)
@@ -185,6 +200,12 @@ def _compile_ws(case: str) -> dict:
         launch.WS_FWD_LLVM_OPT_LEVELS = {}
         o3 = offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads)
         facts.update(o3_loops=offline.sass_loops(o3), o3_llir_i1_vectors=o3.asm["llir"].count("x i1>"))
+    if "decided" in case:  # and with the whole mask on every partial tile, and in wide items
+        facts["wide_loops"] = offline.sass_loops(
+            offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads, wide=True))
+        launch.DECIDE_MASK_TERMS = frozenset()
+        facts["whole_loops"] = offline.sass_loops(
+            offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads))
     if "affine" in case:  # and with its key side computed on the tile's columns
         launch.AFFINE_KEY_BIAS = False
         facts["column_loops"] = offline.sass_loops(
@@ -309,6 +330,21 @@ def test_warp_specialized_forward_compiles_for_sm90(case):
             assert abs(loops[i]["instructions"] - column[i]["instructions"]) <= 8, (loops[i], column[i])
 
 
+    if "decided" in case:
+        # launch.DECIDE_MASK_TERMS: the partial tiles' loops branch to the mask's variants (sliding window: its band
+        # or its causality alone, or the whole mask), longer in code (L 2048: 873 -> ~1480 instructions) though a
+        # tile runs one branch, and spill nothing; the full-tile loops as they were; in wide items (three warpgroups
+        # at 160 registers, where the branches spilled) the loops are the whole mask's (DECIDE off there: NOTES 87)
+        loops, whole, wide = facts["loops"], facts["whole_loops"], facts["wide_loops"]
+        assert facts["report"]["spill_bytes"] == 0 and len(loops) == len(whole), (facts["report"], whole)
+        partial = [i for i, loop in enumerate(whole) if loop["MUFU"] >= 60 and loop["ISETP"] >= 128]
+        assert len(partial) == 2, whole
+        for i, (loop, before) in enumerate(zip(loops, whole)):
+            grew = loop["instructions"] - before["instructions"]
+            assert grew > 300 if i in partial else abs(grew) <= 12, (loop, before)
+        wide_partial = [loop["instructions"] for loop in wide if loop["MUFU"] >= 60 and loop["ISETP"] >= 128]
+        assert not any(loop["STL"] for loop in wide) and len(wide_partial) == 3, wide
+        assert all(abs(n - whole[partial[0]]["instructions"]) <= 12 for n in wide_partial), (wide, whole)
     if "affine" in case:
         # launch.AFFINE_KEY_BIAS, WS_FWD_AFFINE_BIAS_HEAD_DIMS: ALiBi's key side, affine in kv_idx, as a vector of the
         # tile's columns computed once per item and held in registers, plus one scalar per tile in the row max: no

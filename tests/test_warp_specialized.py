@@ -719,6 +719,33 @@ if ON_HOPPER:
         assert torch.equal(out, plain) and torch.equal(aux.lse, lse)
         assert_close(aux.max_scores, ref_max, *LSE_TOLERANCES[torch.bfloat16], name="max_scores")
 
+    @pytest.mark.parametrize("shape, grid", WS_FORWARD_RUNS)
+    @pytest.mark.parametrize("name", ["sliding_window", "prefix_lm", "affine_pair", "negative_factor_and_heads",
+                                      "equal_and_or", "with_an_undecided_term", "causal"])
+    def test_decided_mask_terms_leave_the_forward_bit_for_bit(monkeypatch, name, shape, grid):
+        # launch.DECIDE_MASK_TERMS: the warp-specialized forward leaves out of a partial tile's mask the terms its
+        # warpgroup's index ranges decide (two consumer warpgroups; three run the whole mask): out and lse the same
+        # bits as with the whole mask on every partial tile, and the reference's (test_decide's masks)
+        from test_decide import MASKS
+
+        monkeypatch.setattr(launch, "WS_FWD_PERSISTENT", grid == "persistent")
+        if grid == "persistent":
+            facts = launch._device_facts(torch.device(DEVICE))
+            monkeypatch.setattr(launch, "_device_facts", lambda device: (3, facts[1]))
+        B, Hq, Hkv, Lq, Lkv, D = shape
+        mod = MASKS[name][0]
+        bm = create_block_mask(mod, None, Hq, Lq, Lkv, device=DEVICE)
+        q, k, v = rand_qkv(B, Hq, Hkv, Lq, Lkv, D, dtype=torch.bfloat16, seed=41)
+        results = {}
+        for on in (True, False):
+            monkeypatch.setattr(launch, "DECIDE_MASK_TERMS", frozenset({"fwd_ws.py.jinja"} if on else ()))
+            assert ("mask_mod_decide" in kernel_source(None, bm, device=DEVICE, kernel="forward_ws")) == on
+            results[on] = flex_attention(q, k, v, block_mask=bm, enable_gqa=Hq != Hkv, return_lse=True,
+                                         kernel_options={"WARP_SPECIALIZE": True})
+        assert torch.equal(results[True][0], results[False][0]) and torch.equal(results[True][1], results[False][1])
+        ref, ref_lse = attention_reference(q, k, v, block_mask=bm, enable_gqa=Hq != Hkv)
+        assert_close(results[True][0], ref, *TOLERANCES[torch.bfloat16])
+
     @pytest.mark.parametrize("key_side", ["affine", "compact key vector", "column vector"])
     @pytest.mark.parametrize("shape, grid", WS_FORWARD_RUNS)
     @pytest.mark.parametrize("name", ["alibi", "input_factor_and_sides", "two_slopes_and_a_head_term",

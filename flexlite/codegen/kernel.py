@@ -13,6 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .decide import mask_variants
 from .grad import captured_grad_trace, score_grad_trace
 from .lower import LoweredMod, identity_score_mod, lower_mod, noop_mask_mod, op_key
 from .render import render
@@ -62,6 +63,16 @@ def _lowered(traced: Optional[TracedMod], fn_name: str, prefix: str, float_index
     return traced.lowered[key]
 
 
+def _mask_variants(traced: Optional[TracedMod]):
+    """mask_mod's :class:`~flexlite.codegen.decide.MaskVariants` (None: no term a tile decides), kept with its
+    trace."""
+    if traced is None:
+        return None
+    if "decide" not in traced.lowered:
+        traced.lowered["decide"] = mask_variants(traced)
+    return traced.lowered["decide"]
+
+
 def _refuse_bfloat16_arithmetic(*traced_mods) -> None:
     """On CPU: Triton 3.6's interpreter computes bfloat16 arithmetic wrongly (numpy has no bfloat16: products of two
     captured bf16 values came out NaN or off by whole units) and truncates casts to it; a mod computing a bfloat16
@@ -82,7 +93,7 @@ def _render(template: str, sm_source: str, mm_source: str, sm_params: tuple, mm_
             sm_hoist_source: str = "", mm_hoisted: tuple = (), mm_hoist_source: str = "",
             sm_scales: tuple = (None, None), sm_separable: bool = False, sm_affine_keys: bool = False,
             compact_bias_dims: tuple = (), affine_bias_dims: tuple = (), score_bound: Optional[float] = None,
-            llvm_opt_levels: tuple = (), poly_exp2: tuple = ()) -> str:
+            llvm_opt_levels: tuple = (), poly_exp2: tuple = (), mm_decide=None) -> str:
     sm = LoweredMod("score_mod", sm_source, list(sm_params), [], hoisted=sm_hoisted, hoist_source=sm_hoist_source,
                     in_scale=sm_scales[0], out_scale=sm_scales[1], separable=sm_separable,
                     affine_keys=sm_affine_keys)
@@ -91,7 +102,8 @@ def _render(template: str, sm_source: str, mm_source: str, sm_params: tuple, mm_
                   for name, src, params in extra}
     return render(template, sm, mm, interpret=interpret, score_mod_name=sm_name, mask_mod_name=mm_name,
                   extra_mods=extra_mods, compact_bias_dims=compact_bias_dims, affine_bias_dims=affine_bias_dims,
-                  score_bound=score_bound, llvm_opt_levels=llvm_opt_levels, poly_exp2=poly_exp2)
+                  score_bound=score_bound, llvm_opt_levels=llvm_opt_levels, poly_exp2=poly_exp2,
+                  mask_decide=mm_decide)
 
 
 # the largest score bound (base 2) a kernel takes in place of the running row max: P's smallest weight,
@@ -135,7 +147,8 @@ def _levels(levels: Optional[dict]) -> tuple:
 def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Callable], *,
              interpret: bool, float_index: bool = False, fold_scales: bool = False,
              key_values: bool = False, separate: bool = False, affine_keys: bool = False,
-             compact_bias_dims: tuple = (), affine_bias_dims: tuple = (), bounded: bool = False, llvm_opt_levels: Optional[dict] = None,
+             compact_bias_dims: tuple = (), affine_bias_dims: tuple = (), decide_mask_terms=(),
+             bounded: bool = False, llvm_opt_levels: Optional[dict] = None,
              poly_exp2: Optional[dict] = None) -> GeneratedKernel:
     """Kernel source for ``template`` with ``score_mod`` / ``mask_mod`` (None: identity / keep all).
     ``float_index``: lower index arithmetic that ends in float32 from float index vectors (the caller guarantees
@@ -148,7 +161,9 @@ def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Ca
     scalar per tile that joins the row max (lower_mod's :attr:`~flexlite.codegen.lower.LoweredMod.affine_keys`);
     ``affine_bias_dims`` (fwd_ws.py.jinja): the head dims at which it does so there (fwd.py.jinja: at all);
     ``compact_bias_dims`` (fwd_ws.py.jinja): the head dims at which a bias not taken so is computed along the keys
-    on a compact key vector. ``bounded`` (fwd_ws.py.jinja, bf16 inputs only: the caller's to know): where
+    on a compact key vector. ``decide_mask_terms``: the templates (of fwd.py.jinja, fwd_ws.py.jinja) in which
+    mask_mod's terms that a partial tile's index ranges decide are left out on that tile
+    (:mod:`flexlite.codegen.decide`). ``bounded`` (fwd_ws.py.jinja, bf16 inputs only: the caller's to know): where
     score_mod's folded output factor bounds it (``cap * tanh`` with cap * log2(e) up to :data:`MAX_BOUND`), the
     softmax runs against that bound instead of the running row max. ``llvm_opt_levels`` (fwd_ws.py.jinja): head
     dim -> the LLVM optimization level its launcher compiles it at (others: Triton's own;
@@ -174,7 +189,9 @@ def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Ca
                      if affine_keys and low_sm.affine_keys and template == "fwd_ws.py.jinja" else (),
                      score_bound=_score_bound(low_sm) if bounded and template == "fwd_ws.py.jinja" else None,
                      llvm_opt_levels=_levels(llvm_opt_levels) if template == "fwd_ws.py.jinja" else (),
-                     poly_exp2=_one_in(poly_exp2) if template == "fwd_ws.py.jinja" else ())
+                     poly_exp2=_one_in(poly_exp2) if template == "fwd_ws.py.jinja" else (),
+                     mm_decide=_mask_variants(mm) if template in decide_mask_terms and template in (
+                         "fwd.py.jinja", "fwd_ws.py.jinja") else None)
     return GeneratedKernel(template, source, low_sm, low_mm, has_score_mod=sm is not None)
 
 

@@ -41,7 +41,7 @@ def _param_list(names: list) -> str:
 def render(template: str, score_mod: LoweredMod, mask_mod: LoweredMod, *, interpret: bool,
            score_mod_name: str = "none", mask_mod_name: str = "none", extra_mods: Optional[dict] = None,
            compact_bias_dims: tuple = (), affine_bias_dims: tuple = (), score_bound: Optional[float] = None,
-           llvm_opt_levels: tuple = (), poly_exp2: tuple = ()) -> str:
+           llvm_opt_levels: tuple = (), poly_exp2: tuple = (), mask_decide=None) -> str:
     """Render ``template`` (e.g. ``"fwd.py.jinja"``) into kernel source text.
 
     ``extra_mods`` (name -> LoweredMod or None), for the backward's derivative functions: each becomes
@@ -53,6 +53,8 @@ def render(template: str, score_mod: LoweredMod, mask_mod: LoweredMod, *, interp
     bwd_ws.py.jinja): (head dim, LLVM optimization level) pairs, the level the kernel compiles at per head dim (others:
     Triton's own; llvm_level.llvm_opt_level). ``poly_exp2`` (fwd_ws.py.jinja): (head dim, N) pairs, P's exponentials
     one in N by a polynomial on the FMA pipes at that head dim (codegen.exp2; nothing rendered without).
+    ``mask_decide`` (the forward templates): mask_mod's :class:`~flexlite.codegen.decide.MaskVariants`, the terms a
+    partial tile's index ranges decide taken out per tile (None: the whole mask on every partial tile).
     """
     extra = {}
     extra_params = []
@@ -78,7 +80,11 @@ def render(template: str, score_mod: LoweredMod, mask_mod: LoweredMod, *, interp
         template_name=template,
         interpret=interpret,
         score_mod_source=score_mod.source + ("\n\n" + score_mod.hoist_source if score_mod.hoist_source else ""),
-        mask_mod_source=mask_mod.source + ("\n\n" + mask_mod.hoist_source if mask_mod.hoist_source else ""),
+        mask_mod_source=mask_mod.source + ("\n\n" + mask_mod.hoist_source if mask_mod.hoist_source else "") +
+        ("\n\n" + mask_decide.source if mask_decide is not None else ""),
+        mask_decide=mask_decide is not None,
+        mask_decide_codes=sorted(mask_decide.variants) if mask_decide is not None else [],
+        mask_decide_empty=mask_decide.empty if mask_decide is not None else None,
         score_mod_name=score_mod_name,
         mask_mod_name=mask_mod_name,
         score_args=_param_list(hoisted + score_mod.params),

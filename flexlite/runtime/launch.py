@@ -557,6 +557,12 @@ WS_FWD_COMPACT_BIAS_HEAD_DIMS = frozenset({128})
 # registers through the walk (32 a thread; offline, ALiBi + causal's full-tile loop 654 -> 505 instructions at D64; at
 # D128 its compact form's 571 against 564 with 16 spill loads a tile: NOTES 86)
 WS_FWD_AFFINE_BIAS_HEAD_DIMS = frozenset({64})
+# the forwards leave out of a partial tile's mask_mod the terms the tile's index ranges decide (a compare of index
+# arithmetic that holds on the whole tile: sliding window's band on the diagonal tile, its causality on the window's
+# edge; codegen.decide), choosing per tile among the mask's variants: the templates that do (H200, the warp-specialized
+# forward: sliding window 3.9 % faster at D64, 6.7 % at D128; the Triton forward takes them too, tested on CPU and
+# compiled offline, not measured on a GPU: off there; NOTES 87)
+DECIDE_MASK_TERMS = frozenset({"fwd_ws.py.jinja"})
 # the warp-specialized forward runs a bounded score_mod (softcap's cap * tanh, cap * log2(e) up to kernel.MAX_BOUND)
 # against that bound instead of the running row max, with bf16 inputs and without max_scores: no row max, no rescale
 # of O, P's row sums from the tensor cores (P times ones), so that l sums the bf16 weights P V multiplies (NOTES 64)

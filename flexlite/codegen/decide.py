@@ -1,0 +1,190 @@
+"""mask_mod's compares decided per tile: the variants of a mask that a tile's index ranges leave.
+
+Most masks are a conjunction (or disjunction) of compares of index arithmetic: sliding window's
+``(q_idx - kv_idx).abs() <= w`` and ``q_idx >= kv_idx``, prefix-LM's ``kv_idx < p`` or ``q_idx >= kv_idx``. In a
+partial tile one of them usually holds on the whole tile (the window on the diagonal tile, causality on the window's
+edge), yet the kernel evaluates both for every score. :func:`mask_variants` finds the top-level terms whose value
+over a tile's rectangle of indices (queries q_lo ... q_hi, keys k_lo ... k_hi) interval arithmetic can bound: compares
+of int values built from q_idx, kv_idx, b, h and int numbers by adds, subtracts, negations, abs and multiplies by
+numbers. The kernel computes per tile (``mask_mod_decide``) which of them the tile decides and runs the mask without
+those (``mask_mod_d<code>``), or none of it where the tile is decided whole (a term of an ``&`` false on it: nothing
+kept; of an ``|`` true: all kept). Interval bounds are sound (q and kv taken apart, each term's range contains its
+values on the tile), so a term is only dropped where it holds on every position of the tile.
+
+Masks that read captured tensors are left as they are (a variant's parameters would differ from the mask's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from .lower import LoweredMod, lower_mod, op_key
+from .trace import TracedMod
+
+# the most terms taken apart (2 ** MAX_TERMS - 1 variants of the mask)
+MAX_TERMS = 3
+_INTS = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
+# compare -> (decided true, decided false) of its operands' difference d = a - b in [lo, hi]
+_DECIDE = {"ge": ("{lo} >= 0", "{hi} < 0"), "gt": ("{lo} > 0", "{hi} <= 0"),
+           "le": ("{hi} <= 0", "{lo} > 0"), "lt": ("{hi} < 0", "{lo} >= 0"),
+           "eq": ("({lo} == 0) & ({hi} == 0)", "({lo} > 0) | ({hi} < 0)"),
+           "ne": ("({lo} > 0) | ({hi} < 0)", "({lo} == 0) & ({hi} == 0)")}
+_JOIN = {"and": ("and", "logical_and"), "or": ("or", "logical_or")}
+
+
+@dataclasses.dataclass(eq=False)
+class MaskVariants:
+    """The mask's variants per tile: ``decide`` (``@triton.jit def mask_mod_decide(b, h, q_lo, q_hi, k_lo, k_hi)``)
+    gives a tile's code: a bitmask of the decided terms dropped (0: the whole mask), or :attr:`empty` (nothing kept)
+    or :attr:`full` (all kept); ``variants`` holds the mask without the terms of each other bitmask (``mask_mod_d<code>``,
+    the mask's own signature)."""
+
+    terms: int  # top-level terms taken apart
+    names: tuple  # their nodes' names in the mask's graph, by bit
+    decide: str
+    variants: dict  # code -> LoweredMod
+
+    @property
+    def empty(self) -> int:
+        return 1 << self.terms
+
+    @property
+    def full(self) -> int:
+        return (1 << self.terms) + 1
+
+    @property
+    def source(self) -> str:
+        return "\n\n".join([self.decide] + [low.source for low in self.variants.values()])
+
+
+def _join(node) -> Optional[str]:
+    if not isinstance(node, fx.Node) or node.kwargs or node.meta.get("dtype") != torch.bool:
+        return None
+    key = op_key(node)
+    return next((j for j, keys in _JOIN.items() if key in keys), None)
+
+
+def _terms(out: fx.Node, join: str) -> list:
+    """The operands of a tree of ``join`` nodes at the output, left to right."""
+    if _join(out) == join and len(out.args) == 2:
+        return _terms(out.args[0], join) + _terms(out.args[1], join)
+    return [out]
+
+
+class _Intervals:
+    """Per int node of the mask, Triton source lines for its range over a tile (``lo_<name>``, ``hi_<name>``)."""
+
+    def __init__(self):
+        self.lines, self.bounds = [], {}
+
+    def of(self, v) -> Optional[tuple]:
+        if isinstance(v, bool):
+            return None
+        if isinstance(v, int):
+            return repr(v), repr(v)
+        if not isinstance(v, fx.Node) or v.meta.get("dtype") not in _INTS or v.kwargs:
+            return None
+        if v in self.bounds:
+            return self.bounds[v]
+        bounds = self._bounds(v)
+        if bounds is not None:
+            lo, hi = f"lo_{v.name}", f"hi_{v.name}"
+            self.lines += [f"{lo} = {bounds[0]}", f"{hi} = {bounds[1]}"]
+            bounds = self.bounds[v] = (lo, hi)
+        return bounds
+
+    def _bounds(self, v: fx.Node) -> Optional[tuple]:
+        if v.op == "placeholder":
+            return {"q_idx": ("q_lo", "q_hi"), "kv_idx": ("k_lo", "k_hi"), "b": ("b", "b"), "h": ("h", "h")}.get(
+                v.target)
+        key = op_key(v)
+        args = [self.of(a) for a in v.args]
+        if any(a is None for a in args):
+            return None
+        if key == "add" and len(args) == 2:
+            (a0, a1), (b0, b1) = args
+            return f"{a0} + {b0}", f"{a1} + {b1}"
+        if key == "sub" and len(args) == 2:
+            (a0, a1), (b0, b1) = args
+            return f"{a0} - {b1}", f"{a1} - {b0}"
+        if key == "neg" and len(args) == 1:
+            return f"-{args[0][1]}", f"-{args[0][0]}"
+        if key == "pos" and len(args) == 1:
+            return args[0]
+        if key == "abs" and len(args) == 1:
+            lo, hi = args[0]
+            return f"tl.maximum(tl.maximum({lo}, -{hi}), 0)", f"tl.maximum(-{lo}, {hi})"
+        if key == "mul" and len(v.args) == 2:
+            for k, other in ((0, 1), (1, 0)):
+                c = v.args[k]
+                if isinstance(c, int) and not isinstance(c, bool):
+                    lo, hi = args[other]
+                    return (f"{c} * {lo}", f"{c} * {hi}") if c >= 0 else (f"{c} * {hi}", f"{c} * {lo}")
+        return None
+
+
+def mask_variants(traced: Optional[TracedMod]) -> Optional[MaskVariants]:
+    """The variants of a mask_mod whose top-level terms (of an ``&`` or an ``|`` at its output) include compares a
+    tile's index ranges can decide (module docstring), or None (no such term, or the mask reads captured tensors)."""
+    if traced is None or traced.kind != "mask_mod" or traced.captured:
+        return None
+    gm = traced.graph_module
+    if any(n.op == "get_attr" for n in gm.graph.nodes):
+        return None
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    join = _join(out) or "and"  # (a single compare: the term of a conjunction of one)
+    terms = _terms(out, join)
+    intervals, decided = _Intervals(), []
+    for term in terms:
+        key = op_key(term) if isinstance(term, fx.Node) and not term.kwargs else None
+        if key in _DECIDE and len(term.args) == 2 and len(decided) < MAX_TERMS:
+            a, b = (intervals.of(x) for x in term.args)
+            if a is not None and b is not None:
+                decided.append((term, key, (f"({a[0]} - {b[1]})", f"({a[1]} - {b[0]})")))
+    if not decided:
+        return None
+    n = len(decided)
+    result = MaskVariants(n, tuple(term.name for term, _, _ in decided), "", {})
+    # per term: "holds" (true under &, false under |: the term can go) and "settles" the tile (false under &: nothing
+    # kept; true under |: all kept)
+    lines = list(intervals.lines)
+    for i, (_, key, (lo, hi)) in enumerate(decided):
+        true, false = (form.format(lo=lo, hi=hi) for form in _DECIDE[key])
+        holds, settles = (true, false) if join == "and" else (false, true)
+        lines += [f"holds{i} = ({holds}).to(tl.int32)", f"settles{i} = {settles}"]
+    lines.append("code = " + " + ".join(f"holds{i} * {1 << i}" for i in range(n)))
+    if n == len(terms):  # every term holds: the tile is decided whole
+        lines.append(f"code = tl.where(code == {(1 << n) - 1}, {result.full if join == 'and' else result.empty}, "
+                     f"code)")
+    lines.append(f"code = tl.where({' | '.join(f'settles{i}' for i in range(n))}, "
+                 f"{result.empty if join == 'and' else result.full}, code)")
+    result.decide = "\n".join(
+        ["@triton.jit", "def mask_mod_decide(b, h, q_lo, q_hi, k_lo, k_hi):",
+         f"    # which of mask_mod {traced.name}'s terms the tile of queries q_lo ... q_hi and keys k_lo ... k_hi "
+         f"decides (flexlite.codegen.decide)"] + [f"    {line}" for line in lines] + ["    return code"]) + "\n"
+    for code in range(1, 1 << n):
+        kept = [t for t in terms if not any(code >> i & 1 and t is term for i, (term, _, _) in
+                                            enumerate(decided))]
+        if kept:
+            result.variants[code] = _lowered_without(traced, kept, join, f"mask_mod_d{code}")
+    return result
+
+
+def _lowered_without(traced: TracedMod, kept: list, join: str, fn_name: str) -> LoweredMod:
+    """The mask with only the top-level terms ``kept`` (joined as before), lowered as ``fn_name``."""
+    graph = fx.Graph()
+    env = {}
+    graph.graph_copy(traced.graph_module.graph, env)
+    value = env[kept[0]]
+    for term in kept[1:]:
+        value = graph.call_function(operator.and_ if join == "and" else operator.or_, (value, env[term]))
+        value.meta.update(dtype=torch.bool, shape=env[term].meta.get("shape"))
+    graph.output(value)
+    graph.eliminate_dead_code()
+    gm = fx.GraphModule(traced.graph_module, graph)
+    return lower_mod(TracedMod(traced.kind, traced.name, gm, traced.captured), fn_name, "mm_")

@@ -1,0 +1,130 @@
+"""mask_mod's terms decided per tile (flexlite.codegen.decide, launch.DECIDE_MASK_TERMS): which masks have them, that a
+tile's code only drops terms that hold on every position of the tile (checked against the mask's own values on the
+tile's grid), and that the forward's outputs are the same bits with and without them."""
+
+import operator
+import types
+
+import pytest
+import torch
+import torch.fx as fx
+
+import flexlite
+from flexlite import create_block_mask, flex_attention
+from flexlite.codegen.decide import MAX_TERMS, mask_variants
+from flexlite.codegen.trace import trace_mod
+from flexlite.masks import causal_mask, generate_prefix_lm_mask, generate_sliding_window
+from flexlite.runtime import launch
+from helpers import DEVICE, rand_qkv
+
+_doc = torch.tensor([0] * 40 + [1] * 60 + [2] * 100, device=DEVICE)
+
+MASKS = {
+    # mask_mod, (terms taken apart, codes of the variants kept) or None
+    "sliding_window": (generate_sliding_window(24), (2, [1, 2])),
+    "bidirectional_window": (generate_sliding_window(24, causal=False), (1, [])),
+    "prefix_lm": (generate_prefix_lm_mask(40), (2, [1, 2])),
+    "causal": (causal_mask, (1, [])),
+    "affine_pair": (lambda b, h, q, kv: (q - 2 * kv > -30) & (kv <= q + 3), (2, [1, 2])),
+    "negative_factor_and_heads": (lambda b, h, q, kv: (-3 * kv + q * 2 >= -h * 5) & (q != kv + 7), (2, [1, 2])),
+    "equal_and_or": (lambda b, h, q, kv: (q == kv) | (kv < 8) | (q - kv >= 50), (3, [1, 2, 3, 4, 5, 6])),
+    "with_an_undecided_term": (lambda b, h, q, kv: (q >= kv) & ((q + kv) % 3 == 0), (1, [1])),
+    "nested_under_or": (lambda b, h, q, kv: ((q >= kv) & (kv > 4)) | (q < 9), (1, [1])),
+    # no term decided: a gather, float arithmetic, a captured tensor, a compare of a modulus
+    "document": (lambda b, h, q, kv: (_doc[q] == _doc[kv]) & (q >= kv), None),
+    "float_distance": (lambda b, h, q, kv: (q.float() - kv.float()) * 0.5 <= 10.0, None),
+    "modulus": (lambda b, h, q, kv: (q - kv) % 4 == 0, None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MASKS))
+def test_which_masks_have_terms_a_tile_decides(monkeypatch, name):
+    """(the Triton forward, which the interpreter runs, takes them where launch.DECIDE_MASK_TERMS names it; the
+    warp-specialized one by default)"""
+    mod, expected = MASKS[name]
+    variants = mask_variants(trace_mod(mod, "mask_mod"))
+    if expected is None:
+        assert variants is None
+        return
+    assert (variants.terms, sorted(variants.variants)) == expected
+    assert variants.terms <= MAX_TERMS and "def mask_mod_decide(b, h, q_lo, q_hi, k_lo, k_hi):" in variants.decide
+    for code, low in variants.variants.items():
+        assert low.fn_name == f"mask_mod_d{code}" and low.params == []
+    bm = create_block_mask(mod, None, 2, 200, 200, device=DEVICE, BLOCK_SIZE=32)
+    assert "mask_mod_decide" in flexlite.kernel_source(None, bm, device="cuda", kernel="forward_ws")
+    assert "mask_mod_decide" not in flexlite.kernel_source(None, bm, device=DEVICE)
+    monkeypatch.setattr(launch, "DECIDE_MASK_TERMS", launch.DECIDE_MASK_TERMS | {"fwd.py.jinja"})
+    assert "code = mask_mod_decide(off_z, off_h, q_lo, " in flexlite.kernel_source(None, bm, device=DEVICE)
+
+
+def _decide(variants):
+    """mask_mod_decide as a Python function of torch scalars (its source run with tl's few ops from torch)."""
+    body = variants.decide.split("\n", 1)[1]  # (without @triton.jit)
+    tl = types.SimpleNamespace(maximum=lambda a, b: torch.maximum(torch.as_tensor(a), torch.as_tensor(b)),
+                               where=torch.where, int32=torch.int32)
+    scope = {"tl": tl}
+    exec(body, scope)
+    return scope["mask_mod_decide"]
+
+
+def _node_values(mod, q, kv):
+    """The value of every node of the traced mask, by name, on the grid of queries q x keys kv (fx.Interpreter)."""
+    values = {}
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n):
+            values[n.name] = super().run_node(n)
+            return values[n.name]
+
+    Recorder(trace_mod(mod, "mask_mod").graph_module).run(torch.tensor(0), torch.tensor(1), q[:, None], kv[None, :])
+    return values
+
+
+@pytest.mark.parametrize("name", sorted(n for n, (_, expected) in MASKS.items() if expected is not None))
+def test_a_tiles_code_drops_only_terms_that_hold_on_all_of_it(name):
+    """Random tiles (ragged sizes, offsets across the mask's edges): code EMPTY only where the mask keeps nothing on
+    the tile, FULL only where it keeps all, and a bitmask only of terms that hold (true under &, false under |) on
+    every position of the tile; the tiles' codes cover the kinds the mask has."""
+    mod = MASKS[name][0]
+    variants = mask_variants(trace_mod(mod, "mask_mod"))
+    decide = _decide(variants)
+    out = trace_mod(mod, "mask_mod").graph_module.graph.find_nodes(op="output")[0].args[0]
+    under_or = out.target is operator.or_
+    gen = torch.Generator().manual_seed(3)
+    seen = set()
+    for _ in range(300):
+        q_lo, k_lo = (int(x) for x in torch.randint(0, 120, (2,), generator=gen))
+        rows, cols = (int(x) for x in torch.randint(1, 40, (2,), generator=gen))
+        values = _node_values(mod, torch.arange(q_lo, q_lo + rows), torch.arange(k_lo, k_lo + cols))
+        keep = values[out.name].expand(rows, cols)
+        code = int(decide(*(torch.tensor(x) for x in (0, 1, q_lo, q_lo + rows - 1, k_lo, k_lo + cols - 1))))
+        if code == variants.empty:
+            assert not keep.any(), (q_lo, rows, k_lo, cols)
+        elif code == variants.full:
+            assert keep.all(), (q_lo, rows, k_lo, cols)
+        else:
+            for i, term in enumerate(variants.names):
+                if code >> i & 1:
+                    value = values[term].expand(rows, cols)
+                    assert (not value.any()) if under_or else value.all(), (term, q_lo, rows, k_lo, cols)
+        seen.add("empty" if code == variants.empty else "full" if code == variants.full else "some" if code else
+                 "none")
+    assert ({"none", "some"} & seen) and ({"empty", "full"} & seen) and ("some" in seen or not variants.variants), seen
+
+
+@pytest.mark.parametrize("Lq, Lkv, block", [(200, 200, 32), (111, 63, 16)], ids=["square", "ragged"])
+@pytest.mark.parametrize("name", ["sliding_window", "prefix_lm", "affine_pair", "negative_factor_and_heads",
+                                  "equal_and_or", "with_an_undecided_term", "nested_under_or"])
+def test_decided_terms_leave_the_forward_bit_for_bit(monkeypatch, name, Lq, Lkv, block):
+    """Outputs and LSE with the decided terms left out of their tiles are the same bits as with the whole mask on
+    every partial tile (the same scores, only their mask's evaluation differs), partial blocks cut by the tiles,
+    through the Triton forward (the interpreter's; the warp-specialized one on a Hopper GPU: test_warp_specialized)."""
+    mod = MASKS[name][0]
+    bm = create_block_mask(mod, None, 2, Lq, Lkv, device=DEVICE, BLOCK_SIZE=block)
+    q, k, v = rand_qkv(1, 2, 2, Lq, Lkv, 16, seed=9)
+    results = {}
+    for on in (True, False):
+        monkeypatch.setattr(launch, "DECIDE_MASK_TERMS", frozenset({"fwd.py.jinja"} if on else ()))
+        assert ("mask_mod_decide" in flexlite.kernel_source(None, bm, device=DEVICE)) == on
+        results[on] = flex_attention(q, k, v, block_mask=bm, return_lse=True)
+    assert torch.equal(results[True][0], results[False][0]) and torch.equal(results[True][1], results[False][1])
