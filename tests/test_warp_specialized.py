@@ -591,6 +591,14 @@ if ON_HOPPER:
     # each shape on a program per q block, and where the forward's descriptors are made on the host (contiguous inputs,
     # lengths multiples of the tiles) on its persistent grid as well, here of three programs (as if the GPU had 3
     # SMs), so that programs take several q blocks (launch.WS_FWD_PERSISTENT)
+    def _on_grid(monkeypatch, persistent: bool, setting: str = "WS_FWD_PERSISTENT"):
+        """launch.WS_FWD_PERSISTENT (or ``setting``) as asked; persistent, on a grid of three programs (as if the GPU
+        had 3 SMs), so that programs take several q (key) blocks."""
+        monkeypatch.setattr(launch, setting, persistent)
+        if persistent:
+            facts = launch._device_facts(torch.device(DEVICE))
+            monkeypatch.setattr(launch, "_device_facts", lambda device: (3, facts[1]))
+
     WS_FORWARD_RUNS = [pytest.param(*case.values, grid, id=f"{case.id}-{grid}") for case in WS_SHAPES
                        for grid in ("per q block", "persistent")
                        if grid == "per q block" or case.values[0][3] % 128 == case.values[0][4] % 128 == 0]
@@ -601,11 +609,7 @@ if ON_HOPPER:
     def test_matches_the_reference(monkeypatch, name, shape, grid, dtype):
         from test_flex_attention import run_case
 
-        persistent = grid == "persistent"
-        monkeypatch.setattr(launch, "WS_FWD_PERSISTENT", persistent)
-        if persistent:
-            facts = launch._device_facts(torch.device(DEVICE))
-            monkeypatch.setattr(launch, "_device_facts", lambda device: (3, facts[1]))
+        _on_grid(monkeypatch, grid == "persistent")
         run_case(name, shape, dtype, kernel_options={"WARP_SPECIALIZE": True})
 
     def _poisoned_forward(monkeypatch, shape, score_mod, block_mask, seed: int) -> list:
@@ -642,10 +646,7 @@ if ON_HOPPER:
         # be), taken where the kernel spills nothing (causal's with host descriptors, lengths multiples of 128,
         # offline and on an H100: it takes them)
         monkeypatch.setattr(launch, "WS_FWD_WIDE_MAX_WORK", float("inf"))
-        monkeypatch.setattr(launch, "WS_FWD_PERSISTENT", grid == "persistent")
-        if grid == "persistent":
-            facts = launch._device_facts(torch.device(DEVICE))
-            monkeypatch.setattr(launch, "_device_facts", lambda device: (3, facts[1]))
+        _on_grid(monkeypatch, grid == "persistent")
         B, Hq, Hkv, Lq, Lkv, D = shape
         case = CATALOG[name](B, Hq, Lq, Lkv, DEVICE)
         uses_bh = name in USES_BH
@@ -663,10 +664,7 @@ if ON_HOPPER:
         # launch.WS_FWD_POLY_EXP2 (off by default until a GPU has timed it, NOTES 70): one of every one_in of P's
         # exponentials by codegen.exp2's polynomial, softcap against its bound (bf16) and the running max (fp16)
         monkeypatch.setattr(launch, "WS_FWD_POLY_EXP2", {64: one_in, 128: one_in})
-        monkeypatch.setattr(launch, "WS_FWD_PERSISTENT", grid == "persistent")
-        if grid == "persistent":
-            facts = launch._device_facts(torch.device(DEVICE))
-            monkeypatch.setattr(launch, "_device_facts", lambda device: (3, facts[1]))
+        _on_grid(monkeypatch, grid == "persistent")
         from test_flex_attention import run_case
         run_case(name, shape, dtype, kernel_options={"WARP_SPECIALIZE": True})
 
@@ -696,10 +694,7 @@ if ON_HOPPER:
         # (a call without max_scores would run softcap against its bound, WS_FWD_BOUNDED_SOFTMAX; with them it takes
         # the running max, test_codegen's test_max_scores_take_the_running_max)
         monkeypatch.setattr(launch, "WS_FWD_BOUNDED_SOFTMAX", False)
-        monkeypatch.setattr(launch, "WS_FWD_PERSISTENT", grid == "persistent")
-        if grid == "persistent":
-            facts = launch._device_facts(torch.device(DEVICE))
-            monkeypatch.setattr(launch, "_device_facts", lambda device: (3, facts[1]))
+        _on_grid(monkeypatch, grid == "persistent")
         ran = []
         real_launch = api.launch_forward_ws
         monkeypatch.setattr(api, "launch_forward_ws",
@@ -728,10 +723,7 @@ if ON_HOPPER:
         # bits as with the whole mask on every partial tile, and the reference's (test_decide's masks)
         from test_decide import MASKS
 
-        monkeypatch.setattr(launch, "WS_FWD_PERSISTENT", grid == "persistent")
-        if grid == "persistent":
-            facts = launch._device_facts(torch.device(DEVICE))
-            monkeypatch.setattr(launch, "_device_facts", lambda device: (3, facts[1]))
+        _on_grid(monkeypatch, grid == "persistent")
         B, Hq, Hkv, Lq, Lkv, D = shape
         mod = MASKS[name][0]
         bm = create_block_mask(mod, None, Hq, Lq, Lkv, device=DEVICE)
@@ -764,10 +756,7 @@ if ON_HOPPER:
         monkeypatch.setattr(launch, "AFFINE_KEY_BIAS", key_side == "affine")
         monkeypatch.setattr(launch, "WS_FWD_AFFINE_BIAS_HEAD_DIMS", frozenset({64, 128}))
         monkeypatch.setattr(launch, "WS_FWD_COMPACT_BIAS_HEAD_DIMS", frozenset({64, 128} if compact else ()))
-        monkeypatch.setattr(launch, "WS_FWD_PERSISTENT", grid == "persistent")
-        if grid == "persistent":
-            facts = launch._device_facts(torch.device(DEVICE))
-            monkeypatch.setattr(launch, "_device_facts", lambda device: (3, facts[1]))
+        _on_grid(monkeypatch, grid == "persistent")
         B, Hq, Hkv, Lq, Lkv, D = shape
         slopes = torch.rand(Hq, device=DEVICE)
         mods = {"alibi": lambda s, b, h, q, kv: s + slopes[h] * (kv - q),
@@ -801,10 +790,7 @@ if ON_HOPPER:
         from flexlite.mods import generate_tanh_softcap
         from helpers import LSE_TOLERANCES
 
-        monkeypatch.setattr(launch, "WS_FWD_PERSISTENT", grid == "persistent")
-        if grid == "persistent":
-            facts = launch._device_facts(torch.device(DEVICE))
-            monkeypatch.setattr(launch, "_device_facts", lambda device: (3, facts[1]))
+        _on_grid(monkeypatch, grid == "persistent")
         B, Hq, Hkv, Lq, Lkv, D = shape
         mod = generate_tanh_softcap(cap, approx=True)
         bm = create_block_mask(CATALOG["causal"](B, Hq, Lq, Lkv, DEVICE).mask_mod, None, None, Lq, Lkv, device=DEVICE)
@@ -1001,11 +987,7 @@ if ON_HOPPER:
         ran, real = [], launch._launch_dkdv_ws
         monkeypatch.setattr(launch, "WS_BWD_FUSED_DQ", request.param.startswith("fused dq"))
         if request.param.startswith("fused dq"):
-            persistent = request.param.endswith("persistent")
-            monkeypatch.setattr(launch, "WS_BWD_PERSISTENT", persistent)
-            if persistent:
-                facts = launch._device_facts(torch.device(DEVICE))
-                monkeypatch.setattr(launch, "_device_facts", lambda device: (3, facts[1]))
+            _on_grid(monkeypatch, request.param.endswith("persistent"), "WS_BWD_PERSISTENT")
         monkeypatch.setattr(launch, "torch", _PoisonedTorch("torch"))
         monkeypatch.setattr(launch, "_launch_dkdv_ws", _counted(real, lambda args, kwargs: ran.append(1)))
         monkeypatch.setattr(api, "_warp_specialize_backward", lambda *args, **kwargs: True)
