@@ -30,10 +30,11 @@ MASKS = {
     "equal_and_or": (lambda b, h, q, kv: (q == kv) | (kv < 8) | (q - kv >= 50), (3, [1, 2, 3, 4, 5, 6])),
     "with_an_undecided_term": (lambda b, h, q, kv: (q >= kv) & ((q + kv) % 3 == 0), (1, [1])),
     "nested_under_or": (lambda b, h, q, kv: ((q >= kv) & (kv > 4)) | (q < 9), (1, [1])),
-    # no term decided: a gather, float arithmetic, a captured tensor, a compare of a modulus
+    # no term decided: a gather, float arithmetic, a captured tensor, a compare of a modulus, a factor past 64
     "document": (lambda b, h, q, kv: (_doc[q] == _doc[kv]) & (q >= kv), None),
     "float_distance": (lambda b, h, q, kv: (q.float() - kv.float()) * 0.5 <= 10.0, None),
     "modulus": (lambda b, h, q, kv: (q - kv) % 4 == 0, None),
+    "large_factor": (lambda b, h, q, kv: q * 100000 >= kv * 3, None),  # (int32 wrap-around: not bounded)
 }
 
 

@@ -5,8 +5,8 @@ Most masks are a conjunction (or disjunction) of compares of index arithmetic: s
 partial tile one of them usually holds on the whole tile (the window on the diagonal tile, causality on the window's
 edge), yet the kernel evaluates both for every score. :func:`mask_variants` finds the top-level terms whose value
 over a tile's rectangle of indices (queries q_lo ... q_hi, keys k_lo ... k_hi) interval arithmetic can bound: compares
-of int values built from q_idx, kv_idx, b, h and int numbers by adds, subtracts, negations, abs and multiplies by
-numbers. The kernel computes per tile (``mask_mod_decide``) which of them the tile decides and runs the mask without
+of int values built from q_idx, kv_idx, b, h and int numbers (up to 2 ** 24) by adds, subtracts, negations, abs and
+multiplies by numbers (up to 64). The kernel computes per tile (``mask_mod_decide``) which of them the tile decides and runs the mask without
 those (``mask_mod_d<code>``), or none of it where the tile is decided whole (a term of an ``&`` false on it: nothing
 kept; of an ``|`` true: all kept). Interval bounds are sound (q and kv taken apart, each term's range contains its
 values on the tile), so a term is only dropped where it holds on every position of the tile.
@@ -28,7 +28,10 @@ from .trace import TracedMod
 
 # the most terms taken apart (2 ** MAX_TERMS - 1 variants of the mask)
 MAX_TERMS = 3
-_INTS = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
+_INTS = (torch.int32, torch.int64)
+# the largest numbers and factors the bounds take: with indices below 2 ** 24 the bounds, as the mask's own values,
+# stay far from int32's wrap-around, where an interval would no longer contain the values it bounds
+_MAX_NUMBER, _MAX_FACTOR = 2 ** 24, 64
 # compare -> (decided true, decided false) of its operands' difference d = a - b in [lo, hi]
 _DECIDE = {"ge": ("{lo} >= 0", "{hi} < 0"), "gt": ("{lo} > 0", "{hi} <= 0"),
            "le": ("{hi} <= 0", "{lo} > 0"), "lt": ("{hi} < 0", "{lo} >= 0"),
@@ -86,7 +89,7 @@ class _Intervals:
         if isinstance(v, bool):
             return None
         if isinstance(v, int):
-            return repr(v), repr(v)
+            return (repr(v), repr(v)) if abs(v) <= _MAX_NUMBER else None
         if not isinstance(v, fx.Node) or v.meta.get("dtype") not in _INTS or v.kwargs:
             return None
         if v in self.bounds:
@@ -122,7 +125,7 @@ class _Intervals:
         if key == "mul" and len(v.args) == 2:
             for k, other in ((0, 1), (1, 0)):
                 c = v.args[k]
-                if isinstance(c, int) and not isinstance(c, bool):
+                if isinstance(c, int) and not isinstance(c, bool) and abs(c) <= _MAX_FACTOR:
                     lo, hi = args[other]
                     return (f"{c} * {lo}", f"{c} * {hi}") if c >= 0 else (f"{c} * {hi}", f"{c} * {lo}")
         return None
