@@ -604,12 +604,13 @@ def test_which_score_mods_are_the_score_plus_a_separable_bias(name):
     assert not plain.separable and not plain.affine_keys
     source = flexlite.kernel_source(mod, device=DEVICE)
     assert ("row_bias" in source) == separable and ("score_mod(-0.0, " in source) == separable
-    assert ("tile_bias" in source) == affine
+    assert "tile_bias" not in source  # (the Triton forward: not in launch.AFFINE_KEY_BIAS by default)
     ws = generate("fwd_ws.py.jinja", mod, None, interpret=False, fold_scales=True, separate=True,
                   compact_bias_dims=(128,))
     assert ("row_bias" in ws.source) == separable and ("offs_kb" in ws.source) == separable
     assert "tile_bias" not in ws.source  # (affine_keys off)
-    ws = generate("fwd_ws.py.jinja", mod, None, interpret=False, fold_scales=True, separate=True, affine_keys=True,
+    ws = generate("fwd_ws.py.jinja", mod, None, interpret=False, fold_scales=True, separate=True,
+                  affine_keys=("fwd_ws.py.jinja",),
                   compact_bias_dims=(128,), affine_bias_dims=(64,))
     assert ("tile_bias" in ws.source) == affine and ("AFFINE_BIAS: gl.constexpr = (D == 64)" in ws.source) == affine
     assert ("row_bias" in ws.source) == separable and ("offs_kb" in ws.source) == separable
@@ -624,14 +625,15 @@ def test_a_separable_bias_leaves_outputs_lse_max_scores_and_gradients_the_refere
                                                                                       Lq, Lkv):
     """The forward adds bias(q_anchor, kv) to the scores and bias(q, k0) - bias(q_anchor, k0) to each row's LSE and
     max_scores (k0 a key in range: with more queries than keys the query block's first row is not one); the backward
-    reads that LSE with the whole mod. A bias affine in kv_idx (launch.AFFINE_KEY_BIAS) goes in as
+    reads that LSE with the whole mod. A bias affine in kv_idx (launch.AFFINE_KEY_BIAS naming the Triton forward, which
+    the interpreter runs) goes in as
     bias(q_anchor, q_anchor + j) - bias(q_anchor, q_anchor) along a tile's columns j (keys past the sequence where
     q_anchor is) and bias(q_anchor, start_n) in the row max. All of it is the reference's, under a block mask with
     partial and full blocks, with GQA."""
     from flexlite import AuxRequest
     from flexlite.runtime import launch
 
-    monkeypatch.setattr(launch, "AFFINE_KEY_BIAS", affine)
+    monkeypatch.setattr(launch, "AFFINE_KEY_BIAS", frozenset({"fwd.py.jinja"} if affine else ()))
     mod = SEPARABLE_MODS[name][0]
     q, k, v = (t.requires_grad_() for t in rand_qkv(1, H, 1, Lq, Lkv, 16, seed=21))
     bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx + 20 >= kv_idx, None, None, Lq, Lkv, device=DEVICE,

@@ -207,7 +207,7 @@ def _compile_ws(case: str) -> dict:
         facts["whole_loops"] = offline.sass_loops(
             offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads))
     if "affine" in case:  # and with its key side computed on the tile's columns
-        launch.AFFINE_KEY_BIAS = False
+        launch.AFFINE_KEY_BIAS = frozenset()
         facts["column_loops"] = offline.sass_loops(
             offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads))
     if "separable" in case:  # and with its key side on the tile's columns, and with the bias in every score

@@ -753,7 +753,7 @@ if ON_HOPPER:
         from test_codegen import SEPARABLE_MODS
 
         compact = key_side == "compact key vector"
-        monkeypatch.setattr(launch, "AFFINE_KEY_BIAS", key_side == "affine")
+        monkeypatch.setattr(launch, "AFFINE_KEY_BIAS", frozenset({"fwd_ws.py.jinja"} if key_side == "affine" else ()))
         monkeypatch.setattr(launch, "WS_FWD_AFFINE_BIAS_HEAD_DIMS", frozenset({64, 128}))
         monkeypatch.setattr(launch, "WS_FWD_COMPACT_BIAS_HEAD_DIMS", frozenset({64, 128} if compact else ()))
         _on_grid(monkeypatch, grid == "persistent")

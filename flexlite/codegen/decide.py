@@ -3,13 +3,13 @@
 Most masks are a conjunction (or disjunction) of compares of index arithmetic: sliding window's
 ``(q_idx - kv_idx).abs() <= w`` and ``q_idx >= kv_idx``, prefix-LM's ``kv_idx < p`` or ``q_idx >= kv_idx``. In a
 partial tile one of them usually holds on the whole tile (the window on the diagonal tile, causality on the window's
-edge), yet the kernel evaluates both for every score. :func:`mask_variants` finds the top-level terms whose value
-over a tile's rectangle of indices (queries q_lo ... q_hi, keys k_lo ... k_hi) interval arithmetic can bound: compares
-of int values built from q_idx, kv_idx, b, h and int numbers (up to 2 ** 24) by adds, subtracts, negations, abs and
-multiplies by numbers (up to 64). The kernel computes per tile (``mask_mod_decide``) which of them the tile decides and runs the mask without
-those (``mask_mod_d<code>``), or none of it where the tile is decided whole (a term of an ``&`` false on it: nothing
-kept; of an ``|`` true: all kept). Interval bounds are sound (q and kv taken apart, each term's range contains its
-values on the tile), so a term is only dropped where it holds on every position of the tile.
+edge), yet the kernel evaluates both for every score. :func:`mask_variants` finds the top-level terms whose value over
+a tile's rectangle of indices (queries q_lo ... q_hi, keys k_lo ... k_hi) interval arithmetic can bound: compares of
+int values built from q_idx, kv_idx, b, h and int numbers (up to 2 ** 24) by adds, subtracts, negations, abs and
+multiplies by numbers (up to 64). The kernel computes per tile (``mask_mod_decide``) which of them the tile decides
+and runs the mask without those (``mask_mod_d<code>``), or none of it where the tile is decided whole (a term of an
+``&`` false on it: nothing kept; of an ``|`` true: all kept). Interval bounds are sound (q and kv taken apart, each
+term's range contains its values on the tile), so a term is only dropped where it holds on every position of the tile.
 
 Masks that read captured tensors are left as they are (a variant's parameters would differ from the mask's).
 """
@@ -44,8 +44,8 @@ _JOIN = {"and": ("and", "logical_and"), "or": ("or", "logical_or")}
 class MaskVariants:
     """The mask's variants per tile: ``decide`` (``@triton.jit def mask_mod_decide(b, h, q_lo, q_hi, k_lo, k_hi)``)
     gives a tile's code: a bitmask of the decided terms dropped (0: the whole mask), or :attr:`empty` (nothing kept)
-    or :attr:`full` (all kept); ``variants`` holds the mask without the terms of each other bitmask (``mask_mod_d<code>``,
-    the mask's own signature)."""
+    or :attr:`full` (all kept); ``variants`` holds the mask without the terms of each other bitmask
+    (``mask_mod_d<code>``, the mask's own signature)."""
 
     terms: int  # top-level terms taken apart
     names: tuple  # their nodes' names in the mask's graph, by bit

@@ -146,7 +146,7 @@ def _levels(levels: Optional[dict]) -> tuple:
 
 def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Callable], *,
              interpret: bool, float_index: bool = False, fold_scales: bool = False,
-             key_values: bool = False, separate: bool = False, affine_keys: bool = False,
+             key_values: bool = False, separate: bool = False, affine_keys=(),
              compact_bias_dims: tuple = (), affine_bias_dims: tuple = (), decide_mask_terms=(),
              bounded: bool = False, llvm_opt_levels: Optional[dict] = None,
              poly_exp2: Optional[dict] = None) -> GeneratedKernel:
@@ -157,9 +157,10 @@ def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Ca
     (fwd_ws.py.jinja): mask_mod's values from b, h, kv_idx and captured tensors alone (its gathers along the keys)
     computed apart, on a compact key vector. ``separate`` (the forward templates): a score_mod that is the score plus
     a bias of a query side and a key side takes the query side once per row, into the LSE (lower_mod's
-    ``separate``); ``affine_keys``: where that bias is affine in kv_idx, its key side as one vector per walk plus a
-    scalar per tile that joins the row max (lower_mod's :attr:`~flexlite.codegen.lower.LoweredMod.affine_keys`);
-    ``affine_bias_dims`` (fwd_ws.py.jinja): the head dims at which it does so there (fwd.py.jinja: at all);
+    ``separate``); ``affine_keys``: the templates (of those two) that take such a bias affine in kv_idx as a key side
+    of one vector per walk plus a scalar per tile that joins the row max (lower_mod's
+    :attr:`~flexlite.codegen.lower.LoweredMod.affine_keys`); ``affine_bias_dims`` (fwd_ws.py.jinja): the head dims at
+    which it does so there (fwd.py.jinja: at all);
     ``compact_bias_dims`` (fwd_ws.py.jinja): the head dims at which a bias not taken so is computed along the keys
     on a compact key vector. ``decide_mask_terms``: the templates (of fwd.py.jinja, fwd_ws.py.jinja) in which
     mask_mod's terms that a partial tile's index ranges decide are left out on that tile
@@ -182,11 +183,11 @@ def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Ca
                      interpret, sm.name if sm else "none", mm.name if mm else "none", (), low_sm.hoisted,
                      low_sm.hoist_source, low_mm.hoisted, low_mm.hoist_source,
                      sm_scales=(low_sm.in_scale, low_sm.out_scale), sm_separable=low_sm.separable,
-                     sm_affine_keys=affine_keys and low_sm.affine_keys,
+                     sm_affine_keys=template in affine_keys and low_sm.affine_keys,
                      compact_bias_dims=tuple(sorted(compact_bias_dims))
                      if low_sm.separable and template == "fwd_ws.py.jinja" else (),
                      affine_bias_dims=tuple(sorted(affine_bias_dims))
-                     if affine_keys and low_sm.affine_keys and template == "fwd_ws.py.jinja" else (),
+                     if template in affine_keys and low_sm.affine_keys and template == "fwd_ws.py.jinja" else (),
                      score_bound=_score_bound(low_sm) if bounded and template == "fwd_ws.py.jinja" else None,
                      llvm_opt_levels=_levels(llvm_opt_levels) if template == "fwd_ws.py.jinja" else (),
                      poly_exp2=_one_in(poly_exp2) if template == "fwd_ws.py.jinja" else (),

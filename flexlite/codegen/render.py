@@ -48,11 +48,12 @@ def render(template: str, score_mod: LoweredMod, mask_mod: LoweredMod, *, interp
     ``<name>_source`` and ``<name>_args`` ("" if None), and all their parameters ``extra_params``.
     ``compact_bias_dims`` (fwd_ws.py.jinja): the head dims at which a separable score_mod's bias along the keys is
     computed on a compact vector; ``affine_bias_dims`` (fwd_ws.py.jinja): those at which a bias affine in kv_idx
-    (:attr:`LoweredMod.affine_keys`) is taken as one vector per walk plus a scalar per tile. ``score_bound`` (fwd_ws.py.jinja): a bound of score_mod's output in base 2 that the
-    kernel takes instead of the running row max. ``llvm_opt_levels`` (the Gluon templates, fwd_ws.py.jinja and
-    bwd_ws.py.jinja): (head dim, LLVM optimization level) pairs, the level the kernel compiles at per head dim (others:
-    Triton's own; llvm_level.llvm_opt_level). ``poly_exp2`` (fwd_ws.py.jinja): (head dim, N) pairs, P's exponentials
-    one in N by a polynomial on the FMA pipes at that head dim (codegen.exp2; nothing rendered without).
+    (:attr:`LoweredMod.affine_keys`) is taken as one vector per walk plus a scalar per tile. ``score_bound``
+    (fwd_ws.py.jinja): a bound of score_mod's output in base 2 that the kernel takes instead of the running row max.
+    ``llvm_opt_levels`` (the Gluon templates, fwd_ws.py.jinja and bwd_ws.py.jinja): (head dim, LLVM optimization
+    level) pairs, the level the kernel compiles at per head dim (others: Triton's own; llvm_level.llvm_opt_level).
+    ``poly_exp2`` (fwd_ws.py.jinja): (head dim, N) pairs, P's exponentials one in N by a polynomial on the FMA pipes
+    at that head dim (codegen.exp2; nothing rendered without).
     ``mask_decide`` (the forward templates): mask_mod's :class:`~flexlite.codegen.decide.MaskVariants`, the terms a
     partial tile's index ranges decide taken out per tile (None: the whole mask on every partial tile).
     """

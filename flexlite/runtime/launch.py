@@ -544,10 +544,12 @@ FOLD_SCORE_SCALES = True
 # per score with that key side computed along a tile's columns, and add the rest, constant along each row, to the
 # row's LSE (and max_scores) once: a softmax does not see what is constant along a row (NOTES 62)
 SEPARATE_SCORE_BIAS = True
-# where that bias is affine in kv_idx (ALiBi's; lower_mod's affine_keys), the forwards take its key side as a vector of
-# a tile's columns computed once per walk, the same in every tile, plus the bias at the tile's first key, one scalar
-# per tile added to the row max: no per-score bias arithmetic in the tile loop (NOTES 86)
-AFFINE_KEY_BIAS = True
+# where that bias is affine in kv_idx (ALiBi's; lower_mod's affine_keys), the forward templates named here take its key
+# side as a vector of a tile's columns computed once per walk, the same in every tile, plus the bias at the tile's first
+# key, one scalar per tile added to the row max: no per-score bias arithmetic in the tile loop (H200: ALiBi + causal's
+# warp-specialized forward 11.4 % faster at D64, WS_FWD_AFFINE_BIAS_HEAD_DIMS; the Triton forward takes it too, tested
+# on CPU, offline at D64 shorter and at D128 spilling more, not measured on a GPU: off there; NOTES 86)
+AFFINE_KEY_BIAS = frozenset({"fwd_ws.py.jinja"})
 # head dims at which the warp-specialized forward computes a key side that is not affine (or all with AFFINE_KEY_BIAS
 # off) on full tiles once per tile on a compact key vector, a key per thread, and spreads it along the tile's columns
 # (as WS_FWD_KEY_VALUES does for mask_mod); elsewhere on the tile's column vector, 32 keys per thread (H200, ALiBi +
