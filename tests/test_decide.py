@@ -129,3 +129,16 @@ def test_decided_terms_leave_the_forward_bit_for_bit(monkeypatch, name, Lq, Lkv,
         assert ("mask_mod_decide" in flexlite.kernel_source(None, bm, device=DEVICE)) == on
         results[on] = flex_attention(q, k, v, block_mask=bm, return_lse=True)
     assert torch.equal(results[True][0], results[False][0]) and torch.equal(results[True][1], results[False][1])
+
+
+def test_variants_of_a_mask_traced_again_are_equal():
+    """A mask traced again (a new closure of the same code) gives equal, equally hashed variants, so that the kernel
+    render cache serves it (kernel._render's key) as it serves the mask's own source."""
+    def make():
+        def band(b, h, q, kv):
+            return ((q - kv).abs() <= 24) & (q >= kv)
+        return band
+
+    first, again = (mask_variants(trace_mod(make(), "mask_mod")) for _ in range(2))
+    assert first is not again and first == again and hash(first) == hash(again)
+    assert first != mask_variants(trace_mod(generate_sliding_window(25), "mask_mod"))

@@ -101,13 +101,15 @@ FORWARD = {
 def _compile_forward(case: str) -> dict:
     score_mod, mask, D, tile, tma, split = FORWARD[case]
     offline = _offline()
+    facts = {}
     if "decided" in case:  # (launch.DECIDE_MASK_TERMS: the Triton forward too; a branch of -inf between the mask's
         # variants made Triton's software pipeliner fail there)
+        from flexlite.api import _generate
         launch.DECIDE_MASK_TERMS = launch.DECIDE_MASK_TERMS | {"fwd.py.jinja"}
-    from flexlite.api import _generate
-    source = _generate(score_mod, _masks()[mask], torch.device("cuda"), "fwd.py.jinja").source
+        source = _generate(score_mod, _masks()[mask], torch.device("cuda"), "fwd.py.jinja").source
+        facts["source_decides"] = "mask_mod_decide(" in source
     return dict(_facts(offline.compile_forward(score_mod, _masks()[mask], D, tile, tma, L=L, split_partial=split),
-                       offline), source_decides="mask_mod_decide(" in source)
+                       offline), **facts)
 
 
 @pytest.mark.parametrize("case", list(FORWARD))
@@ -328,8 +330,6 @@ def test_warp_specialized_forward_compiles_for_sm90(case):
             assert loops[i]["instructions"] < column[i]["instructions"] - 100, (loops[i], column[i])
         for i in partial:
             assert abs(loops[i]["instructions"] - column[i]["instructions"]) <= 8, (loops[i], column[i])
-
-
     if "decided" in case:
         # launch.DECIDE_MASK_TERMS: the partial tiles' loops branch to the mask's variants (sliding window: its band
         # or its causality alone, or the whole mask), longer in code (L 2048: 873 -> ~1480 instructions) though a

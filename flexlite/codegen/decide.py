@@ -64,6 +64,14 @@ class MaskVariants:
     def source(self) -> str:
         return "\n\n".join([self.decide] + [low.source for low in self.variants.values()])
 
+    # equal by their source (which names every variant's code), so that the render cache (kernel._render) serves a
+    # mod traced again, as it does the mods' own sources
+    def __eq__(self, other) -> bool:
+        return isinstance(other, MaskVariants) and self.source == other.source
+
+    def __hash__(self) -> int:
+        return hash(self.source)
+
 
 def _join(node) -> Optional[str]:
     if not isinstance(node, fx.Node) or node.kwargs or node.meta.get("dtype") != torch.bool:
@@ -137,8 +145,6 @@ def mask_variants(traced: Optional[TracedMod]) -> Optional[MaskVariants]:
     if traced is None or traced.kind != "mask_mod" or traced.captured:
         return None
     gm = traced.graph_module
-    if any(n.op == "get_attr" for n in gm.graph.nodes):
-        return None
     out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     join = _join(out) or "and"  # (a single compare: the term of a conjunction of one)
     terms = _terms(out, join)

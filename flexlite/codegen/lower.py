@@ -930,6 +930,34 @@ _SUM_OPS = ("add", "sub", "neg", "pos")
 _SCALE_OPS = ("mul", "truediv")
 
 
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _linear(v, tile_constant: set, leaf: Callable) -> bool:
+    """Whether ``v`` is built from leaves (``leaf(v)``: True, False, or None for neither) by adds, subtracts,
+    negations, conversions to float (exact for int index arithmetic below 2**24, and linear) and multiplies or
+    divisions by finite numbers or values in ``tile_constant`` (those of b and h alone): the linear forms
+    :func:`_separable_bias` and :func:`_affine_in_keys` look for."""
+    found = leaf(v)
+    if found is not None:
+        return found
+    if not isinstance(v, fx.Node) or v.kwargs:
+        return False
+    key = op_key(v)
+    if key in _SUM_OPS:
+        return all(_linear(a, tile_constant, leaf) for a in v.args)
+    if key == "to":
+        return v.meta.get("dtype") in (torch.float32, torch.float64) and len(v.args) >= 1 and \
+            _linear(v.args[0], tile_constant, leaf)
+    if key in _SCALE_OPS and len(v.args) == 2:
+        a, b = v.args
+        if _number(b) or b in tile_constant:
+            return _linear(a, tile_constant, leaf)
+        return key == "mul" and (_number(a) or a in tile_constant) and _linear(b, tile_constant, leaf)
+    return False
+
+
 def _separable_bias(low: "_Lowerer") -> bool:
     """Whether score_mod is the score plus a bias (sums and differences with the score, or its folded input factor's
     multiply, added once) whose terms split into values of b, h, q_idx alone and of b, h, kv_idx alone (ALiBi's
@@ -945,27 +973,11 @@ def _separable_bias(low: "_Lowerer") -> bool:
     scored = {score} | {n for n, target in low.aliases.items() if target is score}
     row_side, row_loads = _only(gm, ("b", "h", "q_idx"))
     key_side, key_loads = _only(gm, ("b", "h", "kv_idx"))
-    tile_constant = low.bh_only[0]
-
-    def number(v) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
     def separable(v) -> bool:
-        if number(v) or (v in row_side and v not in row_loads) or (v in key_side and v not in key_loads):
-            return True
-        if not isinstance(v, fx.Node) or v.kwargs or v in scored:
-            return False
-        key = op_key(v)
-        if key in _SUM_OPS:
-            return all(separable(a) for a in v.args)
-        if key == "to":  # to float: exact for the int index arithmetic (a float index below 2**24) and linear
-            return v.meta.get("dtype") in (torch.float32, torch.float64) and len(v.args) >= 1 and separable(v.args[0])
-        if key in _SCALE_OPS and len(v.args) == 2:
-            a, b = v.args
-            if number(b) or b in tile_constant:
-                return separable(a)
-            return key == "mul" and (number(a) or a in tile_constant) and separable(b)
-        return False
+        return _linear(v, low.bh_only[0], lambda u: (
+            True if _number(u) or (u in row_side and u not in row_loads) or (u in key_side and u not in key_loads)
+            else False if u in scored else None))
 
     def score_plus_bias(v) -> bool:
         # v is the score plus separable terms, the score (read by nothing else) taken with a plus sign
@@ -1000,29 +1012,8 @@ def _affine_in_keys(low: "_Lowerer") -> bool:
     for node in gm.graph.nodes:
         if any(i in reads_keys for i in node.all_input_nodes):
             reads_keys.add(node)
-    tile_constant = low.bh_only[0]
-
-    def constant(v) -> bool:  # along the tile's keys, and a number or a value of b and h alone
-        return (isinstance(v, (int, float)) and not isinstance(v, bool)) or v in tile_constant
-
-    def affine(v) -> bool:
-        if not isinstance(v, fx.Node) or v not in reads_keys or v is kv:
-            return True
-        if v.kwargs:
-            return False
-        key = op_key(v)
-        if key in _SUM_OPS:
-            return all(affine(a) for a in v.args)
-        if key == "to":
-            return v.meta.get("dtype") in (torch.float32, torch.float64) and len(v.args) >= 1 and affine(v.args[0])
-        if key in _SCALE_OPS and len(v.args) == 2:
-            a, b = v.args
-            if constant(b):
-                return affine(a)
-            return key == "mul" and constant(a) and affine(b)
-        return False
-
-    return affine(out)
+    return _linear(out, low.bh_only[0], lambda v: True if not isinstance(v, fx.Node) or v not in reads_keys or v is kv
+                   else None)
 
 
 def lower_mod(traced: TracedMod, fn_name: str, prefix: str, float_index: bool = False,
