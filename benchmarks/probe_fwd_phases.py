@@ -47,7 +47,7 @@ AFTER = (
     ("            mbarrier.arrive(kv_empty.index(last), count=1)\n        else:\n", 12, "out", "i_last"),
 )
 BEFORE = (("    mbarrier.wait(q_bar, phase=jj & 1)\n", 4, "item", "i"),
-          ("        # partial tiles 1 .. n_part - 1, then full tiles", 8, "first", "i"),
+          ("        # partial tiles lead + 1 .. n_part - 1, then full tiles", 8, "first", "i"),
           ("            # OUT in the last slot's K buffer", 12, "last", "i_last"))
 
 

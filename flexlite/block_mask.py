@@ -983,7 +983,11 @@ def item_lists(block_mask: BlockMask, rows: int) -> Optional[tuple]:
     kv_indices, full_kv_num_blocks, full_kv_indices), a kv block full where it is full for every q block the rows
     cover and partial where it is listed for any but not full for all (mask_mod then decides each position). Exact
     only for a block mask whose absent blocks are all False under its mask_mod and full blocks all True, as
-    :func:`create_block_mask` makes them: None for any other (a user's block lists, a modified one, torch's)."""
+    :func:`create_block_mask` makes them: None for any other (a user's block lists, a modified one, torch's).
+
+    The partial blocks are listed from the last kv block down: the warp-specialized forward's warpgroups skip the
+    first ones of a walk that keep none of their rows (fwd_ws.py.jinja's ws_empty_lead; a causal diagonal's blocks
+    past a warpgroup's rows come first so)."""
     if getattr(block_mask, "_exact", (None,))[0] != lists_key(block_mask):
         return None
     bq = block_mask.BLOCK_SIZE[0]
@@ -996,7 +1000,8 @@ def item_lists(block_mask: BlockMask, rows: int) -> Optional[tuple]:
     covered = torch.minimum(first[:, None] // bq + torch.arange(span, device=device), last[:, None] // bq)
     listed = (partial | full)[..., covered, :].any(dim=-2)  # [..., items, span, nKV] -> [..., items, nKV]
     all_full = full[..., covered, :].all(dim=-2)
-    num, idx = _dense_to_ordered(listed & ~all_full)
+    num, idx = _dense_to_ordered((listed & ~all_full).flip(-1))
+    idx = (listed.shape[-1] - 1 - idx).to(torch.int32)
     if block_mask.full_kv_num_blocks is None:
         return num, idx, None, None
     return (num, idx, *_dense_to_ordered(all_full))

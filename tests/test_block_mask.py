@@ -76,8 +76,9 @@ def expand_blocks(flags, bq, bkv, Lq, Lkv):
     return flags.repeat_interleave(bq, -2).repeat_interleave(bkv, -1)[..., :Lq, :Lkv]
 
 
-def check_ordered(num_blocks, indices, flags):
-    """(num_blocks, indices) compress bool flags [..., R, C]: ascending valid prefix, permutation rows."""
+def check_ordered(num_blocks, indices, flags, descending: bool = False):
+    """(num_blocks, indices) compress bool flags [..., R, C]: ascending (or descending) valid prefix, permutation
+    rows."""
     num_blocks, indices, flags = num_blocks.cpu(), indices.cpu(), flags.cpu()
     assert num_blocks.dtype == torch.int32 and indices.dtype == torch.int32
     assert indices.shape == flags.shape
@@ -85,7 +86,7 @@ def check_ordered(num_blocks, indices, flags):
     C = flags.shape[-1]
     for n, row, want in zip(num_blocks.flatten().tolist(), indices.reshape(-1, C).tolist(),
                             flags.reshape(-1, C).tolist()):
-        assert row[:n] == [c for c in range(C) if want[c]]
+        assert row[:n] == sorted((c for c in range(C) if want[c]), reverse=descending)
         assert sorted(row) == list(range(C))
 
 
@@ -137,7 +138,8 @@ def test_item_lists_for_other_q_blocks_keep_the_element_mask(name, size, broadca
     """block_mask.item_lists (the warp-specialized forward's 192-row items at D64, launch.WS_FWD_WIDE_TILES): lists for
     q blocks of ``rows`` rows from create_block_mask's 128-row ones give the same element mask under the kernels'
     semantics (full blocks kept, mask_mod inside partial ones), list a kv block only where one of an item's q blocks
-    does, and full only where all do."""
+    does, and full only where all do; the partial ones from the last kv block down (the forward's warpgroups skip
+    a walk's first tiles that keep none of their rows)."""
     B, H, Lq, Lkv = size
     mask_mod = catalog_mask(name, B, H, Lq, Lkv)
     bm = create_block_mask(mask_mod, None if broadcast else B, None if broadcast else H, Lq, Lkv, device=DEVICE)
@@ -146,7 +148,7 @@ def test_item_lists_for_other_q_blocks_keep_the_element_mask(name, size, broadca
     assert num.shape == bm.kv_num_blocks.shape[:-1] + (-(-Lq // rows),) and idx.shape[-1] == n_kv
     partial = bm_mod._ordered_to_dense(num, idx, n_kv).cpu()
     full = bm_mod._ordered_to_dense(full_num, full_idx, n_kv).cpu()
-    check_ordered(num, idx, partial)
+    check_ordered(num, idx, partial, descending=True)
     check_ordered(full_num, full_idx, full)
     dense = oracle_dense(mask_mod, 1 if broadcast else B, 1 if broadcast else H, Lq, Lkv)
     keep = expand_blocks(full, rows, 128, Lq, Lkv) | (expand_blocks(partial, rows, 128, Lq, Lkv) & dense)

@@ -442,7 +442,8 @@ def test_max_scores_take_the_gluon_forward_only_where_allowed(monkeypatch, allow
     assert [c["max_scores"] for c in calls] == [True] * allowed + [False]
 
 
-@pytest.mark.parametrize("local", [0, 16], ids=["spills nothing", "spills 16 bytes"])
+@pytest.mark.parametrize("local", [0, 16, "skip"], ids=["spills nothing", "spills 16 bytes",
+                                                      "spills 16 bytes with the skip"])
 @pytest.mark.parametrize("D, walk, wide", [(64, "dense", True), (64, "block mask", True), (64, "block mask", False),
                                            (128, "dense", True)])
 def test_wide_items_take_three_consumer_warpgroups_where_they_spill_nothing(monkeypatch, D, walk, wide, local):
@@ -450,8 +451,10 @@ def test_wide_items_take_three_consumer_warpgroups_where_they_spill_nothing(monk
     192-row q blocks (block_mask.item_lists), take 192 query rows per item (three consumer warpgroups of 64,
     FlashAttention-3's D64 tile: benchmarks/NOTES.md 84) with three K / V stages and 160 registers a consumer
     thread, where that kernel spills nothing (WS_FWD_WIDE_MAX_LOCAL: 0 bytes a thread); else, without such lists
-    and at D128, WS_TILES' 128-row items and two consumers, from the lists given. Inside compile_only both kernels
-    compile (the first_calls worker's: the call then has the one it takes)."""
+    and at D128, WS_TILES' 128-row items and two consumers, from the lists given. A block mask's wide kernel is
+    asked first with its warpgroups skipping a walk's first tiles that keep none of their rows
+    (WS_FWD_SKIP_EMPTY_LEAD), then, if that one spills, without. Inside compile_only the skipping wide kernel and the
+    128-row one compile (the first_calls worker's: the call then has the one it takes)."""
     from flexlite.api import _block_tensors
     from flexlite.block_mask import item_lists
 
@@ -463,8 +466,8 @@ def test_wide_items_take_three_consumer_warpgroups_where_they_spill_nothing(monk
 
     def local_bytes(self, grid, args):  # (as the real one: compiled and asked once, the answer kept)
         if self.local is None:
-            asked.append(self.kwargs["BLOCK_M"])
-            self.local = local
+            asked.append((self.kwargs["BLOCK_M"], self.kwargs["SKIP_LEAD"]))
+            self.local = (16 if self.kwargs["SKIP_LEAD"] else 0) if local == "skip" else local
         return self.local
     monkeypatch.setattr(launch.CompiledLaunch, "local_bytes", local_bytes)
     monkeypatch.setattr(launch, "_LAUNCHES", {})
@@ -477,12 +480,14 @@ def test_wide_items_take_three_consumer_warpgroups_where_they_spill_nothing(monk
     module = types.SimpleNamespace(flex_fwd_ws_kernel=kernel, LLVM_OPT_LEVELS={})
     launch.launch_forward_ws(module, [], q, k, v, *lists, 0.125, False, dense=walk == "dense", wide=wide_arg)
     (grid, args, kwargs), = launches
-    taken = D == 64 and wide and local <= launch.WS_FWD_WIDE_MAX_LOCAL
+    taken = D == 64 and wide and local != 16
+    skipping = taken and walk != "dense" and local == 0
     block_m, stages, regs = (192, 3, 160) if taken else (128, *[launch.WS_TILES[D][n] for n in ("STAGES",
                                                                                                "CONSUMER_REGS")])
     n_qblocks = -(-L // block_m)
     assert (kwargs["BLOCK_M"], kwargs["STAGES"], kwargs["CONSUMER_REGS"]) == (block_m, stages, regs)
     assert kwargs["SPARSE_Q_BLOCK"] == (192 if taken and walk != "dense" else 128)
+    assert kwargs["SKIP_LEAD"] == skipping
     assert grid == (2 * 4 * n_qblocks,) and kwargs["EVEN_M"] == (L % block_m == 0) and kwargs["HOST_DESC"]
     assert args[10 + 4 + 18:10 + 4 + 18 + 2] == (2 * 4 * n_qblocks, n_qblocks)
     # the lists: the wide items' own (causal: 2 partial blocks per 192-row item, 1 in the last, of 128 rows) or the
@@ -492,12 +497,14 @@ def test_wide_items_take_three_consumer_warpgroups_where_they_spill_nothing(monk
     # a second call takes the same kernel without asking again (a wide kernel that does not fit is not even given its
     # arguments)
     launch.launch_forward_ws(module, [], q, k, v, *lists, 0.125, False, dense=walk == "dense", wide=wide_arg)
-    assert launches[1][2]["BLOCK_M"] == block_m and asked == ([192] if D == 64 and wide else [])
+    tried = [(192, True)] * (walk != "dense") + [(192, False)] * (walk == "dense" or local != 0)
+    assert launches[1][2]["BLOCK_M"] == block_m and asked == (tried if D == 64 and wide else []), asked
     launches.clear()
     monkeypatch.setattr(launch, "_launch", lambda kernel, grid, args, kwargs: launches.append((grid, args, kwargs)))
     with launch.compile_only():
         launch.launch_forward_ws(module, [], q, k, v, *lists, 0.125, False, dense=walk == "dense", wide=wide_arg)
-    assert [kw["BLOCK_M"] for _, _, kw in launches] == ([192, 128] if D == 64 and wide else [128])
+    assert [(kw["BLOCK_M"], kw["SKIP_LEAD"]) for _, _, kw in launches] == (
+        [(192, walk != "dense"), (128, False)] if D == 64 and wide else [(128, False)])
 
 
 @pytest.mark.parametrize("made_by", ["create_block_mask", "from_kv_blocks", "bits"])
@@ -737,6 +744,30 @@ if ON_HOPPER:
         assert torch.equal(results[True][0], results[False][0]) and torch.equal(results[True][1], results[False][1])
         ref, ref_lse = attention_reference(q, k, v, block_mask=bm, enable_gqa=Hq != Hkv)
         assert_close(results[True][0], ref, *TOLERANCES[torch.bfloat16])
+
+    @pytest.mark.parametrize("shape, grid", [run for run in WS_FORWARD_RUNS if run.values[0][5] == 64])
+    @pytest.mark.parametrize("name", ["causal", "prefix_lm", "sliding_window", "equal_and_or"])
+    def test_wide_items_skip_the_first_tiles_that_keep_none_of_a_warpgroups_rows(monkeypatch, name, shape, grid):
+        # launch.WS_FWD_SKIP_EMPTY_LEAD: in items of three warpgroups each skips the first partial tiles (at most two)
+        # whose keys its rows' decided mask terms leave nothing of; out and lse the same bits as without the skip
+        # (a skipped tile adds exact zeros), and the reference's (_poisoned_forward: rows left unwritten fail)
+        from test_decide import MASKS
+
+        monkeypatch.setattr(launch, "WS_FWD_WIDE_MAX_WORK", float("inf"))
+        _on_grid(monkeypatch, grid == "persistent")
+        B, Hq, Hkv, Lq, Lkv, D = shape
+        bm = create_block_mask(MASKS[name][0], None, Hq, Lq, Lkv, device=DEVICE)
+        results, ran = {}, {}
+        for on in (True, False):
+            monkeypatch.setattr(launch, "WS_FWD_SKIP_EMPTY_LEAD", on)
+            ran[on] = _poisoned_forward(monkeypatch, shape, None, bm, seed=43)
+            q, k, v = rand_qkv(B, Hq, Hkv, Lq, Lkv, D, dtype=torch.bfloat16, seed=43)
+            results[on] = flex_attention(q, k, v, block_mask=bm, enable_gqa=Hq != Hkv, return_lse=True,
+                                         kernel_options={"WARP_SPECIALIZE": True})
+        assert ran[True] == ran[False] and set(ran[True]) <= {128, 192}, ran
+        if name in ("causal", "prefix_lm") and Lq % 128 == Lkv % 128 == 0:
+            assert 192 in ran[True], ran  # (their wide kernels spill nothing: taken)
+        assert torch.equal(results[True][0], results[False][0]) and torch.equal(results[True][1], results[False][1])
 
     @pytest.mark.parametrize("key_side", ["affine", "compact key vector", "column vector"])
     @pytest.mark.parametrize("shape, grid", WS_FORWARD_RUNS)

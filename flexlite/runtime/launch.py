@@ -310,6 +310,12 @@ WS_TILES = {64: dict(BLOCK_N=128, STAGES=2, CONSUMER_REGS=232), 128: dict(BLOCK_
 # spills nothing: WS_FWD_WIDE_MAX_LOCAL). H100, B16 H16 S8192 against two warpgroups (NOTES 84, 85): dense 15 %
 # faster (LLVM O3), causal 11 %, prefix-LM 7 % (O0); two stages starve it (33 % slower)
 WS_FWD_WIDE_TILES = {64: dict(BLOCK_M=192, STAGES=3, CONSUMER_REGS=160)}
+# in the wide items, each consumer warpgroup skips the first tiles of its walk (at most two) that keep none of its 64
+# rows by mask_mod's terms decided per tile (codegen.decide; masks reading no captured tensors): its ring slots go back
+# unread. The wide lists' partial tiles come from the last kv block down (block_mask.item_lists), so that a causal
+# diagonal's tiles past a warpgroup's rows come first: 1.5 of an item's 6 partial warpgroup tiles skipped for causal
+# and prefix-LM (NOTES 88)
+WS_FWD_SKIP_EMPTY_LEAD = True
 # local memory a thread of the wide items' kernel may use (spilled registers) for a call to take it: at 160 registers
 # and LLVM O0 (offline, L 2048, ptxas's spill stores) the D64 kernels of causal, sliding window and prefix-LM spill
 # nothing (the dense walk's at O3 neither), softcap + causal 72 bytes, ALiBi + causal 168 (in its full-tile loop:
@@ -473,21 +479,28 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
     choices = [({**tiles, "BLOCK_M": WS_BLOCK_M}, lists, sparse_block)]
     wide_tiles = WS_FWD_WIDE_TILES.get(D) if wide is True or isinstance(wide, tuple) else None
     if wide_tiles:
-        choices.insert(0, ({**tiles, **wide_tiles}, lists, sparse_block) if wide is True else
-                       ({**tiles, **wide_tiles}, tuple(wide), (wide_tiles["BLOCK_M"], sparse_block[1])))
+        wide_choice = (({**tiles, **wide_tiles, "SKIP_LEAD": False}, lists, sparse_block) if wide is True else
+                       ({**tiles, **wide_tiles, "SKIP_LEAD": False}, tuple(wide),
+                        (wide_tiles["BLOCK_M"], sparse_block[1])))
+        choices.insert(0, wide_choice)
+        if WS_FWD_SKIP_EMPTY_LEAD and not dense:  # first with the skip; without it where that kernel spills
+            choices.insert(0, ({**wide_choice[0], "SKIP_LEAD": True}, *wide_choice[1:]))
     persistent = WS_FWD_PERSISTENT and host_desc
     scalars = scalars_to(mod_args, q.device)
+    skip_fits = False
     for n, (tiles_n, lists_n, sparse) in enumerate(choices):
+        if skip_fits and tiles_n.get("SKIP_LEAD") is False:
+            continue  # (the wide kernel with the skip fits: none without it compiled)
         blocks, block_strides, has_full = _block_args(*lists_n)
         block_m = tiles_n["BLOCK_M"]
         n_qblocks = cdiv(Lq, block_m)
         work = n_qblocks * B * Hq
         programs = min(work, _device_facts(q.device)[0]) if persistent else work
-        launch = compiled_launch(module.flex_fwd_ws_kernel, dict(
+        launch = compiled_launch(module.flex_fwd_ws_kernel, {**dict(
             D=D, SPARSE_Q_BLOCK=sparse[0], SPARSE_KV_BLOCK=sparse[1],
             EVEN_M=Lq % block_m == 0, EVEN_N=Lkv % sparse[1] == 0, HAS_FULL_BLOCKS=has_full,
             HAS_SCORE_MOD=has_score_mod, REVERSE_M=REVERSE_Q_BLOCKS, DENSE=dense, HOST_DESC=host_desc,
-            PERSISTENT=persistent, STORE_MAX=max_scores, **tiles_n, num_warps=4))
+            PERSISTENT=persistent, STORE_MAX=max_scores, SKIP_LEAD=False, num_warps=4), **tiles_n})
         last = n == len(choices) - 1
         if not (last or compiling_only()) and (launch.local or 0) > WS_FWD_WIDE_MAX_LOCAL:
             continue  # (the wide kernel known not to fit: no arguments built for it)
@@ -495,7 +508,9 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
                 *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *block_strides, work, n_qblocks, Hq, Hq // Hkv,
                 Lq, Lkv, float(scale), *scalars)
         with llvm_opt_level(module.LLVM_OPT_LEVELS.get(D)):  # the level its source names (llvm_level.llvm_opt_level)
-            if compiling_only() or last or launch.local_bytes((programs,), args) <= WS_FWD_WIDE_MAX_LOCAL:
+            fits = compiling_only() or last or launch.local_bytes((programs,), args) <= WS_FWD_WIDE_MAX_LOCAL
+            skip_fits = fits and bool(tiles_n.get("SKIP_LEAD"))
+            if fits:
                 launch((programs,), args)
                 if not compiling_only():
                     break
