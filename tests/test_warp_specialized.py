@@ -764,10 +764,12 @@ if ON_HOPPER:
             q, k, v = rand_qkv(B, Hq, Hkv, Lq, Lkv, D, dtype=torch.bfloat16, seed=43)
             results[on] = flex_attention(q, k, v, block_mask=bm, enable_gqa=Hq != Hkv, return_lse=True,
                                          kernel_options={"WARP_SPECIALIZE": True})
-        assert ran[True] == ran[False] and set(ran[True]) <= {128, 192}, ran
-        if name in ("causal", "prefix_lm") and Lq % 128 == Lkv % 128 == 0:
-            assert 192 in ran[True], ran  # (their wide kernels spill nothing: taken)
-        assert torch.equal(results[True][0], results[False][0]) and torch.equal(results[True][1], results[False][1])
+        assert set(ran[True]) | set(ran[False]) <= {128, 192}, ran
+        if name in ("causal", "prefix_lm"):  # (their wide kernels spill nothing either way: the same items)
+            assert ran[True] == ran[False] and (192 in ran[True] or Lq % 128 or Lkv % 128), ran
+        if ran[True] == ran[False]:  # (else one of the two wide kernels spilled: 128-row items, another walk order)
+            assert torch.equal(results[True][0], results[False][0])
+            assert torch.equal(results[True][1], results[False][1])
 
     @pytest.mark.parametrize("key_side", ["affine", "compact key vector", "column vector"])
     @pytest.mark.parametrize("shape, grid", WS_FORWARD_RUNS)
