@@ -336,8 +336,8 @@ def test_warp_specialized_forward_compiles_for_sm90(case):
         # tile runs one branch, and spill nothing; the full-tile loops as they were; in wide items (three warpgroups
         # at 160 registers, where the branches spilled) the loops are the whole mask's (DECIDE off there: NOTES 87;
         # there the decided terms only skip a walk's first tiles, launch.WS_FWD_SKIP_EMPTY_LEAD, with which sliding
-        # window's wide kernel spilled 108 bytes at L 1024: the launch then takes the wide kernel without the skip;
-        # sliding window's work ratio keeps it in two warpgroups anyway)
+        # window's wide kernel spilled 108 bytes at L 1024: the launch then takes two warpgroups, as sliding
+        # window's work ratio does anyway)
         loops, whole, wide = facts["loops"], facts["whole_loops"], facts["wide_loops"]
         assert facts["report"]["spill_bytes"] == 0 and len(loops) == len(whole), (facts["report"], whole)
         partial = [i for i, loop in enumerate(whole) if loop["MUFU"] >= 60 and loop["ISETP"] >= 128]

@@ -451,10 +451,10 @@ def test_wide_items_take_three_consumer_warpgroups_where_they_spill_nothing(monk
     192-row q blocks (block_mask.item_lists), take 192 query rows per item (three consumer warpgroups of 64,
     FlashAttention-3's D64 tile: benchmarks/NOTES.md 84) with three K / V stages and 160 registers a consumer
     thread, where that kernel spills nothing (WS_FWD_WIDE_MAX_LOCAL: 0 bytes a thread); else, without such lists
-    and at D128, WS_TILES' 128-row items and two consumers, from the lists given. A block mask's wide kernel is
-    asked first with its warpgroups skipping a walk's first tiles that keep none of their rows
-    (WS_FWD_SKIP_EMPTY_LEAD), then, if that one spills, without. Inside compile_only the skipping wide kernel and the
-    128-row one compile (the first_calls worker's: the call then has the one it takes)."""
+    and at D128, WS_TILES' 128-row items and two consumers, from the lists given. A block mask's wide kernel has its
+    warpgroups skip a walk's first tiles that keep none of their rows (WS_FWD_SKIP_EMPTY_LEAD; where it spills so, the
+    128-row items: no third kernel compiled in the call). Inside compile_only both kernels compile (the first_calls
+    worker's: the call then has the one it takes)."""
     from flexlite.api import _block_tensors
     from flexlite.block_mask import item_lists
 
@@ -480,14 +480,14 @@ def test_wide_items_take_three_consumer_warpgroups_where_they_spill_nothing(monk
     module = types.SimpleNamespace(flex_fwd_ws_kernel=kernel, LLVM_OPT_LEVELS={})
     launch.launch_forward_ws(module, [], q, k, v, *lists, 0.125, False, dense=walk == "dense", wide=wide_arg)
     (grid, args, kwargs), = launches
-    taken = D == 64 and wide and local != 16
-    skipping = taken and walk != "dense" and local == 0
+    skipping = walk != "dense"
+    taken = D == 64 and wide and (local == 0 or local == "skip" and not skipping)
     block_m, stages, regs = (192, 3, 160) if taken else (128, *[launch.WS_TILES[D][n] for n in ("STAGES",
                                                                                                "CONSUMER_REGS")])
     n_qblocks = -(-L // block_m)
     assert (kwargs["BLOCK_M"], kwargs["STAGES"], kwargs["CONSUMER_REGS"]) == (block_m, stages, regs)
     assert kwargs["SPARSE_Q_BLOCK"] == (192 if taken and walk != "dense" else 128)
-    assert kwargs["SKIP_LEAD"] == skipping
+    assert kwargs["SKIP_LEAD"] == (taken and skipping)
     assert grid == (2 * 4 * n_qblocks,) and kwargs["EVEN_M"] == (L % block_m == 0) and kwargs["HOST_DESC"]
     assert args[10 + 4 + 18:10 + 4 + 18 + 2] == (2 * 4 * n_qblocks, n_qblocks)
     # the lists: the wide items' own (causal: 2 partial blocks per 192-row item, 1 in the last, of 128 rows) or the
@@ -497,14 +497,13 @@ def test_wide_items_take_three_consumer_warpgroups_where_they_spill_nothing(monk
     # a second call takes the same kernel without asking again (a wide kernel that does not fit is not even given its
     # arguments)
     launch.launch_forward_ws(module, [], q, k, v, *lists, 0.125, False, dense=walk == "dense", wide=wide_arg)
-    tried = [(192, True)] * (walk != "dense") + [(192, False)] * (walk == "dense" or local != 0)
-    assert launches[1][2]["BLOCK_M"] == block_m and asked == (tried if D == 64 and wide else []), asked
+    assert launches[1][2]["BLOCK_M"] == block_m and asked == ([(192, skipping)] if D == 64 and wide else []), asked
     launches.clear()
     monkeypatch.setattr(launch, "_launch", lambda kernel, grid, args, kwargs: launches.append((grid, args, kwargs)))
     with launch.compile_only():
         launch.launch_forward_ws(module, [], q, k, v, *lists, 0.125, False, dense=walk == "dense", wide=wide_arg)
     assert [(kw["BLOCK_M"], kw["SKIP_LEAD"]) for _, _, kw in launches] == (
-        [(192, walk != "dense"), (128, False)] if D == 64 and wide else [(128, False)])
+        [(192, skipping), (128, False)] if D == 64 and wide else [(128, False)])
 
 
 @pytest.mark.parametrize("made_by", ["create_block_mask", "from_kv_blocks", "bits"])

@@ -314,7 +314,10 @@ WS_FWD_WIDE_TILES = {64: dict(BLOCK_M=192, STAGES=3, CONSUMER_REGS=160)}
 # rows by mask_mod's terms decided per tile (codegen.decide; masks reading no captured tensors): its ring slots go back
 # unread. The wide lists' partial tiles come from the last kv block down (block_mask.item_lists), so that a causal
 # diagonal's tiles past a warpgroup's rows come first: 1.5 of an item's 6 partial warpgroup tiles skipped for causal
-# and prefix-LM (NOTES 88)
+# and prefix-LM (H200: prefix-LM's D64 forward 1.5 % faster, causal even; NOTES 88). Where the wide kernel spills with
+# the skip (offline: sliding window's, not offered wide items anyway), the launch takes two warpgroups, as for any
+# wide kernel that spills: trying the wide kernel without the skip would compile it in the call for ALiBi's and
+# softcap's, which spill either way
 WS_FWD_SKIP_EMPTY_LEAD = True
 # local memory a thread of the wide items' kernel may use (spilled registers) for a call to take it: at 160 registers
 # and LLVM O0 (offline, L 2048, ptxas's spill stores) the D64 kernels of causal, sliding window and prefix-LM spill
@@ -479,18 +482,12 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
     choices = [({**tiles, "BLOCK_M": WS_BLOCK_M}, lists, sparse_block)]
     wide_tiles = WS_FWD_WIDE_TILES.get(D) if wide is True or isinstance(wide, tuple) else None
     if wide_tiles:
-        wide_choice = (({**tiles, **wide_tiles, "SKIP_LEAD": False}, lists, sparse_block) if wide is True else
-                       ({**tiles, **wide_tiles, "SKIP_LEAD": False}, tuple(wide),
-                        (wide_tiles["BLOCK_M"], sparse_block[1])))
-        choices.insert(0, wide_choice)
-        if WS_FWD_SKIP_EMPTY_LEAD and not dense:  # first with the skip; without it where that kernel spills
-            choices.insert(0, ({**wide_choice[0], "SKIP_LEAD": True}, *wide_choice[1:]))
+        wide_tiles = {**wide_tiles, "SKIP_LEAD": WS_FWD_SKIP_EMPTY_LEAD and not dense}
+        choices.insert(0, ({**tiles, **wide_tiles}, lists, sparse_block) if wide is True else
+                       ({**tiles, **wide_tiles}, tuple(wide), (wide_tiles["BLOCK_M"], sparse_block[1])))
     persistent = WS_FWD_PERSISTENT and host_desc
     scalars = scalars_to(mod_args, q.device)
-    skip_fits = False
     for n, (tiles_n, lists_n, sparse) in enumerate(choices):
-        if skip_fits and tiles_n.get("SKIP_LEAD") is False:
-            continue  # (the wide kernel with the skip fits: none without it compiled)
         blocks, block_strides, has_full = _block_args(*lists_n)
         block_m = tiles_n["BLOCK_M"]
         n_qblocks = cdiv(Lq, block_m)
@@ -508,9 +505,7 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
                 *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *block_strides, work, n_qblocks, Hq, Hq // Hkv,
                 Lq, Lkv, float(scale), *scalars)
         with llvm_opt_level(module.LLVM_OPT_LEVELS.get(D)):  # the level its source names (llvm_level.llvm_opt_level)
-            fits = compiling_only() or last or launch.local_bytes((programs,), args) <= WS_FWD_WIDE_MAX_LOCAL
-            skip_fits = fits and bool(tiles_n.get("SKIP_LEAD"))
-            if fits:
+            if compiling_only() or last or launch.local_bytes((programs,), args) <= WS_FWD_WIDE_MAX_LOCAL:
                 launch((programs,), args)
                 if not compiling_only():
                     break
