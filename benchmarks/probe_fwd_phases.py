@@ -43,10 +43,10 @@ AFTER = (
     ("        o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))\n"
      "        mbarrier.arrive(kv_empty.index(sp), count=1)  # this warpgroup is done with tile j-1\n", 8, "pv",
      "i0 + j"),
-    ("    mbarrier.wait(q_bar, phase=jj & 1)\n", 4, "q", "i"),
+    ("    mbarrier.wait(q_bar.index(qb), phase=(jj // Q_BUFFERS) & 1)\n", 4, "q", "i"),
     ("            mbarrier.arrive(kv_empty.index(last), count=1)\n        else:\n", 12, "out", "i_last"),
 )
-BEFORE = (("    mbarrier.wait(q_bar, phase=jj & 1)\n", 4, "item", "i"),
+BEFORE = (("    mbarrier.wait(q_bar.index(qb), phase=(jj // Q_BUFFERS) & 1)\n", 4, "item", "i"),
           ("        # partial tiles lead + 1 .. n_part - 1, then full tiles", 8, "first", "i"),
           ("            # OUT in the last slot's K buffer", 12, "last", "i_last"))
 

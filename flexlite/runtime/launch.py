@@ -299,7 +299,8 @@ def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
 # Q's buffer, and measured 7-11 % faster than two)
 WS_BLOCK_M = 128
 WS_HALF_M = 64  # query rows per consumer warpgroup (the template's HALF): Q's and OUT's descriptors' block rows
-WS_TILES = {64: dict(BLOCK_N=128, STAGES=2, CONSUMER_REGS=232), 128: dict(BLOCK_N=128, STAGES=3, CONSUMER_REGS=240)}
+WS_TILES = {64: dict(BLOCK_N=128, STAGES=2, CONSUMER_REGS=232, Q_BUFFERS=1),
+            128: dict(BLOCK_N=128, STAGES=3, CONSUMER_REGS=240, Q_BUFFERS=1)}
 # per head dim, the warp-specialized forward's wide items: BLOCK_M query rows per item, a consumer warpgroup per
 # WS_HALF_M (three: FlashAttention-3's D64 tile), K / V stages, and the consumers' registers (three consumer
 # warpgroups, worker partitions, and the producer, the default partition's warpgroup at 32, fill the register file at
@@ -308,8 +309,12 @@ WS_TILES = {64: dict(BLOCK_N=128, STAGES=2, CONSUMER_REGS=232), 128: dict(BLOCK_
 # mask_mod deciding each position of a block partial for any of an item's q blocks) and whose wide items walk little
 # more than its own (WS_FWD_WIDE_MAX_WORK; api offers them to launch_forward_ws, which takes them where the kernel
 # spills nothing: WS_FWD_WIDE_MAX_LOCAL). H100, B16 H16 S8192 against two warpgroups (NOTES 84, 85): dense 15 %
-# faster (LLVM O3), causal 11 %, prefix-LM 7 % (O0); two stages starve it (33 % slower)
-WS_FWD_WIDE_TILES = {64: dict(BLOCK_M=192, STAGES=3, CONSUMER_REGS=160)}
+# faster (LLVM O3), causal 11 %, prefix-LM 7 % (O0); two stages starve it (33 % slower). Q_BUFFERS: Q's buffers
+# (every template's tiles name theirs): the wide items stage OUT in Q's buffer, so with one the next item's Q loads
+# only once the last warpgroup has stored OUT; with two it loads while the item runs. Two on a block mask's walk on
+# the persistent grid (H200, D64 forward: causal 10 % faster, prefix-LM 2 %); one on the dense walk (full 2.4 %
+# slower with two) and on a grid of a program per item (one item each: nothing to load ahead; NOTES 89)
+WS_FWD_WIDE_TILES = {64: dict(BLOCK_M=192, STAGES=3, CONSUMER_REGS=160, Q_BUFFERS=2)}
 # in the wide items, each consumer warpgroup skips the first tiles of its walk (at most two) that keep none of its 64
 # rows by mask_mod's terms decided per tile (codegen.decide; masks reading no captured tensors): its ring slots go back
 # unread. The wide lists' partial tiles come from the last kv block down (block_mask.item_lists), so that a causal
@@ -320,10 +325,12 @@ WS_FWD_WIDE_TILES = {64: dict(BLOCK_M=192, STAGES=3, CONSUMER_REGS=160)}
 # softcap's, which spill either way
 WS_FWD_SKIP_EMPTY_LEAD = True
 # local memory a thread of the wide items' kernel may use (spilled registers) for a call to take it: at 160 registers
-# and LLVM O0 (offline, L 2048, ptxas's spill stores) the D64 kernels of causal, sliding window and prefix-LM spill
-# nothing (the dense walk's at O3 neither), softcap + causal 72 bytes, ALiBi + causal 168 (in its full-tile loop:
-# 12 % slower than two warpgroups on an H100, NOTES 85), the document mask 1,464
-WS_FWD_WIDE_MAX_LOCAL = 0
+# and LLVM O0 (offline, L 2048, ptxas's spill stores, with Q's two buffers) the D64 kernels of causal and prefix-LM
+# spill 16 bytes, values of an item reloaded once per item outside its tile loops, softcap + causal 36 (taken: 1.5 %
+# faster than two warpgroups on an H200, NOTES 89), the dense walk's (at O3) nothing; sliding window 76 (in its partial
+# tiles' loops), ALiBi + causal 976 and the document mask 1,544 stay in two warpgroups (ALiBi's 168 bytes in its
+# full-tile loop were 12 % slower than two warpgroups on an H100, NOTES 85)
+WS_FWD_WIDE_MAX_LOCAL = 48
 # a block mask's wide items are taken where their tiles, weighed by rows and a partial tile as
 # WS_FWD_PARTIAL_TILE_COST full ones (D64: a partial tile's loop is 1.4-2.1x a full one's instructions), come to at
 # most WS_FWD_WIDE_MAX_WORK times the mask's own items' (api._wide_work): banded masks' wider items walk more keys,
@@ -480,12 +487,13 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
         descs = [None] * 4
     lists = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
     choices = [({**tiles, "BLOCK_M": WS_BLOCK_M}, lists, sparse_block)]
+    persistent = WS_FWD_PERSISTENT and host_desc
     wide_tiles = WS_FWD_WIDE_TILES.get(D) if wide is True or isinstance(wide, tuple) else None
     if wide_tiles:
-        wide_tiles = {**wide_tiles, "SKIP_LEAD": WS_FWD_SKIP_EMPTY_LEAD and not dense}
+        wide_tiles = {**wide_tiles, "SKIP_LEAD": WS_FWD_SKIP_EMPTY_LEAD and not dense,
+                      "Q_BUFFERS": wide_tiles["Q_BUFFERS"] if persistent and not dense else 1}
         choices.insert(0, ({**tiles, **wide_tiles}, lists, sparse_block) if wide is True else
                        ({**tiles, **wide_tiles}, tuple(wide), (wide_tiles["BLOCK_M"], sparse_block[1])))
-    persistent = WS_FWD_PERSISTENT and host_desc
     scalars = scalars_to(mod_args, q.device)
     for n, (tiles_n, lists_n, sparse) in enumerate(choices):
         blocks, block_strides, has_full = _block_args(*lists_n)
