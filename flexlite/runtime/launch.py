@@ -308,12 +308,13 @@ WS_TILES = {64: dict(BLOCK_N=128, STAGES=2, CONSUMER_REGS=232, Q_BUFFERS=1),
 # them, and a block mask whose lists can be made for BLOCK_M-row q blocks (block_mask.item_lists: create_block_mask's,
 # mask_mod deciding each position of a block partial for any of an item's q blocks) and whose wide items walk little
 # more than its own (WS_FWD_WIDE_MAX_WORK; api offers them to launch_forward_ws, which takes them where the kernel
-# spills nothing: WS_FWD_WIDE_MAX_LOCAL). H100, B16 H16 S8192 against two warpgroups (NOTES 84, 85): dense 15 %
+# spills little: WS_FWD_WIDE_MAX_LOCAL). H100, B16 H16 S8192 against two warpgroups (NOTES 84, 85): dense 15 %
 # faster (LLVM O3), causal 11 %, prefix-LM 7 % (O0); two stages starve it (33 % slower). Q_BUFFERS: Q's buffers
 # (every template's tiles name theirs): the wide items stage OUT in Q's buffer, so with one the next item's Q loads
 # only once the last warpgroup has stored OUT; with two it loads while the item runs. Two on a block mask's walk on
-# the persistent grid (H200, D64 forward: causal 10 % faster, prefix-LM 2 %); one on the dense walk (full 2.4 %
-# slower with two) and on a grid of a program per item (one item each: nothing to load ahead; NOTES 89)
+# the persistent grid (H200, D64 forward, seeded A/B in one process: prefix-LM 3 % faster, causal even); one on the
+# dense walk (full 2.4 % slower with two in probe_against) and on a grid of a program per item (one item each:
+# nothing to load ahead; NOTES 89)
 WS_FWD_WIDE_TILES = {64: dict(BLOCK_M=192, STAGES=3, CONSUMER_REGS=160, Q_BUFFERS=2)}
 # in the wide items, each consumer warpgroup skips the first tiles of its walk (at most two) that keep none of its 64
 # rows by mask_mod's terms decided per tile (codegen.decide; masks reading no captured tensors): its ring slots go back
@@ -326,10 +327,10 @@ WS_FWD_WIDE_TILES = {64: dict(BLOCK_M=192, STAGES=3, CONSUMER_REGS=160, Q_BUFFER
 WS_FWD_SKIP_EMPTY_LEAD = True
 # local memory a thread of the wide items' kernel may use (spilled registers) for a call to take it: at 160 registers
 # and LLVM O0 (offline, L 2048, ptxas's spill stores, with Q's two buffers) the D64 kernels of causal and prefix-LM
-# spill 16 bytes, values of an item reloaded once per item outside its tile loops, softcap + causal 36 (taken: 1.5 %
-# faster than two warpgroups on an H200, NOTES 89), the dense walk's (at O3) nothing; sliding window 76 (in its partial
-# tiles' loops), ALiBi + causal 976 and the document mask 1,544 stay in two warpgroups (ALiBi's 168 bytes in its
-# full-tile loop were 12 % slower than two warpgroups on an H100, NOTES 85)
+# spill 16 bytes, values of an item reloaded once per item outside its tile loops, softcap + causal 36 (taken: 1.5-1.8 %
+# faster than in two warpgroups on an H200, NOTES 89), the dense walk's (at O3) nothing; sliding window 76 (in its
+# partial tiles' loops), ALiBi + causal 976 and the document mask 1,544 stay in two warpgroups (ALiBi's 168 bytes in
+# its full-tile loop were 12 % slower than two warpgroups on an H100, NOTES 85)
 WS_FWD_WIDE_MAX_LOCAL = 48
 # a block mask's wide items are taken where their tiles, weighed by rows and a partial tile as
 # WS_FWD_PARTIAL_TILE_COST full ones (D64: a partial tile's loop is 1.4-2.1x a full one's instructions), come to at
