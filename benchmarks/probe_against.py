@@ -5,7 +5,8 @@ has them ("now") and with the templates or settings named on the command line ("
 other files instead (an earlier version, e.g. from ``git show <commit>:flexlite/codegen/templates/bwd_ws.py.jinja``),
 settings of flexlite.runtime.launch given other values. Each is checked against the fp64 reference first
 (``bench.check_against_reference``, outputs and gradients), then timed (do_bench medians) in rounds of alternating
-order, the best round of each kept. Prints a table: ms of both and their ratio.
+order after each has run untimed for bench.HEAT_MS (an idle GPU's first calls ran faster than under load: NOTES
+89), the best round of each kept. Prints a table: ms of both and their ratio.
 
 Usage: python benchmarks/probe_against.py NAME=VALUE[,NAME=VALUE...] [mask,mask,...] [D,D,...] [--rounds=N]
 [--passes=fwd,bwd] [--options=KEY=VALUE[,KEY=VALUE...]]
@@ -23,7 +24,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 from flexlite import first_calls, flex_attention
-from flexlite.bench import _median_ms, _timed, check_against_reference, probe_args, probe_cases
+from flexlite.bench import _median_ms, _timed, check_against_reference, heat, probe_args, probe_cases
 
 ROUNDS = 2  # (--rounds=N)
 
@@ -79,14 +80,19 @@ def main():
             with scope():
                 errors[label] = max(check_against_reference(case, D, "cuda", backward="bwd" in passes,
                                                             kernel_options=options).values())
+
+        def call():
+            return flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm, kernel_options=options)
         for pass_ in passes:
             best = {}
+            grads = (q, k, v) if pass_ == "bwd" else None
+            for label, scope in variants:  # each run untimed first (bench.heat: the GPU at its clock under load)
+                with scope():
+                    heat(_timed(call, pass_), grad_to_none=grads)
             for r in range(rounds):  # (each round in the other order)
                 for label, scope in variants[::1 if r % 2 == 0 else -1]:
                     with scope():
-                        fn = _timed(lambda: flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm,
-                                                           kernel_options=options), pass_)
-                        ms = _median_ms(fn, grad_to_none=(q, k, v) if pass_ == "bwd" else None)
+                        ms = _median_ms(_timed(call, pass_), grad_to_none=grads)
                     best[label] = min(best.get(label, ms), ms)
             rows.append([case.name, f"D{D}", pass_, round(best["now"], 4), round(best["before"], 4),
                          round(best["now"] / best["before"], 4), f"{errors['now']:.2e} / {errors['before']:.2e}"])

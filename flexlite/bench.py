@@ -136,26 +136,44 @@ def _first_line(error: BaseException) -> str:
     return str(error).splitlines()[0][:120] if str(error) else type(error).__name__
 
 
-def time_rounds(fns: dict, rounds: int = 1, grad_to_none=None) -> tuple:
+# ms each implementation of a row runs, untimed, before its rounds (time_rounds, heat): a GPU that sat idle (through
+# compiles and reference checks) may run its first timed calls at a higher clock than it keeps under load (the H200
+# at its power cap: in the D64 harness runs at 0446c2a and a50cb74 causal's flexlite rounds, first in round one and
+# last in round two, 4.70 / 5.30 and 4.78 / 5.57 ms, NOTES 89), which the best round credits to whichever
+# implementation runs first
+HEAT_MS = 500.0
+
+
+def heat(fn: Callable, ms: float = HEAT_MS, grad_to_none=None) -> None:
+    """``fn`` called for about ``ms`` ms, untimed (do_bench's warm-up; on CPU at least once), so that the GPU is at
+    the clock it keeps under load before a timing."""
+    time_ms(fn, warmup=ms, rep=1, grad_to_none=grad_to_none)
+
+
+def time_rounds(fns: dict, rounds: int = 1, grad_to_none=None, heat_ms: float = HEAT_MS) -> tuple:
     """Each of ``fns`` (name -> callable) timed ``rounds`` times (:func:`_median_ms`), in order first to last, then
     last to first, and so on: a transient slowdown of the GPU or the host then falls on one round of one
     implementation, not on a whole comparison (a speed that a process keeps throughout, NOTES 61, it cannot
-    remove: the forward rows' CUDA-graph times show it). Returns
-    (name -> list of ms, one per round; name -> first line of the RuntimeError that a callable raised, after which
-    it is not timed again: e.g. an SDPA backend not available for the shape)."""
+    remove: the forward rows' CUDA-graph times show it). Before the first round each runs ``heat_ms`` ms untimed
+    (:func:`heat`; 0: not). Returns (name -> list of ms, one per round; name -> first line of the RuntimeError that a
+    callable raised, after which it is not timed again: e.g. an SDPA backend not available for the shape)."""
     if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
         raise ValueError(f"rounds must be a positive int; got {rounds!r}")
     times = {name: [] for name in fns}
     errors = {}
     names = list(fns)
-    for r in range(rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            if name in errors:
-                continue
+
+    def attempt(name, run):
+        if name not in errors:
             try:
-                times[name].append(_median_ms(fns[name], grad_to_none=grad_to_none))
+                run()
             except RuntimeError as e:
                 errors[name] = _first_line(e)
+    for name in names if heat_ms else ():
+        attempt(name, lambda: heat(fns[name], heat_ms, grad_to_none=grad_to_none))
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            attempt(name, lambda: times[name].append(_median_ms(fns[name], grad_to_none=grad_to_none)))
     return times, errors
 
 

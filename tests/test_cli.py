@@ -158,12 +158,16 @@ def test_bench_commit_label_says_when_the_tree_is_not_its_commit(tmp_path, monke
     assert _git_commit() == "abc1234"
 
 
-def test_bench_times_in_rounds_of_alternating_order(monkeypatch):
-    """The harness's timings (bench.time_rounds): each implementation once per round, the order reversed every other
-    round; one that raises is recorded by its error's first line and not timed again."""
+@pytest.mark.parametrize("heat_ms", [500.0, 0.0], ids=["heated", "not heated"])
+def test_bench_times_in_rounds_of_alternating_order(monkeypatch, heat_ms):
+    """The harness's timings (bench.time_rounds): each implementation run untimed for heat_ms first (bench.heat, in
+    the first round's order; 0: not), then timed once per round, the order reversed every other round; one that
+    raises is recorded by its error's first line and not timed again."""
     import flexlite.bench as bench
     order = []
     monkeypatch.setattr(bench, "_median_ms", lambda fn, grad_to_none=None: fn())
+    monkeypatch.setattr(bench, "time_ms", lambda fn, warmup, rep, grad_to_none=None: order.append(("heat", warmup))
+                        or fn())
 
     def timed(name, ms):
         return lambda: order.append(name) or ms
@@ -172,8 +176,12 @@ def test_bench_times_in_rounds_of_alternating_order(monkeypatch):
         order.append("sdpa")
         raise RuntimeError("No available kernel for this shape\n(the rest of torch's message)")
     times, errors = bench.time_rounds({"flexlite": timed("flexlite", 2.0), "torch_flex": timed("torch_flex", 3.0),
-                                       "sdpa": unavailable}, rounds=3)
-    assert order == ["flexlite", "torch_flex", "sdpa", "torch_flex", "flexlite", "flexlite", "torch_flex"]
+                                       "sdpa": unavailable}, rounds=3, heat_ms=heat_ms)
+    if heat_ms:  # (sdpa raises while heating: never timed)
+        assert order == [("heat", heat_ms), "flexlite", ("heat", heat_ms), "torch_flex", ("heat", heat_ms), "sdpa",
+                         "flexlite", "torch_flex", "torch_flex", "flexlite", "flexlite", "torch_flex"]
+    else:
+        assert order == ["flexlite", "torch_flex", "sdpa", "torch_flex", "flexlite", "flexlite", "torch_flex"]
     assert times == {"flexlite": [2.0] * 3, "torch_flex": [3.0] * 3, "sdpa": []}
     assert errors == {"sdpa": "No available kernel for this shape"}
     for bad in (0, -1, 1.5, True):
