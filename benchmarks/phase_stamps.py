@@ -2,7 +2,8 @@
 stamps inserted at its phase boundaries, found by their source text.
 
 Each consumer warpgroup of the first NPROG programs writes the SM clock (%clock64) into a buffer at
-[program, warpgroup, slot, field] (int64, NPROG x 2 x NSLOT x fields), for slots (tiles) 0 .. NSLOT - 1."""
+[program, warpgroup, slot, field] (int64, NPROG x warpgroups x NSLOT x fields; warpgroups 2, or 3 for the forward's
+wide items), for slots (tiles) 0 .. NSLOT - 1."""
 
 from flexlite.codegen.render import TEMPLATE_DIR
 
@@ -13,7 +14,7 @@ STAMP = '''
 def dbg_stamp(i, WG: gl.constexpr, FIELD: gl.constexpr):
     pid = gl.program_id(0)
     if (pid < {nprog}) & (i >= 0) & (i < {nslot}):
-        addr = ((pid * 2 + WG) * {nslot} + i) * {nf} + FIELD
+        addr = ((pid * {nwg} + WG) * {nslot} + i) * {nf} + FIELD
         addr = addr.to(gl.int64) * 8 + {base}
         gl.inline_asm_elementwise("mov.u64 $0, %clock64; st.global.u64 [$1], $0;", "=l,l", [addr], dtype=gl.int64,
                                   is_pure=False, pack=1)
@@ -21,11 +22,11 @@ def dbg_stamp(i, WG: gl.constexpr, FIELD: gl.constexpr):
 
 
 def stamped_template(template: str, fields: tuple, after: tuple, before: tuple, anchor: str, nslot: int,
-                     base: int) -> str:
+                     base: int, warpgroups: int = 2) -> str:
     """``template`` (a file under flexlite/codegen/templates) with a stamp of field f at slot expression e after the
     first line of each (point, indentation, f, e) of ``after`` and before each of ``before`` (a point is source text
     found exactly once: the probe fails if a template change moved it), the stamping function before ``anchor``,
-    writing to the buffer at address ``base``."""
+    writing to the buffer at address ``base`` ([NPROG, warpgroups, nslot, fields])."""
     text = (TEMPLATE_DIR / template).read_text()
 
     def stamp(indent, field, slot):
@@ -39,11 +40,11 @@ def stamped_template(template: str, fields: tuple, after: tuple, before: tuple, 
             else:
                 text = text.replace(point, stamp(indent, field, slot) + point)
     assert text.count(anchor) == 1, f"anchor not found once: {anchor.strip()}"
-    return text.replace(anchor, STAMP.format(nprog=NPROG, nslot=nslot, nf=len(fields), base=base) + anchor)
+    return text.replace(anchor, STAMP.format(nprog=NPROG, nwg=warpgroups, nslot=nslot, nf=len(fields), base=base) + anchor)
 
 
 def fields_of(t, fields: tuple) -> dict:
-    """The stamps t [NPROG, 2, slots, fields] per field name."""
+    """The stamps t [NPROG, warpgroups, slots, fields] per field name."""
     return {name: t[..., n] for n, name in enumerate(fields)}
 
 

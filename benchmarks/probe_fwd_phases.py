@@ -8,11 +8,13 @@ the SM clock (%clock64) of each of its first NSLOT ring slot uses (tiles, over t
 - per q block, at its first tile's slot: ``item``: before waiting for Q, ``q``: Q landed, ``first``: the first tile's
   S and softmax done; at its last tile's slot: ``last``: the last P V done, ``out``: OUT / LSE stored.
 Printed per mask and head dim (the harness shapes, the default grid): each phase's median clocks per tile and warpgroup,
-the two warpgroups' offset, and per q block the clocks of its parts outside the loop, its span beyond its tiles
-(span - tiles x the median tile) in clocks and in tiles, and its tile count. Two consumer warpgroups everywhere
-(the stamps' layout): D64 without its wide items of three (launch.WS_FWD_WIDE_TILES off).
+the warpgroups' largest offset from the first, and per q block the clocks of its parts outside the loop, its span
+beyond its tiles (span - tiles x the median tile) in clocks and in tiles, and its tile count. Two consumer warpgroups
+everywhere: D64 without its wide items of three (launch.WS_FWD_WIDE_TILES off); with --wide D64 in the wide items
+wherever their lists can be made (whatever the kernel spills with its stamps, and however many tiles they walk:
+launch.WS_FWD_WIDE_MAX_LOCAL and WS_FWD_WIDE_MAX_WORK lifted), three warpgroups' stamps.
 
-Usage: python benchmarks/probe_fwd_phases.py [mask,mask,...] [D,D,...]"""
+Usage: python benchmarks/probe_fwd_phases.py [mask,mask,...] [D,D,...] [--wide]"""
 
 import sys
 import unittest.mock
@@ -45,15 +47,20 @@ AFTER = (
      "i0 + j"),
     ("    mbarrier.wait(q_bar.index(qb), phase=(jj // Q_BUFFERS) & 1)\n", 4, "q", "i"),
     ("            mbarrier.arrive(kv_empty.index(last), count=1)\n        else:\n", 12, "out", "i_last"),
+    # (three warpgroups: OUT staged in Q's buffer)
+    ("            mbarrier.arrive(q_empty.index(qb), count=1)  # the producer may load Q into this buffer\n"
+     "        r_next = r + n_tiles + 1\n", 12, "out", "i_last"),
 )
 BEFORE = (("    mbarrier.wait(q_bar.index(qb), phase=(jj // Q_BUFFERS) & 1)\n", 4, "item", "i"),
           ("        # partial tiles lead + 1 .. n_part - 1, then full tiles", 8, "first", "i"),
-          ("            # OUT in the last slot's K buffer", 12, "last", "i_last"))
+          ("            # OUT in the last slot's K buffer", 12, "last", "i_last"),
+          ("            mbarrier.arrive(kv_empty.index(last), count=1)\n            # (the last item of a head", 12, "last",
+           "i_last"))
 
 
-def stamped_template(base: int) -> str:
+def stamped_template(base: int, warpgroups: int = 2) -> str:
     return phase_stamps.stamped_template("fwd_ws.py.jinja", FIELDS, AFTER, BEFORE, "\n\n@gluon.jit\ndef ws_walk(",
-                                         NSLOT, base)
+                                         NSLOT, base, warpgroups)
 
 
 def _median(values) -> float:
@@ -62,18 +69,18 @@ def _median(values) -> float:
 
 def summarize(t: torch.Tensor) -> list:
     """[tile clocks, the loop's phases, WG offset, per q block: Q wait, first tile, last P V, OUT, span beyond the
-    tiles (clocks, tiles), tiles per q block] from the stamps t [NPROG, 2, NSLOT, fields] (medians)."""
+    tiles (clocks, tiles), tiles per q block] from the stamps t [NPROG, warpgroups, NSLOT, fields] (medians)."""
     f = phase_stamps.fields_of(t, FIELDS)
     loop = f["top"] > 0
     phases = phase_stamps.phase_medians(f, FIELDS[:5], loop)
     nxt = torch.roll(f["top"], -1, dims=2)
     ok = loop & (nxt > 0) & (torch.roll(f["item"], -1, dims=2) == 0)
     tile = float((nxt - f["top"])[ok].median())
-    both = loop[:, 0] & loop[:, 1]
-    offset = float((f["issue"][:, 1] - f["issue"][:, 0])[both].abs().median())
+    offset = max([float((f["issue"][:, w] - f["issue"][:, 0])[loop[:, 0] & loop[:, w]].abs().median())
+                  for w in range(1, t.shape[1]) if (loop[:, 0] & loop[:, w]).any()], default=float("nan"))
     parts = {"q": [], "first": [], "lastpv": [], "out": [], "beyond": [], "tiles": []}
     for p in range(t.shape[0]):
-        for wg in range(2):
+        for wg in range(t.shape[1]):
             starts = [int(s) for s in torch.nonzero(f["item"][p, wg] > 0).flatten()]
             for s, e in zip(starts, starts[1:] + [None]):
                 ends = torch.nonzero(f["out"][p, wg, s:e] > 0).flatten()
@@ -94,20 +101,23 @@ def summarize(t: torch.Tensor) -> list:
             _median(parts["out"]), beyond, beyond / tile, _median(parts["tiles"])]
 
 
-HEADERS = ["clocks per tile (median)", "top->issue", "issue->s", "s->sm", "sm->pv", "|WG1 - WG0| at issue",
+HEADERS = ["clocks per tile (median)", "top->issue", "issue->s", "s->sm", "sm->pv", "max |WGi - WG0| at issue",
            "q block: Q wait", "first tile", "last P V", "OUT store", "span beyond its tiles", "... in tiles",
            "tiles per q block"]
 
 
 def main():
     masks, dims = probe_args(sys.argv)
+    wide = "--wide" in sys.argv
+    nwg = 3 if wide else 2
+    items = (dict(WS_FWD_WIDE_MAX_LOCAL=1 << 30, WS_FWD_WIDE_MAX_WORK=float("inf")) if wide else
+             dict(WS_FWD_WIDE_TILES={}))
     rows = []
     for D, q, k, v, case, bm in probe_cases(masks, dims, requires_grad=False):
-        buf = torch.zeros(NPROG, 2, NSLOT, len(FIELDS), dtype=torch.int64, device="cuda")
+        buf = torch.zeros(NPROG, nwg, NSLOT, len(FIELDS), dtype=torch.int64, device="cuda")
         path = Path(f"/tmp/fwd_ws_stamped_{case.name}.py.jinja")
-        path.write_text(stamped_template(buf.data_ptr()))
-        with templates_from({"fwd_ws.py.jinja": str(path)}), \
-                unittest.mock.patch.object(launch, "WS_FWD_WIDE_TILES", {}):
+        path.write_text(stamped_template(buf.data_ptr(), nwg))
+        with templates_from({"fwd_ws.py.jinja": str(path)}), unittest.mock.patch.multiple(launch, **items):
             for _ in range(3):  # (the last run's stamps are kept: warm caches)
                 buf.zero_()
                 flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm)
