@@ -351,12 +351,13 @@ def run(masks: list, shapes: list, passes: tuple = ("fwd",), dtype=torch.bfloat1
 
 
 def _write_results(rows: list, out_dir: Optional[Path], suffix: str, columns: list) -> dict:
-    """``{gpu, torch, triton, commit, date, rows}`` to ``<out_dir>/<gpu>-<date><suffix>.json`` plus a
-    markdown table beside it (``out_dir`` None: print only)."""
+    """``{gpu, torch, triton, commit, date, heat_ms, rows}`` to ``<out_dir>/<gpu>-<date><suffix>.json`` plus a
+    markdown table beside it (``out_dir`` None: print only); ``heat_ms``: what each implementation ran untimed before
+    its rounds (:data:`HEAT_MS`; runs before NOTES 89 have none)."""
     result = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "triton": __import__("triton").__version__, "commit": _git_commit(),
-        "date": datetime.date.today().isoformat(), "rows": rows,
+        "date": datetime.date.today().isoformat(), "heat_ms": HEAT_MS, "rows": rows,
     }
     table = markdown_table(result, columns)
     if out_dir is not None:

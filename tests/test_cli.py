@@ -3,10 +3,12 @@ fail with the valid choices; the demo still runs."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from flexlite.__main__ import main
 from flexlite.masks import NAMED_MASKS
@@ -130,6 +132,19 @@ def test_bench_markdown_table_leaves_out_columns_no_row_has():
     assert "tuned_speedup_vs_torch_flex" not in header and "sdpa_flash_tflops" not in header
     assert "sdpa_cudnn_tflops" in header and "torch_flex_ms" in header
     assert len(table.splitlines()) == 6  # header line, blank, column names, rule, two rows
+
+
+def test_bench_results_record_the_heating_before_the_rounds(tmp_path, monkeypatch):
+    """bench._write_results: the JSON beside the table says how long each implementation ran untimed before its
+    rounds (bench.HEAT_MS), so that runs timed with and without it can be told apart."""
+    import flexlite.bench as bench
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "Some GPU")
+    monkeypatch.setenv("FLEXLITE_COMMIT", "abc1234")
+    rows = [{"mask": "causal", "shape": "B1", "pass": "fwd", "flexlite_ms": 1.5}]
+    result = bench._write_results(rows, tmp_path, "-x", ["mask", "shape", "pass", "flexlite_ms"])
+    written = json.loads(next(tmp_path.glob("Some_GPU-*-x.json")).read_text())
+    assert written == result and written["heat_ms"] == bench.HEAT_MS > 0 and written["rows"] == rows
+    assert written["commit"] == "abc1234" and next(tmp_path.glob("Some_GPU-*-x.md")).read_text().startswith("GPU: ")
 
 
 def test_bench_commit_label_says_when_the_tree_is_not_its_commit(tmp_path, monkeypatch):
