@@ -40,7 +40,8 @@ def stamped_template(template: str, fields: tuple, after: tuple, before: tuple, 
             else:
                 text = text.replace(point, stamp(indent, field, slot) + point)
     assert text.count(anchor) == 1, f"anchor not found once: {anchor.strip()}"
-    return text.replace(anchor, STAMP.format(nprog=NPROG, nwg=warpgroups, nslot=nslot, nf=len(fields), base=base) + anchor)
+    stamp_fn = STAMP.format(nprog=NPROG, nwg=warpgroups, nslot=nslot, nf=len(fields), base=base)
+    return text.replace(anchor, stamp_fn + anchor)
 
 
 def fields_of(t, fields: tuple) -> dict:

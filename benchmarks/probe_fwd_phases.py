@@ -54,8 +54,8 @@ AFTER = (
 BEFORE = (("    mbarrier.wait(q_bar.index(qb), phase=(jj // Q_BUFFERS) & 1)\n", 4, "item", "i"),
           ("        # partial tiles lead + 1 .. n_part - 1, then full tiles", 8, "first", "i"),
           ("            # OUT in the last slot's K buffer", 12, "last", "i_last"),
-          ("            mbarrier.arrive(kv_empty.index(last), count=1)\n            # (the last item of a head", 12, "last",
-           "i_last"))
+          ("            mbarrier.arrive(kv_empty.index(last), count=1)\n"
+           "            # (the last item of a head", 12, "last", "i_last"))
 
 
 def stamped_template(base: int, warpgroups: int = 2) -> str:
