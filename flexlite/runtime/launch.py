@@ -320,17 +320,18 @@ WS_FWD_WIDE_TILES = {64: dict(BLOCK_M=192, STAGES=3, CONSUMER_REGS=160, Q_BUFFER
 # rows by mask_mod's terms decided per tile (codegen.decide; masks reading no captured tensors): its ring slots go back
 # unread. The wide lists' partial tiles come from the last kv block down (block_mask.item_lists), so that a causal
 # diagonal's tiles past a warpgroup's rows come first: 1.5 of an item's 6 partial warpgroup tiles skipped for causal
-# and prefix-LM (H200: prefix-LM's D64 forward 1.5 % faster, causal even; NOTES 88). Where the wide kernel spills with
-# the skip (offline: sliding window's, not offered wide items anyway), the launch takes two warpgroups, as for any
-# wide kernel that spills: trying the wide kernel without the skip would compile it in the call for ALiBi's and
-# softcap's, which spill either way
+# and prefix-LM (H200: prefix-LM's D64 forward 1.5 % faster, causal even; NOTES 88). Where the wide kernel spills more
+# than WS_FWD_WIDE_MAX_LOCAL with the skip (offline: sliding window's, not offered wide items anyway), the launch takes
+# two warpgroups, as for any wide kernel that spills so: trying the wide kernel without the skip would compile it in
+# the call for ALiBi's, which spills either way
 WS_FWD_SKIP_EMPTY_LEAD = True
 # local memory a thread of the wide items' kernel may use (spilled registers) for a call to take it: at 160 registers
 # and LLVM O0 (offline, L 2048, ptxas's spill stores, with Q's two buffers) the D64 kernels of causal and prefix-LM
-# spill 16 bytes, values of an item reloaded once per item outside its tile loops, softcap + causal 36 (taken: 1.5-1.8 %
-# faster than in two warpgroups on an H200, NOTES 89), the dense walk's (at O3) nothing; sliding window 76 (in its
-# partial tiles' loops), ALiBi + causal 976 and the document mask 1,544 stay in two warpgroups (ALiBi's 168 bytes in
-# its full-tile loop were 12 % slower than two warpgroups on an H100, NOTES 85)
+# spill 16 bytes, values of an item reloaded once per item outside its tile loops, softcap + causal 36 (taken; on an
+# H200 1.5 % faster than two warpgroups in probe_against, 6.16 against 6.27 ms across two harness runs: no seeded A/B,
+# NOTES 89), the dense walk's (at O3) nothing; sliding window 76 (in its partial tiles' loops), ALiBi + causal 976 and
+# the document mask 1,544 stay in two warpgroups (ALiBi's 168 bytes in its full-tile loop were 12 % slower than two
+# warpgroups on an H100, NOTES 85)
 WS_FWD_WIDE_MAX_LOCAL = 48
 # a block mask's wide items are taken where their tiles, weighed by rows and a partial tile as
 # WS_FWD_PARTIAL_TILE_COST full ones (D64: a partial tile's loop is 1.4-2.1x a full one's instructions), come to at
