@@ -44,7 +44,7 @@ VARIANTS = {
                   ("    return p, alpha, l_i * alpha + gl.sum(p, 1), m_new\n", "    return p, alpha, l_i, m_new\n")),
     "nopv": (("        o = warpgroup_mma(p_cur, v_smem.index(sp), o, is_async=True)\n", ""),
              ("num_outstanding=1, deps=(s, ))  # P V(j-1) may still run", "num_outstanding=0, deps=(s, ))")),
-    "noturn": (("    if D != 64:\n        mbarrier.wait(turn.index(WG), phase=r & 1)\n",
+    "noturn": (("    if TURNS:\n        mbarrier.wait(turn.index(WG), phase=r & 1)\n",
                 "    if False:\n        mbarrier.wait(turn.index(WG), phase=r & 1)\n"),),
 }
 # the matmuls alone: S alone (no softmax, no P V), P V alone (no softmax; S(j) in the walk a function of the columns

@@ -38,7 +38,7 @@ FIELDS = ("top", "issue", "s", "sm", "pv", "item", "q", "first", "last", "out")
 AFTER = (
     ("        next_n = ws_walk_tile(IDX, j + 1 - n_skip, hi - n_skip, SPARSE_KV_BLOCK, BLOCK_N, DENSE)\n", 8, "top",
      "i0 + j"),
-    ("        ws_wait_turn(turn, WG, r0 + j, q.shape[1])  # ping-pong: this warpgroup's turn to issue\n", 8, "issue",
+    ("        ws_wait_turn(turn, WG, r0 + j, TURNS)  # ping-pong: this warpgroup's turn to issue\n", 8, "issue",
      "i0 + j"),
     ("        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # P V(j-1) may still run\n", 8, "s", "i0 + j"),
     ("                                        MASKED, HAS_SCORE_MOD, EVEN_N{{ exp2_one_in }})\n", 8, "sm", "i0 + j"),

@@ -514,6 +514,35 @@ def test_wide_items_take_three_consumer_warpgroups_where_they_spill_little(monke
         [(192, skipping), (128, False)] if D == 64 and wide else [(128, False)])
 
 
+@pytest.mark.parametrize("has_score_mod", [False, True], ids=["no score_mod", "a score_mod"])
+@pytest.mark.parametrize("D, wide", [(64, True), (64, False), (128, False)], ids=["D64 wide", "D64", "D128"])
+def test_consumers_take_turns_at_d128_and_at_d64_without_a_score_mod(monkeypatch, D, wide, has_score_mod):
+    """launch.ws_fwd_turns: the Gluon forward's consumer warpgroups take turns issuing their matmuls (the kernel's
+    TURNS) at D128 always, at D64 (two or three consumers) only without a score_mod (benchmarks/NOTES.md 90); the
+    settings move it."""
+    from flexlite.api import _block_tensors
+
+    kernel, launches = _recording_kernel()
+    monkeypatch.setattr(launch, "_device_facts", lambda device: (5, 9))
+    monkeypatch.setattr(launch.CompiledLaunch, "local_bytes", lambda self, grid, args: 0)
+    monkeypatch.setattr(launch, "_LAUNCHES", {})
+    q, k, v = rand_qkv(1, 2, 2, 384, 384, D, dtype=torch.bfloat16, device="cpu")
+    module = types.SimpleNamespace(flex_fwd_ws_kernel=kernel, LLVM_OPT_LEVELS={})
+    lists = _block_tensors(None, 384, 384, torch.device("cpu"))
+
+    def turns():
+        launches.clear()
+        launch.launch_forward_ws(module, [], q, k, v, *lists, 0.125, has_score_mod, dense=True, wide=wide)
+        (_, _, kwargs), = launches
+        assert kwargs["BLOCK_M"] == (192 if D == 64 and wide else 128)
+        return kwargs["TURNS"]
+    assert turns() == (D == 128 or not has_score_mod)
+    monkeypatch.setattr(launch, "WS_FWD_TURNS_PLAIN_HEAD_DIMS", frozenset())
+    assert turns() == (D == 128)
+    monkeypatch.setattr(launch, "WS_FWD_TURNS_HEAD_DIMS", frozenset({64}))
+    assert turns() == (D == 64)
+
+
 @pytest.mark.parametrize("made_by", ["create_block_mask", "from_kv_blocks", "bits"])
 def test_flex_attention_offers_the_wide_items_lists_where_they_can_be_made(monkeypatch, made_by):
     """At D64 flex_attention offers the warp-specialized forward a block mask's lists for 192-row q blocks where

@@ -325,6 +325,18 @@ WS_FWD_WIDE_TILES = {64: dict(BLOCK_M=192, STAGES=3, CONSUMER_REGS=160, Q_BUFFER
 # two warpgroups, as for any wide kernel that spills so: trying the wide kernel without the skip would compile it in
 # the call for ALiBi's, which spills either way
 WS_FWD_SKIP_EMPTY_LEAD = True
+# where the warp-specialized forward's consumer warpgroups take turns issuing their matmuls (ping-pong, FA3's: one
+# warpgroup's softmax under the others' matmuls): at these head dims always, at WS_FWD_TURNS_PLAIN_HEAD_DIMS without a
+# score_mod only; elsewhere they issue as they come. H200, D64 forward, seeded A/B in one process (NOTES 90): with
+# turns full 0.4-0.7 %, causal 1.3-1.6 %, prefix-LM 0.5-1.4 % (three warpgroups), sliding window 2.1 % faster (two);
+# softcap 0.2 % and ALiBi 7.4 % slower (their score_mods). At D128 without turns 4-9 % slower (NOTES 83)
+WS_FWD_TURNS_HEAD_DIMS = frozenset({128})
+WS_FWD_TURNS_PLAIN_HEAD_DIMS = frozenset({64})
+
+
+def ws_fwd_turns(D: int, has_score_mod: bool) -> bool:
+    """Whether the warp-specialized forward's consumers take turns issuing (the kernel's TURNS)."""
+    return D in WS_FWD_TURNS_HEAD_DIMS or (D in WS_FWD_TURNS_PLAIN_HEAD_DIMS and not has_score_mod)
 # local memory a thread of the wide items' kernel may use (spilled registers) for a call to take it: at 160 registers
 # and LLVM O0 (offline, L 2048, ptxas's spill stores, with Q's two buffers) the D64 kernels of causal and prefix-LM
 # spill 16 bytes, values of an item reloaded once per item outside its tile loops, softcap + causal 36 (taken; on an
@@ -507,7 +519,8 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
             D=D, SPARSE_Q_BLOCK=sparse[0], SPARSE_KV_BLOCK=sparse[1],
             EVEN_M=Lq % block_m == 0, EVEN_N=Lkv % sparse[1] == 0, HAS_FULL_BLOCKS=has_full,
             HAS_SCORE_MOD=has_score_mod, REVERSE_M=REVERSE_Q_BLOCKS, DENSE=dense, HOST_DESC=host_desc,
-            PERSISTENT=persistent, STORE_MAX=max_scores, SKIP_LEAD=False, num_warps=4), **tiles_n})
+            PERSISTENT=persistent, STORE_MAX=max_scores, SKIP_LEAD=False,
+            TURNS=ws_fwd_turns(D, has_score_mod), num_warps=4), **tiles_n})
         last = n == len(choices) - 1
         if not (last or compiling_only()) and (launch.local or 0) > WS_FWD_WIDE_MAX_LOCAL:
             continue  # (the wide kernel known not to fit: no arguments built for it)
