@@ -329,14 +329,11 @@ WS_FWD_SKIP_EMPTY_LEAD = True
 # warpgroup's softmax under the others' matmuls): at these head dims always, at WS_FWD_TURNS_PLAIN_HEAD_DIMS without a
 # score_mod only; elsewhere they issue as they come. H200, D64 forward, seeded A/B in one process (NOTES 90): with
 # turns full 0.4-0.7 %, causal 1.3-1.6 %, prefix-LM 0.5-1.4 % (three warpgroups), sliding window 2.1 % faster (two);
-# softcap 0.2 % and ALiBi 7.4 % slower (their score_mods). At D128 without turns 4-9 % slower (NOTES 83)
+# softcap 0.2 % and ALiBi 7.4 % slower (their score_mods). At D128 without turns ALiBi, softcap and sliding window
+# were 4-9 % slower (NOTES 83)
 WS_FWD_TURNS_HEAD_DIMS = frozenset({128})
 WS_FWD_TURNS_PLAIN_HEAD_DIMS = frozenset({64})
 
-
-def ws_fwd_turns(D: int, has_score_mod: bool) -> bool:
-    """Whether the warp-specialized forward's consumers take turns issuing (the kernel's TURNS)."""
-    return D in WS_FWD_TURNS_HEAD_DIMS or (D in WS_FWD_TURNS_PLAIN_HEAD_DIMS and not has_score_mod)
 # local memory a thread of the wide items' kernel may use (spilled registers) for a call to take it: at 160 registers
 # and LLVM O0 (offline, L 2048, ptxas's spill stores, with Q's two buffers) the D64 kernels of causal and prefix-LM
 # spill 16 bytes, values of an item reloaded once per item outside its tile loops, softcap + causal 36 (taken; on an
@@ -473,6 +470,11 @@ def _ws_smem_layout(rows: int, D: int, dtype: torch.dtype):
     from triton.experimental.gluon import language as gl
     return gl.NVMMASharedLayout.get_default_for(
         [rows, D], {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype])
+
+
+def ws_fwd_turns(D: int, has_score_mod: bool) -> bool:
+    """Whether the warp-specialized forward's consumers take turns issuing (the kernel's TURNS)."""
+    return D in WS_FWD_TURNS_HEAD_DIMS or (D in WS_FWD_TURNS_PLAIN_HEAD_DIMS and not has_score_mod)
 
 
 def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
