@@ -206,19 +206,21 @@ def compile_backward(score_mod, block_mask, D: int, config, use_tma: bool = Fals
 
 def compile_backward_ws(score_mod, block_mask, D: int, L: int = 1024, dtype=torch.bfloat16,
                         heads: tuple = (2, 2), fused_dq: bool = True, persistent: bool = False,
-                        query_values: bool = False) -> dict:
+                        query_values: bool = False, decide_mask_terms=()) -> dict:
     """The compiled backward kernels (name -> kernel) with the warp-specialized (Gluon) dK / dV kernel, for these
     mods at head dim ``D``, ``L`` queries and keys, ``heads`` = (query heads, kv heads); ``fused_dq``: dQ added by
     its programs (launch.WS_BWD_FUSED_DQ), else by the dQ kernel; ``persistent``: with its persistent grid
     (launch_backward's ws_persistent, for 132 SMs as on an H100 or H200); ``query_values``: mask_mod's values along
-    the queries on a compact vector (launch.WS_BWD_QUERY_VALUES)."""
+    the queries on a compact vector (launch.WS_BWD_QUERY_VALUES); ``decide_mask_terms``: the backward templates
+    that leave out the terms a partial tile decides (launch.DECIDE_MASK_TERMS)."""
     q, out, grad_out = [torch.randn(1, heads[0], L, D, dtype=dtype) for _ in range(3)]
     k, v = [torch.randn(1, heads[1], L, D, dtype=dtype) for _ in range(2)]
     lse = torch.randn(1, heads[0], L)
     mask_mod = block_mask.mask_mod if block_mask is not None else None
-    kernel = generate_backward(score_mod, mask_mod, interpret=False)
+    kernel = generate_backward(score_mod, mask_mod, interpret=False, decide_mask_terms=decide_mask_terms)
     ws_kernel = generate_backward(score_mod, mask_mod, interpret=False, template="bwd_ws.py.jinja",
-                                  query_values=query_values, llvm_opt_levels=launch.WS_BWD_LLVM_OPT_LEVELS)
+                                  query_values=query_values, llvm_opt_levels=launch.WS_BWD_LLVM_OPT_LEVELS,
+                                  decide_mask_terms=decide_mask_terms)
     module, ws_module = (load_module(k.source, interpret=False) for k in (kernel, ws_kernel))
     *kv_blocks, sparse = _block_tensors(block_mask, L, L, torch.device("cpu"))
     q_blocks = _q_block_tensors(block_mask, L, L, torch.device("cpu"))

@@ -615,7 +615,8 @@ def kernel_source(score_mod: Optional[Callable] = None, block_mask=None, *, devi
         mask_mod = block_mask.mask_mod if block_mask is not None else None
         return generate_backward(score_mod, mask_mod, interpret=device.type != "cuda", template=_PASSES[kernel],
                                  query_values=_launch.WS_BWD_QUERY_VALUES,
-                                 llvm_opt_levels=_launch.WS_BWD_LLVM_OPT_LEVELS).source
+                                 llvm_opt_levels=_launch.WS_BWD_LLVM_OPT_LEVELS,
+                                 decide_mask_terms=_launch.DECIDE_MASK_TERMS).source
     lengths = block_mask.seq_lengths if block_mask is not None else (0, 0)
     return _generate(score_mod, block_mask, device, _PASSES[kernel], _float_index(_PASSES[kernel], *lengths),
                      dtype=dtype).source
@@ -959,12 +960,14 @@ def _backward_kernels(traced, query, key, value, sparse, options: dict, interpre
                       deterministic: bool = False) -> tuple:
     """(the Triton kernels, the warp-specialized dK / dV kernel or None) that :func:`_backward` runs for these traced
     mods (``scatter``: the captured tensors whose gradients the kernels add up)."""
-    kernel = generate_backward(*traced, interpret=interpret, grad_captured=scatter)
+    kernel = generate_backward(*traced, interpret=interpret, grad_captured=scatter,
+                               decide_mask_terms=_launch.DECIDE_MASK_TERMS)
     ws_kernel = None
     if not (scatter or deterministic) and _warp_specialize_backward(query, key, value, sparse, options):
         ws_kernel = generate_backward(*traced, interpret=interpret, template="bwd_ws.py.jinja",
                                       query_values=_launch.WS_BWD_QUERY_VALUES,
-                                      llvm_opt_levels=_launch.WS_BWD_LLVM_OPT_LEVELS)
+                                      llvm_opt_levels=_launch.WS_BWD_LLVM_OPT_LEVELS,
+                                      decide_mask_terms=_launch.DECIDE_MASK_TERMS)
         if ws_kernel.source in _WS_UNCOMPILABLE:
             ws_kernel = None
     return kernel, ws_kernel

@@ -131,6 +131,31 @@ def test_decided_terms_leave_the_forward_bit_for_bit(monkeypatch, name, Lq, Lkv,
     assert torch.equal(results[True][0], results[False][0]) and torch.equal(results[True][1], results[False][1])
 
 
+@pytest.mark.parametrize("Lq, Lkv, block", [(200, 200, 32), (111, 63, 16)], ids=["square", "ragged"])
+@pytest.mark.parametrize("score_mod", [None, "alibi", "softcap"])
+@pytest.mark.parametrize("name", ["sliding_window", "prefix_lm", "negative_factor_and_heads", "equal_and_or",
+                                  "with_an_undecided_term"])
+def test_decided_terms_leave_the_backward_bit_for_bit(monkeypatch, name, score_mod, Lq, Lkv, block):
+    """The backward kernels (generate_backward's templates, where launch.DECIDE_MASK_TERMS names them; none by
+    default) with the decided terms left out of their partial tiles: dQ, dK and dV the same bits as with the whole
+    mask (the Triton backward, both walks, on the interpreter; the warp-specialized dK / dV kernel shares its per-score
+    math, flex_bwd_scores), with score_mods whose derivative is a number (ALiBi's 1) or a tensor (softcap's)."""
+    mod = MASKS[name][0]
+    sm = {None: None, "alibi": lambda s, b, h, q, kv: s + (kv - q) * 0.0625,
+          "softcap": lambda s, b, h, q, kv: 4.0 * torch.tanh(s / 4.0)}[score_mod]
+    bm = create_block_mask(mod, None, 2, Lq, Lkv, device=DEVICE, BLOCK_SIZE=block)
+    q, k, v = [t.requires_grad_() for t in rand_qkv(1, 2, 2, Lq, Lkv, 16, seed=11)]
+    grad_out = torch.randn(1, 2, Lq, 16, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    results = {}
+    for on in (True, False):
+        monkeypatch.setattr(launch, "DECIDE_MASK_TERMS", frozenset({"bwd.py.jinja"} if on else ()))
+        assert ("mask_mod_decide" in flexlite.kernel_source(sm, bm, device=DEVICE, kernel="backward")) == on
+        out = flex_attention(q, k, v, score_mod=sm, block_mask=bm)
+        results[on] = [out] + list(torch.autograd.grad(out, (q, k, v), grad_out))
+    for with_terms, without in zip(results[True], results[False]):
+        assert torch.equal(with_terms, without) and not with_terms.isnan().any()
+
+
 def test_variants_of_a_mask_traced_again_are_equal():
     """A mask traced again (a new closure of the same code) gives equal, equally hashed variants, so that the kernel
     render cache serves it (kernel._render's key) as it serves the mask's own source."""

@@ -365,7 +365,8 @@ def test_warp_specialized_forward_compiles_for_sm90(case):
 # the warp-specialized (Gluon) dK / dV kernel: (score_mod, mask, head dim, (query heads, kv heads), options of
 # offline_compile.compile_backward_ws: dQ added by it (fused_dq, launch.WS_BWD_FUSED_DQ: the two warpgroups split dQ's
 # columns at D128, not at D64) or by the dQ kernel, a persistent grid (launch.WS_BWD_PERSISTENT), mask_mod's values
-# along the queries on a compact vector (launch.WS_BWD_QUERY_VALUES))
+# along the queries on a compact vector (launch.WS_BWD_QUERY_VALUES), the backward templates that leave out the mask
+# terms a partial tile decides (launch.DECIDE_MASK_TERMS: none by default; that kernel spills nothing))
 BACKWARD_WS = {
     "causal, softcap (its derivative), D128": (generate_tanh_softcap(30.0, approx=True), "causal", 128, (2, 2), {}),
     "dense, GQA, D64": (None, "none", 64, (4, 2), {}),
@@ -373,6 +374,9 @@ BACKWARD_WS = {
     "causal, D128, dQ kernel": (None, "causal", 128, (2, 2), {"fused_dq": False}),
     "document, D128, persistent grid, query values": (None, "document", 128, (2, 1),
                                                       {"persistent": True, "query_values": True}),
+    "sliding window, softcap, D128, mask terms decided per tile": (
+        generate_tanh_softcap(30.0, approx=True), "sliding window", 128, (2, 2),
+        {"decide_mask_terms": ("bwd.py.jinja", "bwd_ws.py.jinja")}),
 }
 
 
@@ -408,6 +412,8 @@ def test_warp_specialized_backward_compiles_for_sm90(case):
     # spills in the tile loops, which O3 had: NOTES 65)
     if BACKWARD_WS[case][2] == 128:
         assert facts["llir_i1_vectors"] == 0, facts
+    if "decide_mask_terms" in BACKWARD_WS[case][4]:
+        assert not facts["report"]["spill_bytes"], facts["report"]
 
 
 # a kernel compiled at one length runs at another: lengths whose block counts differ in divisibility by 16 (2 and 16

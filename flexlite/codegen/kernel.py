@@ -162,7 +162,7 @@ def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Ca
     :attr:`~flexlite.codegen.lower.LoweredMod.affine_keys`); ``affine_bias_dims`` (fwd_ws.py.jinja): the head dims at
     which it does so there (fwd.py.jinja: at all);
     ``compact_bias_dims`` (fwd_ws.py.jinja): the head dims at which a bias not taken so is computed along the keys
-    on a compact key vector. ``decide_mask_terms``: the templates (of fwd.py.jinja, fwd_ws.py.jinja) in which
+    on a compact key vector. ``decide_mask_terms``: the templates (of fwd.py.jinja, fwd_ws.py.jinja; generate_backward's) in which
     mask_mod's terms that a partial tile's index ranges decide are left out on that tile
     (:mod:`flexlite.codegen.decide`). ``bounded`` (fwd_ws.py.jinja, bf16 inputs only: the caller's to know): where
     score_mod's folded output factor bounds it (``cap * tanh`` with cap * log2(e) up to :data:`MAX_BOUND`), the
@@ -238,13 +238,16 @@ def _captured_grad(traced: TracedMod, grad_captured: tuple) -> tuple:
 
 def generate_backward(score_mod: Optional[Callable], mask_mod: Optional[Callable], *, interpret: bool,
                       grad_captured: tuple = (), template: str = "bwd.py.jinja",
-                      query_values: bool = False, llvm_opt_levels: Optional[dict] = None) -> BackwardKernel:
+                      query_values: bool = False, llvm_opt_levels: Optional[dict] = None,
+                      decide_mask_terms=()) -> BackwardKernel:
     """Backward kernel source for these mods. ``grad_captured``: tensors captured by ``score_mod``
     whose gradients the dK/dV kernel scatters (atomically) into buffers; () for none. ``template``:
     ``"bwd.py.jinja"`` (preprocess, dK/dV and dQ kernels) or ``"bwd_ws.py.jinja"`` (the warp-specialized dK/dV
     kernel; no captured-tensor gradients). ``query_values`` (bwd_ws.py.jinja): mask_mod's values from b, h, q_idx
     and captured tensors alone (its gathers along the queries) computed apart, on a compact query vector.
-    ``llvm_opt_levels`` (bwd_ws.py.jinja): as :func:`generate`'s. The mods may come as their traces, as there."""
+    ``llvm_opt_levels`` (bwd_ws.py.jinja): as :func:`generate`'s. ``decide_mask_terms``: as :func:`generate`'s,
+    for the backward templates (their partial tiles' P and dS; not where mask_mod's values along the queries are
+    computed apart, whose parameters the variants lack). The mods may come as their traces, as there."""
     sm = trace_mod(score_mod, "score_mod") if score_mod is not None else None
     mm = trace_mod(mask_mod, "mask_mod") if mask_mod is not None else None
     if interpret:
@@ -259,6 +262,7 @@ def generate_backward(score_mod: Optional[Callable], mask_mod: Optional[Callable
     source = _render(template, low_sm.source, low_mm.source, tuple(low_sm.params), tuple(low_mm.params),
                      interpret, sm.name if sm else "none", mm.name if mm else "none", extra, low_sm.hoisted,
                      low_sm.hoist_source, low_mm.hoisted, low_mm.hoist_source,
-                     llvm_opt_levels=_levels(llvm_opt_levels) if template == "bwd_ws.py.jinja" else ())
+                     llvm_opt_levels=_levels(llvm_opt_levels) if template == "bwd_ws.py.jinja" else (),
+                     mm_decide=_mask_variants(mm) if template in decide_mask_terms and not low_mm.hoisted else None)
     return BackwardKernel(template, source, low_sm, low_mm, has_score_mod=sm is not None,
                           score_grad=score_grad, captured_grad=captured_grad, buffer_slots=slots)

@@ -54,8 +54,8 @@ def render(template: str, score_mod: LoweredMod, mask_mod: LoweredMod, *, interp
     level) pairs, the level the kernel compiles at per head dim (others: Triton's own; llvm_level.llvm_opt_level).
     ``poly_exp2`` (fwd_ws.py.jinja): (head dim, N) pairs, P's exponentials one in N by a polynomial on the FMA pipes
     at that head dim (codegen.exp2; nothing rendered without).
-    ``mask_decide`` (the forward templates): mask_mod's :class:`~flexlite.codegen.decide.MaskVariants`, the terms a
-    partial tile's index ranges decide taken out per tile (None: the whole mask on every partial tile).
+    ``mask_decide`` (the forward and backward templates): mask_mod's :class:`~flexlite.codegen.decide.MaskVariants`,
+    the terms a partial tile's index ranges decide taken out per tile (None: the whole mask on every partial tile).
     """
     extra = {}
     extra_params = []

@@ -598,7 +598,10 @@ WS_FWD_AFFINE_BIAS_HEAD_DIMS = frozenset({64})
 # arithmetic that holds on the whole tile: sliding window's band on the diagonal tile, its causality on the window's
 # edge; codegen.decide), choosing per tile among the mask's variants: the templates that do (H200, the warp-specialized
 # forward: sliding window 3.9 % faster at D64, 6.7 % at D128; the Triton forward takes them too, tested on CPU and
-# compiled offline, not measured on a GPU: off there; NOTES 87)
+# compiled offline, not measured on a GPU: off there; NOTES 87). The backward templates (bwd.py.jinja, bwd_ws.py.jinja)
+# take them too, their partial tiles' P, dS and dS_in: on CPU the same bits as the whole mask, offline the
+# warp-specialized dK / dV kernel without spills (sliding window's partial-tile loop 759 -> 1,051 instructions at
+# D128 with every variant in it, one of them run per tile); not measured on a GPU: off (NOTES 90)
 DECIDE_MASK_TERMS = frozenset({"fwd_ws.py.jinja"})
 # the warp-specialized forward runs a bounded score_mod (softcap's cap * tanh, cap * log2(e) up to kernel.MAX_BOUND)
 # against that bound instead of the running row max, with bf16 inputs and without max_scores: no row max, no rescale
