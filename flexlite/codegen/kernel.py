@@ -162,8 +162,9 @@ def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Ca
     :attr:`~flexlite.codegen.lower.LoweredMod.affine_keys`); ``affine_bias_dims`` (fwd_ws.py.jinja): the head dims at
     which it does so there (fwd.py.jinja: at all);
     ``compact_bias_dims`` (fwd_ws.py.jinja): the head dims at which a bias not taken so is computed along the keys
-    on a compact key vector. ``decide_mask_terms``: the templates (of fwd.py.jinja, fwd_ws.py.jinja; generate_backward's) in which
-    mask_mod's terms that a partial tile's index ranges decide are left out on that tile
+    on a compact key vector. ``decide_mask_terms``: the templates (of fwd.py.jinja, fwd_ws.py.jinja; for
+    :func:`generate_backward` its own) in which mask_mod's terms that a partial tile's index ranges decide are left
+    out on that tile
     (:mod:`flexlite.codegen.decide`). ``bounded`` (fwd_ws.py.jinja, bf16 inputs only: the caller's to know): where
     score_mod's folded output factor bounds it (``cap * tanh`` with cap * log2(e) up to :data:`MAX_BOUND`), the
     softmax runs against that bound instead of the running row max. ``llvm_opt_levels`` (fwd_ws.py.jinja): head
