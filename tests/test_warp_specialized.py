@@ -1131,6 +1131,36 @@ if ON_HOPPER:
             check_backward(q, k, v, block_mask=bm, enable_gqa=True, name="ws backward, query values")
         assert len(ws_backward) == 3
 
+    @pytest.mark.parametrize("score_mod", [None, "softcap"])
+    @pytest.mark.parametrize("D", [128, 64])
+    @pytest.mark.parametrize("name", ["sliding_window", "prefix_lm", "negative_factor_and_heads", "equal_and_or"])
+    def test_decided_mask_terms_leave_the_backward_bit_for_bit(ws_backward, monkeypatch, name, D, score_mod):
+        # launch.DECIDE_MASK_TERMS naming the backward templates (none by default, NOTES 90): the warp-specialized
+        # dK / dV kernel (and the dQ kernel where the fixture runs it) leave out of a partial tile's mask the terms its
+        # index ranges decide: dQ, dK and dV the same bits as with the whole mask (test_decide's masks, at a window
+        # that cuts 128-wide tiles), and the reference's
+        from flexlite.masks import generate_sliding_window
+        from flexlite.mods import generate_tanh_softcap
+        from test_backward import check_backward
+        from test_decide import MASKS
+
+        mod = MASKS[name][0] if name != "sliding_window" else generate_sliding_window(200)
+        sm = generate_tanh_softcap(20.0) if score_mod else None
+        q, k, v = [t.requires_grad_() for t in rand_qkv(1, 4, 2, 640, 640, D, dtype=torch.bfloat16, seed=12)]
+        grad_out = torch.randn_like(q)
+        bm = create_block_mask(mod, None, 4, 640, 640, device=DEVICE)  # (a mask of h: per query head)
+        grads = {}
+        for on in (False, True):  # (the reference check below with them)
+            monkeypatch.setattr(launch, "DECIDE_MASK_TERMS", frozenset({"bwd.py.jinja", "bwd_ws.py.jinja"} if on
+                                                                       else ()))
+            assert ("mask_mod_decide" in kernel_source(sm, bm, device=DEVICE, kernel="backward_ws")) == on
+            out = flex_attention(q, k, v, score_mod=sm, block_mask=bm, enable_gqa=True)
+            grads[on] = torch.autograd.grad(out, (q, k, v), grad_out)
+        assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
+        check_backward(q.detach(), k.detach(), v.detach(), score_mod=sm, block_mask=bm, enable_gqa=True,
+                       name=f"ws backward, decided mask terms, {name}")
+        assert ws_backward
+
     @pytest.mark.parametrize("key_values", [True, False], ids=["compact", "in the tile's layout"])
     @pytest.mark.parametrize("D, L", [(128, 600), (64, 640)], ids=["D128-L600-ragged", "D64-L640"])
     def test_forward_with_the_masks_key_values_on_a_compact_vector(monkeypatch, D, L, key_values):
