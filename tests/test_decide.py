@@ -156,6 +156,23 @@ def test_decided_terms_leave_the_backward_bit_for_bit(monkeypatch, name, score_m
         assert torch.equal(with_terms, without) and not with_terms.isnan().any()
 
 
+def test_decided_terms_leave_a_captured_tensors_gradient_bit_for_bit(monkeypatch):
+    """A score_mod's captured tensor that needs a gradient (added up by the Triton dK / dV kernel from dS) gets the
+    same bits with the decided terms left out of the partial tiles as with the whole mask."""
+    bm = create_block_mask(MASKS["sliding_window"][0], None, 2, 200, 200, device=DEVICE, BLOCK_SIZE=32)
+    q, k, v = [t.requires_grad_() for t in rand_qkv(1, 2, 2, 200, 200, 16, seed=5)]
+    grad_out = torch.randn(1, 2, 200, 16, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    results = {}
+    for on in (True, False):
+        monkeypatch.setattr(launch, "DECIDE_MASK_TERMS", frozenset({"bwd.py.jinja"} if on else ()))
+        bias = torch.linspace(-1.0, 1.0, 2, device=DEVICE).requires_grad_()
+        out = flex_attention(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s + bias[h], block_mask=bm)
+        results[on] = torch.autograd.grad(out, (q, k, v, bias), grad_out)
+    for with_terms, without in zip(results[True], results[False]):
+        assert torch.equal(with_terms, without) and not with_terms.isnan().any()
+    assert results[True][3].abs().sum() > 0
+
+
 def test_variants_of_a_mask_traced_again_are_equal():
     """A mask traced again (a new closure of the same code) gives equal, equally hashed variants, so that the kernel
     render cache serves it (kernel._render's key) as it serves the mask's own source."""
