@@ -570,7 +570,8 @@ def _generate(score_mod, block_mask, device: torch.device, template: str = "fwd.
                     bounded=_launch.WS_FWD_BOUNDED_SOFTMAX and dtype == torch.bfloat16 and not max_scores,
                     llvm_opt_levels=(_launch.WS_FWD_DENSE_LLVM_OPT_LEVELS if block_mask is None
                                      else _launch.WS_FWD_LLVM_OPT_LEVELS),
-                    poly_exp2=_launch.WS_FWD_POLY_EXP2)  # (generate keeps each for its templates)
+                    poly_exp2=_launch.WS_FWD_POLY_EXP2,
+                    bounded_poly_exp2=_launch.WS_FWD_POLY_EXP2_BOUNDED)  # (generate keeps each for its templates)
 
 
 _PASSES = {"forward": "fwd.py.jinja", "forward_ws": "fwd_ws.py.jinja", "decode": "decode.py.jinja",

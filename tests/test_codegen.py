@@ -724,7 +724,8 @@ def test_the_gluon_forward_takes_a_bounded_score_mod_against_its_bound(cap, dtyp
     source = flexlite.kernel_source(mod, device="cuda", kernel="forward_ws", dtype=dtype)
     assert ("ones_smem" in source) == bounded
     if bounded:
-        assert f"gl.exp2(s * {cap * 1.4426950408889634!r} - {cap * 1.4426950408889634!r})" in source
+        # (at D64 by ws_exp2: launch.WS_FWD_POLY_EXP2_BOUNDED)
+        assert f"exp2(s * {cap * 1.4426950408889634!r} - {cap * 1.4426950408889634!r}" in source
     for kernel in ("forward", "decode"):  # the Triton kernels keep the running max
         assert "ones_smem" not in flexlite.kernel_source(mod, device="cuda", kernel=kernel, dtype=dtype)
     with pytest.raises(ValueError, match="kernel_source: dtype must be"):
@@ -780,26 +781,38 @@ def test_poly_exp2_takes_powers_of_two_of_at_least_two(monkeypatch, bad):
     if isinstance(bad, int):
         with pytest.raises(ValueError, match="one_in must be a power of two"):
             poly_exp2_asm(bad)
-    monkeypatch.setattr(launch, "WS_FWD_POLY_EXP2", {64: bad})
-    with pytest.raises(TypeError, match="launch.WS_FWD_POLY_EXP2 must be a dict of head dim -> N"):
-        flexlite.kernel_source(generate_tanh_softcap(30.0, approx=True), device="cuda", kernel="forward_ws",
-                               dtype=torch.bfloat16)
+    for name in ("WS_FWD_POLY_EXP2", "WS_FWD_POLY_EXP2_BOUNDED"):
+        with monkeypatch.context() as patch:
+            patch.setattr(launch, name, {64: bad})
+            with pytest.raises(TypeError, match=f"launch.{name} must be a dict of head dim -> N"):
+                flexlite.kernel_source(generate_tanh_softcap(30.0, approx=True), device="cuda", kernel="forward_ws",
+                                       dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("bounded", [True, False], ids=["softcap against its bound", "running max"])
 def test_the_gluon_forward_takes_p_exponentials_through_ws_exp2_where_asked(monkeypatch, bounded):
     """launch.WS_FWD_POLY_EXP2 (off by default: the kernel's source is then what it was): head dim -> N renders
     ws_exp2 (one of every N of P's exponentials by the polynomial), a constexpr N per head dim, and every P exp2
-    through it; the rescale's exp2 and the Triton kernels are untouched."""
+    through it; the rescale's exp2 and the Triton kernels are untouched. launch.WS_FWD_POLY_EXP2_BOUNDED (D64: 8)
+    does the same for a kernel that runs a bounded score_mod against its bound only, over WS_FWD_POLY_EXP2."""
     from flexlite.mods import generate_tanh_softcap
     from flexlite.runtime import launch
 
-    def source():
-        return flexlite.kernel_source(generate_tanh_softcap(30.0, approx=True), device="cuda", kernel="forward_ws",
+    def source(score_mod=generate_tanh_softcap(30.0, approx=True)):
+        return flexlite.kernel_source(score_mod, device="cuda", kernel="forward_ws",
                                       dtype=torch.bfloat16 if bounded else torch.float16)
+    assert launch.WS_FWD_POLY_EXP2_BOUNDED == {64: 8} and not launch.WS_FWD_POLY_EXP2
+    default = source()
+    assert ("EXP2_ONE_IN: gl.constexpr = (8 if D == 64 else 0)" in default) == bounded
+    assert "ws_exp2" not in source(None) and "ws_exp2" not in source(lambda s, b, h, q, k: s * 0.5 + 1.0)
+    monkeypatch.setattr(launch, "WS_FWD_POLY_EXP2_BOUNDED", {})
     plain = source()
     assert "ws_exp2" not in plain and "EXP2_ONE_IN" not in plain
     monkeypatch.setattr(launch, "WS_FWD_POLY_EXP2", {64: 4, 128: 2})
+    monkeypatch.setattr(launch, "WS_FWD_POLY_EXP2_BOUNDED", {128: 8})  # over the plain setting's 2 at D128
+    over = "EXP2_ONE_IN: gl.constexpr = (4 if D == 64 else 8 if D == 128 else 0)"
+    assert (over in source()) == bounded and over not in source(None)
+    monkeypatch.setattr(launch, "WS_FWD_POLY_EXP2_BOUNDED", {})
     poly = source()
     assert "def ws_exp2(x, ONE_IN: gl.constexpr):" in poly and "pack=4)" in poly and "pack=2)" in poly
     assert "EXP2_ONE_IN: gl.constexpr = (4 if D == 64 else 2 if D == 128 else 0)" in poly

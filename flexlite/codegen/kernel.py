@@ -120,16 +120,17 @@ def _score_bound(low: LoweredMod) -> Optional[float]:
     return low.out_scale * _LOG2E
 
 
-def _one_in(poly_exp2: Optional[dict]) -> tuple:
-    """Head dim -> N (launch.WS_FWD_POLY_EXP2) as sorted pairs (the render cache's key), each N a power of two of at
+def _one_in(poly_exp2: Optional[dict], bounded_poly_exp2: Optional[dict], score_bound: Optional[float]) -> tuple:
+    """Head dim -> N (launch.WS_FWD_POLY_EXP2, and for a kernel that runs a bounded score_mod against its bound
+    launch.WS_FWD_POLY_EXP2_BOUNDED over it) as sorted pairs (the render cache's key), each N a power of two of at
     least 2."""
-    if not poly_exp2:
-        return ()
-    if not isinstance(poly_exp2, dict) or not all(
-            isinstance(d, int) and isinstance(n, int) and n >= 2 and not n & (n - 1) for d, n in poly_exp2.items()):
-        raise TypeError(f"launch.WS_FWD_POLY_EXP2 must be a dict of head dim -> N, a power of two of at least 2 (one "
-                        f"of every N exponentials on the FMA pipes), e.g. {{64: 4}}; got {poly_exp2!r}")
-    return tuple(sorted(poly_exp2.items()))
+    for name, value in (("WS_FWD_POLY_EXP2", poly_exp2), ("WS_FWD_POLY_EXP2_BOUNDED", bounded_poly_exp2)):
+        if value and (not isinstance(value, dict) or not all(
+                isinstance(d, int) and isinstance(n, int) and n >= 2 and not n & (n - 1) for d, n in value.items())):
+            raise TypeError(f"launch.{name} must be a dict of head dim -> N, a power of two of at least 2 (one of "
+                            f"every N exponentials on the FMA pipes), e.g. {{64: 4}}; got {value!r}")
+    one_in = {**(poly_exp2 or {}), **((bounded_poly_exp2 or {}) if score_bound is not None else {})}
+    return tuple(sorted(one_in.items()))
 
 
 def _levels(levels: Optional[dict]) -> tuple:
@@ -149,7 +150,7 @@ def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Ca
              key_values: bool = False, separate: bool = False, affine_keys=(),
              compact_bias_dims: tuple = (), affine_bias_dims: tuple = (), decide_mask_terms=(),
              bounded: bool = False, llvm_opt_levels: Optional[dict] = None,
-             poly_exp2: Optional[dict] = None) -> GeneratedKernel:
+             poly_exp2: Optional[dict] = None, bounded_poly_exp2: Optional[dict] = None) -> GeneratedKernel:
     """Kernel source for ``template`` with ``score_mod`` / ``mask_mod`` (None: identity / keep all).
     ``float_index``: lower index arithmetic that ends in float32 from float index vectors (the caller guarantees
     lengths below 2**24; :class:`~flexlite.codegen.lower._Lowerer`). ``fold_scales`` (the forward templates):
@@ -170,7 +171,8 @@ def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Ca
     softmax runs against that bound instead of the running row max. ``llvm_opt_levels`` (fwd_ws.py.jinja): head
     dim -> the LLVM optimization level its launcher compiles it at (others: Triton's own;
     :class:`flexlite.runtime.llvm_level.llvm_opt_level`). ``poly_exp2`` (fwd_ws.py.jinja): head dim -> N, one of every N
-    of P's exponentials computed by a polynomial on the FMA pipes (:mod:`flexlite.codegen.exp2`). A mod may come as
+    of P's exponentials computed by a polynomial on the FMA pipes (:mod:`flexlite.codegen.exp2`); ``bounded_poly_exp2``
+    the same, over it, where the kernel runs a bounded score_mod against its bound. A mod may come as
     its :class:`TracedMod` where the caller has traced it already.
     """
     sm = trace_mod(score_mod, "score_mod") if score_mod is not None else None
@@ -180,18 +182,19 @@ def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Ca
     low_sm = _lowered(sm, "score_mod", "sm_", float_index, fold_scales=fold_scales,
                       separate=separate and template in ("fwd.py.jinja", "fwd_ws.py.jinja"))
     low_mm = _lowered(mm, "mask_mod", "mm_", float_index, key_values=key_values and template == "fwd_ws.py.jinja")
+    ws = template == "fwd_ws.py.jinja"
+    score_bound = _score_bound(low_sm) if bounded and ws else None
     source = _render(template, low_sm.source, low_mm.source, tuple(low_sm.params), tuple(low_mm.params),
                      interpret, sm.name if sm else "none", mm.name if mm else "none", (), low_sm.hoisted,
                      low_sm.hoist_source, low_mm.hoisted, low_mm.hoist_source,
                      sm_scales=(low_sm.in_scale, low_sm.out_scale), sm_separable=low_sm.separable,
                      sm_affine_keys=template in affine_keys and low_sm.affine_keys,
                      compact_bias_dims=tuple(sorted(compact_bias_dims))
-                     if low_sm.separable and template == "fwd_ws.py.jinja" else (),
+                     if low_sm.separable and ws else (),
                      affine_bias_dims=tuple(sorted(affine_bias_dims))
-                     if template in affine_keys and low_sm.affine_keys and template == "fwd_ws.py.jinja" else (),
-                     score_bound=_score_bound(low_sm) if bounded and template == "fwd_ws.py.jinja" else None,
-                     llvm_opt_levels=_levels(llvm_opt_levels) if template == "fwd_ws.py.jinja" else (),
-                     poly_exp2=_one_in(poly_exp2) if template == "fwd_ws.py.jinja" else (),
+                     if template in affine_keys and low_sm.affine_keys and ws else (),
+                     score_bound=score_bound, llvm_opt_levels=_levels(llvm_opt_levels) if ws else (),
+                     poly_exp2=_one_in(poly_exp2, bounded_poly_exp2, score_bound) if ws else (),
                      mm_decide=_mask_variants(mm) if template in decide_mask_terms and template in (
                          "fwd.py.jinja", "fwd_ws.py.jinja") else None)
     return GeneratedKernel(template, source, low_sm, low_mm, has_score_mod=sm is not None)

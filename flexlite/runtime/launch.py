@@ -627,6 +627,11 @@ WS_BWD_LLVM_OPT_LEVELS = {128: "O0"}
 # pipes, the others on the SFU (flexlite.codegen.exp2; FA4's way). Off: on an H100 the softcap forward at D64 was no
 # faster at N = 4 and 6.5 % slower at N = 2, plain causal 4.9-13.5 % slower (NOTES 70, 71)
 WS_FWD_POLY_EXP2: dict = {}
+# the same, over WS_FWD_POLY_EXP2, for a kernel that runs a bounded score_mod against its bound (softcap: its tanh
+# shares the SFU with the exponentials; WS_FWD_BOUNDED_SOFTMAX). H200, D64 softcap + causal (the wide items):
+# N = 8 8.3 % faster, 16 3.8 %, 4 4.1-5.6 %, 2 0.2-1.2 %; the same N = 4 made plain causal 12 %, full 8.5 % and
+# ALiBi 4.5 % slower (NOTES 91). D128 not measured
+WS_FWD_POLY_EXP2_BOUNDED = {64: 8}
 
 
 def ws_backward_unmet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sparse_block: tuple) -> Optional[str]:
