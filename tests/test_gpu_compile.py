@@ -156,6 +156,7 @@ FORWARD_WS = {
     "document, LLVM at O0 against Triton's O3, D128": (None, "document", 128, L, L, (2, 2)),
     "causal, softcap folded against its cap, exp2 one in 8 on the FMA pipes (the default), D64": (
         generate_tanh_softcap(30.0, approx=True), "causal", 64, L, L, (2, 2)),
+    "sliding window, two Q buffers in two warpgroups, D64": (None, "sliding window", 64, L, L, (2, 2)),
     "dense, wide items, D64": (None, "none", 64, L, L, (2, 2)),
     "causal, wide items, GQA, D64": (None, "causal", 64, L, L, (4, 2)),
 }
@@ -177,6 +178,9 @@ def _compile_ws(case: str) -> dict:
         launch.WS_FWD_POLY_EXP2_BOUNDED = {}
         sfu = offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads)
         launch.WS_FWD_POLY_EXP2_BOUNDED = {D: 8}
+    if "two Q buffers" in case:  # and the same kernel with one, compiled first
+        one = offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads)
+        launch.WS_TILES = {**launch.WS_TILES, D: {**launch.WS_TILES[D], "Q_BUFFERS": 2}}
     rows = _count_rows_descriptors()
     kernel = offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads,
                                         max_scores="max_scores" in case, wide="wide" in case)
@@ -187,6 +191,8 @@ def _compile_ws(case: str) -> dict:
                                                            kernel.asm["ptx"])})}
     if "FMA pipes" in case:
         facts["sfu_loops"] = offline.sass_loops(sfu)
+    if "two Q buffers" in case:
+        facts.update(one_loops=offline.sass_loops(one), one_shared=one.metadata.shared)
     if "max_scores" in case:  # and the same kernel without: what storing the maxima costs
         plain = offline.compile_forward_ws(score_mod, _masks()[mask], D, L=Lq, Lkv=Lkv, heads=heads)
         facts.update(plain_loops=offline.sass_loops(plain), plain_stores=plain.asm["ptx"].count("st.global"))
@@ -287,6 +293,16 @@ def test_warp_specialized_forward_compiles_for_sm90(case):
         for i in tiles:
             assert loops[i]["MUFU"] == 128 and loops[i]["HGMMA"] == running[i]["HGMMA"] + 8, (loops[i], running[i])
             assert loops[i]["instructions"] < 0.85 * running[i]["instructions"], (loops[i], running[i])
+    if "two Q buffers" in case:
+        # launch.WS_TILES' Q_BUFFERS at D64 (one by default; NOTES 91): Q's second buffer (128 x 64 bf16) beside the
+        # ring (and its two barriers), spilling nothing; the tile loops (64 exponentials a thread and 2 for the
+        # rescale) an instruction longer at most, the loops around items a few (L 256: 5-33)
+        assert 0 <= facts["shared"] - facts["one_shared"] - 128 * 64 * 2 <= 64, facts
+        assert facts["report"]["spill_bytes"] == 0 and len(facts["loops"]) == len(facts["one_loops"])
+        tiles = [(loop, one) for loop, one in zip(facts["loops"], facts["one_loops"]) if one["MUFU"] == 66]
+        assert len(tiles) == 4 and all(loop["instructions"] - one["instructions"] <= 1 for loop, one in tiles), tiles
+        assert all(loop["MUFU"] == one["MUFU"] and loop["STL"] == 0
+                   for loop, one in zip(facts["loops"], facts["one_loops"])), facts["loops"]
     if "FMA pipes" in case:
         # launch.WS_FWD_POLY_EXP2_BOUNDED (D64: N = 8, NOTES 91): one of every 8 of P's exponentials by codegen.exp2's
         # polynomial: each tile loop (64 exponentials per thread at D64, and 64 tanh) has 8 MUFU ops fewer and ~8

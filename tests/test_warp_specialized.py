@@ -514,6 +514,31 @@ def test_wide_items_take_three_consumer_warpgroups_where_they_spill_little(monke
         [(192, skipping), (128, False)] if D == 64 and wide else [(128, False)])
 
 
+@pytest.mark.parametrize("persistent", [False, True], ids=["per q block", "persistent"])
+@pytest.mark.parametrize("walk", ["dense", "block mask"])
+def test_two_consumer_warpgroups_take_their_tiles_q_buffers_on_a_block_masks_persistent_walk(monkeypatch, walk,
+                                                                                            persistent):
+    """launch.WS_TILES' Q_BUFFERS (one by default, two built at D64): the 128-row items take two Q buffers (the next
+    item's Q loads while an item runs) where the wide items would, a block mask's walk on the persistent grid; the
+    dense walk and a program per item one."""
+    from flexlite.api import _block_tensors
+
+    kernel, launches = _recording_kernel()
+    monkeypatch.setattr(launch, "_device_facts", lambda device: (5, 9))
+    monkeypatch.setattr(launch, "WS_FWD_PERSISTENT", persistent)
+    monkeypatch.setattr(launch, "WS_TILES", {**launch.WS_TILES, 64: {**launch.WS_TILES[64], "Q_BUFFERS": 2}})
+    monkeypatch.setattr(launch, "_LAUNCHES", {})
+    q, k, v = rand_qkv(1, 2, 2, 256, 256, 64, dtype=torch.bfloat16, device="cpu")
+    blocks = None if walk == "dense" else create_block_mask(lambda b, h, q_idx, kv_idx: q_idx - kv_idx < 100, None,
+                                                            None, 256, 256, device="cpu")
+    module = types.SimpleNamespace(flex_fwd_ws_kernel=kernel, LLVM_OPT_LEVELS={})
+    launch.launch_forward_ws(module, [], q, k, v, *_block_tensors(blocks, 256, 256, torch.device("cpu")), 0.125,
+                             False, dense=walk == "dense")
+    (grid, args, kwargs), = launches
+    assert kwargs["BLOCK_M"] == 128 and kwargs["PERSISTENT"] == persistent
+    assert kwargs["Q_BUFFERS"] == (2 if persistent and walk != "dense" else 1)
+
+
 @pytest.mark.parametrize("has_score_mod", [False, True], ids=["no score_mod", "a score_mod"])
 @pytest.mark.parametrize("D, wide", [(64, True), (64, False), (128, False)], ids=["D64 wide", "D64", "D128"])
 def test_consumers_take_turns_at_d128_and_at_d64_without_a_score_mod(monkeypatch, D, wide, has_score_mod):
@@ -712,6 +737,17 @@ if ON_HOPPER:
         _on_grid(monkeypatch, grid == "persistent")
         from test_flex_attention import run_case
         run_case(name, shape, dtype, kernel_options={"WARP_SPECIALIZE": True})
+
+    @pytest.mark.parametrize("shape, grid", [run for run in WS_FORWARD_RUNS if "D64" in run.id])
+    @pytest.mark.parametrize("name", ["sliding_window", "causal", "document", "alibi_causal", "fully_masked_rows"])
+    def test_two_q_buffers_in_two_consumer_warpgroups_match_the_reference(monkeypatch, name, shape, grid):
+        # launch.WS_TILES' Q_BUFFERS at D64 (one by default; two built, not timed, NOTES 91), in the 128-row items
+        # (the wide items off), on the persistent grid the next item's Q loaded while an item runs
+        monkeypatch.setattr(launch, "WS_TILES", {**launch.WS_TILES, 64: {**launch.WS_TILES[64], "Q_BUFFERS": 2}})
+        monkeypatch.setattr(launch, "WS_FWD_WIDE_TILES", {})
+        _on_grid(monkeypatch, grid == "persistent")
+        from test_flex_attention import run_case
+        run_case(name, shape, torch.bfloat16, kernel_options={"WARP_SPECIALIZE": True})
 
     @pytest.mark.parametrize("one_in", [0, 4])
     def test_exponentials_on_the_fma_pipes_keep_nan(monkeypatch, one_in):

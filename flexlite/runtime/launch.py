@@ -299,6 +299,7 @@ def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
 # Q's buffer, and measured 7-11 % faster than two)
 WS_BLOCK_M = 128
 WS_HALF_M = 64  # query rows per consumer warpgroup (the template's HALF): Q's and OUT's descriptors' block rows
+# (Q_BUFFERS: as WS_FWD_WIDE_TILES' below; two at D64 built: 98 KB of shared memory, no spills offline; not timed)
 WS_TILES = {64: dict(BLOCK_N=128, STAGES=2, CONSUMER_REGS=232, Q_BUFFERS=1),
             128: dict(BLOCK_N=128, STAGES=3, CONSUMER_REGS=240, Q_BUFFERS=1)}
 # per head dim, the warp-specialized forward's wide items: BLOCK_M query rows per item, a consumer warpgroup per
@@ -502,12 +503,15 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
         _ensure_allocator()  # the kernel makes its tensor descriptors on the device
         descs = [None] * 4
     lists = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
-    choices = [({**tiles, "BLOCK_M": WS_BLOCK_M}, lists, sparse_block)]
     persistent = WS_FWD_PERSISTENT and host_desc
+
+    def q_buffers(tiles_: dict) -> int:  # the tiles' on a block mask's persistent walk, else one (nothing loads ahead)
+        return tiles_["Q_BUFFERS"] if persistent and not dense else 1
+    choices = [({**tiles, "BLOCK_M": WS_BLOCK_M, "Q_BUFFERS": q_buffers(tiles)}, lists, sparse_block)]
     wide_tiles = WS_FWD_WIDE_TILES.get(D) if wide is True or isinstance(wide, tuple) else None
     if wide_tiles:
         wide_tiles = {**wide_tiles, "SKIP_LEAD": WS_FWD_SKIP_EMPTY_LEAD and not dense,
-                      "Q_BUFFERS": wide_tiles["Q_BUFFERS"] if persistent and not dense else 1}
+                      "Q_BUFFERS": q_buffers(wide_tiles)}
         choices.insert(0, ({**tiles, **wide_tiles}, lists, sparse_block) if wide is True else
                        ({**tiles, **wide_tiles}, tuple(wide), (wide_tiles["BLOCK_M"], sparse_block[1])))
     scalars = scalars_to(mod_args, q.device)
