@@ -738,7 +738,8 @@ if ON_HOPPER:
         from test_flex_attention import run_case
         run_case(name, shape, dtype, kernel_options={"WARP_SPECIALIZE": True})
 
-    @pytest.mark.parametrize("shape, grid", [run for run in WS_FORWARD_RUNS if "D64" in run.id])
+    @pytest.mark.parametrize("shape, grid", [run for run in WS_FORWARD_RUNS if "D64" in run.id and
+                                             run.id.endswith("persistent")])
     @pytest.mark.parametrize("name", ["sliding_window", "causal", "document", "alibi_causal", "fully_masked_rows"])
     def test_two_q_buffers_in_two_consumer_warpgroups_match_the_reference(monkeypatch, name, shape, grid):
         # launch.WS_TILES' Q_BUFFERS at D64 (one by default; two built, not timed, NOTES 91), in the 128-row items
