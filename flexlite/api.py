@@ -242,6 +242,11 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}", TypeError)
+        if t.is_nested:
+            _fail(f"{name} is a nested (jagged) tensor, which flex_attention's kernels do not run: pad it "
+                  f"(x.to_padded_tensor(0.0)), or pad and then pack the sequences into one (flexlite.varlen.pack, "
+                  f"with varlen_block_mask)",
+                  NotImplementedError)
         if torch._C._functorch.is_functorch_wrapped_tensor(t):
             _fail(f"{name} comes from a torch.func transform (vmap, grad, vjp, jacrev, ...), which flex_attention's "
                   f"kernels do not run under: fold a vmapped dimension into the batch (B), and take gradients with "

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 import flexlite
-from flexlite import (BlockMask, UntraceableModError, and_masks, api, attention_reference, create_block_mask,
-                      create_mask, flex_attention, kernel_source, noop_mask, or_masks)
+from flexlite import (AuxRequest, BlockMask, UntraceableModError, and_masks, api, attention_reference,
+                      create_block_mask, create_mask, flex_attention, kernel_source, noop_mask, or_masks)
 from flexlite.kernels import flash_attention, triton_matmul
 from flexlite.mods import generate_tanh_softcap
 from flexlite.masks import (build_named_mask, generate_causal_document_mask, generate_kv_cache_causal,
@@ -358,6 +358,9 @@ def tampered_mask(name: str, value) -> Callable:
 FLEX_ATTENTION = {
     "key_5d": (lambda: flex_attention(qkv()[0], qkv()[1][None], qkv()[2]), ValueError, "key must be 4-D"),
     "value_3d": (lambda: flex_attention(*qkv()[:2], qkv()[2][0]), ValueError, "value must be 4-D"),
+    "query_nested": (lambda: flex_attention(*(torch.nested.nested_tensor([t[0], t[0, :, :20]], layout=torch.jagged)
+                                              for t in qkv())), NotImplementedError,
+                     r"query is a nested \(jagged\) tensor, which .* do not run: pad it .*varlen\.pack"),
     "value_not_tensor": (lambda: flex_attention(*qkv()[:2], np.zeros((1, 2, 32, 16))), TypeError,
                          "value must be a torch.Tensor, got ndarray"),
     "value_on_other_device": (lambda: flex_attention(*qkv()[:2], qkv()[2].to("meta")), ValueError,
@@ -482,12 +485,16 @@ NON_FINITE = {  # (q, k, v) -> (q, k, v) and flex_attention keyword arguments
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy, on the NaNs we feed
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["kernel", "torch-ops"])
 @pytest.mark.parametrize("name", sorted(NON_FINITE))
-def test_right_result_non_finite_inputs(name):
+def test_right_result_non_finite_inputs(name, dtype):
     make, kw = NON_FINITE[name]
-    q, k, v = make(*qkv())
-    out = flex_attention(q, k, v, **kw)
-    ref, _ = attention_reference(q, k, v, **kw)
+    q, k, v = (t.to(dtype) for t in make(*qkv()))
+    out, aux = flex_attention(q, k, v, return_aux=AuxRequest(lse=True, max_scores=True), **kw)
+    ref, ref_lse, ref_max = attention_reference(q, k, v, return_max=True, **kw)
+    # the LSE NaN where out is; max_scores leaves NaN scores out (README), -inf where every score is NaN
+    assert torch.equal(aux.lse.isnan(), ref_lse.isnan()) and not aux.max_scores.isnan().any()
+    assert_close(aux.max_scores, ref_max.float(), *TOLERANCES[torch.float32])
     assert out.isnan().any() or out.isinf().any()
     assert torch.equal(out.isnan(), ref.isnan()), f"NaN at {out.isnan().sum()} positions, reference {ref.isnan().sum()}"
     assert not ref.isnan().all() or name == "nan_scale"  # the finite part is checked too
