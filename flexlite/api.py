@@ -16,7 +16,7 @@ from torch.autograd import forward_ad
 from . import eager as _eager
 from . import first_calls
 from .block_mask import (BlockMask, check_block_tensors, check_device, check_mod_output, from_torch_block_mask,
-                         is_torch_block_mask, item_lists, kept_on, lists_key, q_sides)
+                         is_torch_block_mask, item_lists, kept_on, lists_key, q_sides, tensors_key)
 from .codegen.kernel import GeneratedKernel, generate, generate_backward
 from .codegen.lower import FLOAT32_EXACT_INT
 from .codegen.trace import check_arity, trace_mod
@@ -381,7 +381,7 @@ def _validate_block_mask(block_mask, query, key):
     # what the kernels read, once per set of tensors and their in-place changes (a block mask's tensors are public and
     # torch's are taken as they are: an index past the sequence read other memory); the values on CPU only, where the
     # host read costs nothing (on CUDA it would be a device sync per block mask)
-    kept_on(block_mask, "_contents_checked", tuple((id(t), t._version) if t is not None else None for t in tensors),
+    kept_on(block_mask, "_contents_checked", tensors_key(tensors),
             lambda: check_block_tensors(block_mask, "flex_attention: block_mask", values=query.device.type == "cpu")
             or True)
     mb, mh = block_mask.kv_num_blocks.shape[:2]
@@ -794,7 +794,7 @@ def _q_block_tensors(block_mask, Lq, Lkv, device):
         # per kv side (kept on the mask, not redone every backward)
         kv_side = (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
                    block_mask.full_kv_indices)
-        q_side = kept_on(block_mask, "_transposed_q_side", tuple(map(id, kv_side)), lambda: q_sides(*kv_side))
+        q_side = kept_on(block_mask, "_transposed_q_side", tensors_key(kv_side), lambda: q_sides(*kv_side))
     return q_side
 
 
@@ -1013,7 +1013,7 @@ def _block_count(block_mask, start_only: bool = False) -> Optional[int]:
     count reads the block mask on the host). ``start_only``: start the count (:class:`_PendingCount`) and return
     None without waiting for it."""
     counts = [t for t in (block_mask.kv_num_blocks, block_mask.full_kv_num_blocks) if t is not None]
-    key = tuple((id(t), t._version) for t in counts)
+    key = tensors_key(counts)
     cached = getattr(block_mask, "_block_count", None)
     if cached is None or cached[0] != key:
         if _capturing(counts[0]):

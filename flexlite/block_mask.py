@@ -280,6 +280,17 @@ def _transpose_ordered(num_blocks: Tensor, indices: Tensor) -> tuple[Tensor, Ten
     return _dense_to_ordered(dense.transpose(-2, -1))
 
 
+_UNTRACKED = itertools.count()
+
+
+def tensors_key(tensors) -> tuple:
+    """(id, version) of each tensor (None for None): a key that changes where one is replaced or changed in place.
+    An inference tensor (made under torch.inference_mode) keeps no version counter: its entry is new on every call,
+    so what is kept for it is redone every call (create_block_mask makes its tensors outside inference mode)."""
+    return tuple(None if t is None else (id(t), next(_UNTRACKED) if t.is_inference() else t._version)
+                 for t in tensors)
+
+
 def kept_on(owner, name: str, key: tuple, make: Callable):
     """``make()``, kept on ``owner`` (a BlockMask) as attribute ``name`` for as long as ``key`` (its tensors' ids and
     what else the value depends on) stays the same: per-mask work done once, not on every call."""
@@ -900,12 +911,12 @@ def from_torch_block_mask(block_mask) -> BlockMask:
                              f"multiple of 16)") from None
         return BlockMask(_check_seq_lengths(tuple(block_mask.seq_lengths)), *lists, BLOCK_SIZE=block_size,
                          mask_mod=block_mask.mask_mod if block_mask.mask_mod is not None else noop_mask)
-    key = (tuple(map(id, tensors)), tuple(block_mask.seq_lengths), tuple(block_mask.BLOCK_SIZE),
-           id(block_mask.mask_mod))
+    key = (tensors_key(tensors), tuple(block_mask.seq_lengths), tuple(block_mask.BLOCK_SIZE), id(block_mask.mask_mod))
     return kept_on(block_mask, "_flexlite_block_mask", key, convert)
 
 
 @opaque_to_compile  # Dynamo would trace into the mask kernel's launch
+@torch.inference_mode(False)  # its tensors keep version counters under inference mode too (tensors_key)
 def create_block_mask(
     mask_mod: _MaskMod,
     B: Optional[int],
@@ -973,9 +984,8 @@ def create_block_mask(
 def lists_key(block_mask: BlockMask) -> tuple:
     """What :func:`create_block_mask` made ``block_mask`` from (its kv block lists, unmodified, and its mask_mod):
     while these are the same, its absent blocks are all False under mask_mod and its full blocks all True."""
-    return tuple((id(t), t._version) for t in (block_mask.kv_num_blocks, block_mask.kv_indices,
-                                               block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
-                 if t is not None) + (id(block_mask.mask_mod),)
+    return tensors_key(t for t in (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+                                   block_mask.full_kv_indices) if t is not None) + (id(block_mask.mask_mod),)
 
 
 def item_lists(block_mask: BlockMask, rows: int) -> Optional[tuple]:
@@ -1008,11 +1018,11 @@ def item_lists(block_mask: BlockMask, rows: int) -> Optional[tuple]:
 
 
 def _outside_flexlite() -> int:
-    """The stacklevel of warnings.warn called here that names the first frame outside flexlite's package and the
-    torch.compile guard around its entry points (the user's line)."""
+    """The stacklevel of warnings.warn called here that names the first frame outside flexlite's package, the
+    torch.compile guard around its entry points and torch's context decorators (the user's line)."""
     dynamo = sys.modules.get("torch._dynamo")  # (not imported for this: none of its frames then)
     inside = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (sys.modules[__name__], dynamo)
-                   if m is not None)
+                   if m is not None) + (os.path.abspath(torch.utils._contextlib.__file__),)
     frame, level = sys._getframe(1), 1
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(inside):
         frame, level = frame.f_back, level + 1

@@ -46,7 +46,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .block_mask import BlockMask, kept_on
+from .block_mask import BlockMask, kept_on, tensors_key
 from .codegen.trace import MASK_MOD_ARGS, arguments_read, trace_mod, tracing_refused
 from .runtime import compile_processes, launch
 from .runtime.autotune import autotune_enabled
@@ -287,7 +287,7 @@ def bits_mask(block_mask: BlockMask, B: int, H: int, gathers: bool) -> Optional[
     """``block_mask`` with its partial blocks' mask as bits for a call of batch ``B`` and ``H`` query heads, kept on
     it; None where the bits would pass :data:`MAX_BITS_BYTES` or torch cannot vmap the mask_mod (the mod's own kernels
     then compile in the call, which reports what is wrong with the mod)."""
-    ids = tuple(id(getattr(block_mask, name)) for name in BlockMask._TENSOR_ATTRS)
+    ids = tensors_key(getattr(block_mask, name) for name in BlockMask._TENSOR_ATTRS)
     return kept_on(block_mask, "_first_call_bits", (ids, id(block_mask.mask_mod), B, H, block_mask.seq_lengths,
                                                      gathers),
                    lambda: _make_bits_mask(block_mask, B, H, gathers))

@@ -717,3 +717,78 @@ def test_a_block_mask_constructed_with_an_int_block_size_runs():
     q, k, v = rand_qkv(1, 1, 1, 32, 32, 16)
     ref = attention_reference(q, k, v, block_mask=create_block_mask(causal, None, None, 32, 32, DEVICE, BLOCK_SIZE=16))
     assert_close(flex_attention(q, k, v, block_mask=bm), ref[0], *TOLERANCES[torch.float32])
+
+
+# ----------------------------------------------------------------------------------------------
+# block lists changed in place between calls (static buffers: a CUDA-graph decode loop updates its mask so), and
+# masks made under torch.inference_mode, whose tensors keep no version counter
+# ----------------------------------------------------------------------------------------------
+
+def _window16(b, h, q_idx, kv_idx):
+    return (q_idx - kv_idx).abs() <= 16
+
+
+def _lists(m):
+    return m.kv_num_blocks, m.kv_indices, m.full_kv_num_blocks, m.full_kv_indices
+
+
+def _attention_inputs(L=128, D=16):
+    g = torch.Generator().manual_seed(1)
+    return tuple(torch.randn(1, 2, L, D, generator=g).to(DEVICE) for _ in range(3))
+
+
+def _attention_and_grads(block_mask):
+    from flexlite import flex_attention
+    q, k, v = (t.requires_grad_() for t in _attention_inputs())
+    out = flex_attention(q, k, v, block_mask=block_mask)
+    out.backward(torch.linspace(-1, 1, out.numel(), device=DEVICE).reshape(out.shape))
+    return out, q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("kind", ["flexlite_without_q_side", "torch_with_q_side", "torch_without_q_side"])
+def test_block_lists_changed_in_place_are_read_anew_forward_and_backward(kind):
+    """Each per-mask result kept between calls (the q side transposed for the backward, a torch mask's conversion,
+    its checks) is keyed on the lists' versions too: before, the backward's dK / dV of a mask without its q side and
+    a torch mask's forward kept the old lists (or a consistent torch mask was refused as not transposed)."""
+    from flexlite import attention_reference
+    from torch.nn.attention import flex_attention as torch_flex
+    lib = BlockMask if kind.startswith("flexlite") else torch_flex.BlockMask
+    make = create_block_mask if kind.startswith("flexlite") else torch_flex.create_block_mask
+    old, new = (make(m, None, None, 128, 128, device=DEVICE, BLOCK_SIZE=32) for m in (causal, _window16))
+    q_side = kind == "torch_with_q_side"
+    mask = lib.from_kv_blocks(*(t.clone() for t in _lists(old)), BLOCK_SIZE=32, mask_mod=noop_mask,
+                              compute_q_blocks=q_side)
+    _attention_and_grads(mask)
+    for dst, src in zip(_lists(mask), _lists(new)):
+        dst.copy_(src)
+    if q_side:
+        for name in ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"):
+            getattr(mask, name).copy_(getattr(new, name))
+    got = _attention_and_grads(mask)
+    fresh = lib.from_kv_blocks(*_lists(new), BLOCK_SIZE=32, mask_mod=noop_mask)
+    want = _attention_and_grads(fresh)
+    for name, x, y in zip(("out", "dq", "dk", "dv"), got, want):
+        assert torch.equal(x, y), name
+    # (noop_mask: the listed blocks whole)
+    ref = attention_reference(*_attention_inputs(), block_mask=BlockMask.from_kv_blocks(*_lists(new), BLOCK_SIZE=32))[0]
+    assert (got[0].double() - ref).abs().max() < 1e-5
+
+
+def test_block_masks_under_inference_mode():
+    """create_block_mask's tensors keep version counters under inference mode; a mask of inference tensors (which
+    keep none) has its per-mask work redone every call, so an in-place change there is read too."""
+    from flexlite import attention_reference, flex_attention
+    q, k, v = _attention_inputs()
+    with torch.inference_mode():
+        made = create_block_mask(causal, None, None, 128, 128, device=DEVICE, BLOCK_SIZE=32)
+        assert not made.kv_indices.is_inference()
+        out = flex_attention(q, k, v, block_mask=made)
+        old = BlockMask.from_kv_blocks(*(t.clone() for t in _lists(made)), BLOCK_SIZE=32, compute_q_blocks=False)
+        assert old.kv_indices.is_inference()
+        flex_attention(q, k, v, block_mask=old)
+        new = create_block_mask(_window16, None, None, 128, 128, device=DEVICE, BLOCK_SIZE=32)
+        for dst, src in zip(_lists(old), _lists(new)):
+            dst.copy_(src)
+        changed = flex_attention(q, k, v, block_mask=old)
+    for got, mask in ((out, made), (changed, BlockMask.from_kv_blocks(*_lists(new), BLOCK_SIZE=32))):
+        assert (got.double() - attention_reference(q, k, v, block_mask=mask)[0]).abs().max() < 1e-5
