@@ -249,7 +249,7 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
             out[:, :, q0:q1] = (_by_kv_head(p, v[:, :, k0:k1], groups) if bad is None else
                                 _read_values(p, v[:, :, k0:k1], bad, chunks.reached(q0, q1, k0, k1), groups))
             if max_scores:
-                row_max[:, :, q0:q1] = s.masked_fill(s.isnan(), float("-inf")).amax(dim=-1)  # as a GPU max
+                row_max[:, :, q0:q1] = s.amax(dim=-1)
     return out.to(query.dtype), lse, row_max
 
 

@@ -90,8 +90,8 @@ def attention_reference(
 
     Returns:
         ``(out, lse)``: out [B, Hq, Lq, Ev], lse [B, Hq, Lq] (natural log), in ``dtype``; with ``return_max``
-        also each row's largest score after score_mod and masking [B, Hq, Lq] (-inf where all is masked; NaN
-        scores left out, so a row's max is finite where its out and LSE are NaN), as flex_attention's
+        also each row's largest score after score_mod and masking [B, Hq, Lq] (-inf where all is masked; NaN in a
+        row with a NaN score, where the kernels' may give the largest of its other scores), as flex_attention's
         ``return_aux=AuxRequest(max_scores=True)``.
         Differentiable: gradients flow back to the inputs and to tensors captured by score_mod.
     """
@@ -118,6 +118,6 @@ def attention_reference(
     # whose lse is +inf or NaN has an infinite or NaN score, and gives NaN, as in torch's SDPA.)
     safe_lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
     p = torch.exp(scores - safe_lse.unsqueeze(-1))
-    if return_max:  # NaN scores skipped, as the kernels' running maximum (a GPU max) skips them
-        return p @ v, lse, scores.masked_fill(scores.isnan(), float("-inf")).amax(dim=-1)
+    if return_max:
+        return p @ v, lse, scores.amax(dim=-1)
     return p @ v, lse
