@@ -2,6 +2,8 @@
 of every dtype pairing and sign, ``.device`` / ``.dtype`` / ``.shape`` reads feeding tensor constructors and casts
 (torch's own noop_mask), and Python int constants beyond int32."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -292,6 +294,10 @@ _ENDS = torch.tensor([-1.0, -0.5, 0.0, 0.5, 1.0], device=DEVICE)  # asin / acos 
 
 MORE_OPS = {
     "round": lambda s, b, h, q, kv: s + torch.round(s * 3) * 0.1 + torch.round((q - kv) * 0.5),  # halves to even
+    # (alpha and decimals were dropped before: the plain add / sub / round)
+    "add_sub_alpha": lambda s, b, h, q, kv: torch.add(s, q - kv, alpha=0.1) - s.sub((q + kv) * 0.01, alpha=3),
+    "round_decimals": lambda s, b, h, q, kv: s + torch.round(s * 3, decimals=1) * 0.1 + torch.round(
+        s * 300, decimals=-1) * 0.001,
     "trunc_fix": lambda s, b, h, q, kv: s + torch.trunc(s * 3) * 0.1 + torch.fix(-s * 2) * 0.05,
     "reciprocal": lambda s, b, h, q, kv: s + torch.reciprocal(2.0 + (q - kv).abs()) + s.reciprocal().clamp(-3, 3),
     "log10": lambda s, b, h, q, kv: s - torch.log10(1.0 + (q - kv).abs()),
@@ -328,6 +334,16 @@ def test_more_elementwise_ops_and_the_arguments_dtypes(name):
     fn.__name__ = name
     _check(score_mod=fn)
     _check_gradients(fn, seed=7)
+
+
+@pytest.mark.parametrize("mod", [lambda s, b, h, q_idx, kv_idx: torch.zeros_like(s),
+                                 lambda s, b, h, q_idx, kv_idx: torch.full_like(s, 2.0),
+                                 lambda s, b, h, q_idx, kv_idx: s.new_full((), -1.0)],
+                         ids=["zeros_like", "full_like", "new_full"])
+def test_a_mod_taking_only_the_scores_shape_is_broadcast_to_its_tile(mod):
+    """(the forward kernel, L 128 past the short-query one: a constant made from the score's shape was taken for a
+    read of the score, left 0-d, and the interpreter failed on its row reductions)"""
+    _check(score_mod=mod, L=128)
 
 
 def test_a_branch_on_the_scores_dtype_takes_the_kernels_float32():
@@ -384,6 +400,19 @@ def test_an_operator_without_a_lowering_is_named_by_its_qualified_name():
     q, k, v = rand_qkv(B, H, H, L, L, D)
     with pytest.raises(UntraceableModError, match="no lowering for the operator 'flexlite_test_ns::twice'"):
         flex_attention(q, k, v, score_mod=mod)
+
+
+@pytest.mark.parametrize("mod, message", [
+    (lambda s, b, h, q_idx, kv_idx: torch.max(s), r"torch\.max is called with arguments its lowering does not take "
+                                                   r"\(1 positional, keywords none\)"),
+    (lambda s, b, h, q_idx, kv_idx: torch.where(q_idx >= kv_idx, s, other=s * 2),
+     r"torch\.where is called with .*keywords \['other'\]\); call it in its usual form"),
+    (lambda s, b, h, q_idx, kv_idx: math.exp(s), r"no lowering for math\.exp \(math's functions take Python numbers: "
+                                                 r"use torch\.exp\)")], ids=["max_of_one", "where_other", "math_exp"])
+def test_calls_a_lowering_cannot_take_are_named(mod, message):
+    """(before: a ValueError from unpacking the arguments, or math.exp named as exp, as if torch.exp were missing)"""
+    with pytest.raises(UntraceableModError, match=message):
+        flex_attention(*rand_qkv(B, H, H, L, L, D), score_mod=mod)
 
 
 @pytest.mark.parametrize("mod", [lambda s, b, h, q_idx, kv_idx: s * (1 + 5 * torch.rand(())),

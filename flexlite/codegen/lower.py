@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from .. import ops  # noqa: F401 - registers flexlite's own ops (torch.ops.flexlite.*)
-from .trace import TracedMod, UntraceableModError
+from .trace import TracedMod, UntraceableModError, arguments_read
 
 _TL_DTYPES = {
     torch.bool: "tl.int1", torch.int8: "tl.int8", torch.uint8: "tl.uint8", torch.int16: "tl.int16",
@@ -94,6 +94,13 @@ def as_float(v: Val) -> str:
 
 def _binary(op):
     return lambda a, kw, n: f"({a[0].expr} {op} {a[1].expr})"
+
+
+def _add_sub(op):
+    def lower(a, kw, n):  # torch.add / sub(x, y, alpha=a): x + a * y
+        alpha = kw.get("alpha")
+        return f"({a[0].expr} {op} {a[1].expr if alpha is None else f'({alpha.expr} * {a[1].expr})'})"
+    return lower
 
 
 def _float_fn(fn):
@@ -212,6 +219,23 @@ def _rounded(a, n, template: str) -> str:
     return template.format(x=as_float(a[0]))
 
 
+# half to even, as torch.round; floats from 2**23 up are whole already (x + 0.5 would round there)
+_HALF_EVEN = ("tl.where(tl.abs({x}) >= 8388608.0, {x}, tl.where((tl.floor({x} + 0.5) - {x} == 0.5) & "
+              "(tl.floor({x} + 0.5) % 2.0 != 0.0), tl.floor({x} + 0.5) - 1.0, tl.floor({x} + 0.5)))")
+
+
+def _round(a, kw, n) -> str:
+    """torch.round(x, decimals=d): as torch, x * 10**d rounded, divided by 10**d (for d < 0: x / 10**-d rounded,
+    times 10**-d)."""
+    decimals = kw.get("decimals", a[1] if len(a) > 1 else None)
+    d = 0 if decimals is None else int(decimals.literal)
+    if d == 0 or not a[0].dtype.is_floating_point:
+        return _rounded(a[:1], n, _HALF_EVEN)
+    f, x = repr(10.0 ** abs(d)), as_float(a[0])
+    inner, outer = ("*", "/") if d > 0 else ("/", "*")
+    return f"({_HALF_EVEN.format(x=f'({x} {inner} {f})')} {outer} {f})"
+
+
 def _softplus(a, kw) -> str:
     beta = kw.get("beta", a[1] if len(a) > 1 else None)
     threshold = kw.get("threshold", a[2] if len(a) > 2 else None)
@@ -289,7 +313,7 @@ def _wrap_int_literals(args: list) -> list:
 
 
 OPS: dict[str, Callable] = {
-    "add": _binary("+"), "sub": _binary("-"), "mul": _binary("*"), "truediv": _truediv,
+    "add": _add_sub("+"), "sub": _add_sub("-"), "mul": _binary("*"), "truediv": _truediv,
     "floordiv": _floordiv, "mod": _mod, "fmod": _fmod, "div": _div, "pow": _pow,
     "neg": lambda a, kw, n: f"(-{a[0].expr})", "pos": lambda a, kw, n: a[0].expr,
     "abs": lambda a, kw, n: f"tl.abs({a[0].expr})",
@@ -317,10 +341,7 @@ OPS: dict[str, Callable] = {
     "reciprocal": lambda a, kw, n: f"(1.0 / {as_float(a[0])})",
     "log10": lambda a, kw, n: f"(tl.log({as_float(a[0])}) * 0.4342944819032518)",
     "trunc": lambda a, kw, n: _rounded(a, n, "tl.where({x} < 0, tl.ceil({x}), tl.floor({x}))"),
-    # half to even, as torch.round; floats from 2**23 up are whole already (x + 0.5 would round there)
-    "round": lambda a, kw, n: _rounded(a, n, "tl.where(tl.abs({x}) >= 8388608.0, {x}, tl.where("
-                                             "(tl.floor({x} + 0.5) - {x} == 0.5) & (tl.floor({x} + 0.5) % 2.0 != 0.0), "
-                                             "tl.floor({x} + 0.5) - 1.0, tl.floor({x} + 0.5)))"),
+    "round": _round,
     "isinf": lambda a, kw, n: f"(tl.abs({as_float(a[0])}) == float('inf'))",
     "isnan": lambda a, kw, n: f"({as_float(a[0])} != {as_float(a[0])})",
     "isfinite": lambda a, kw, n: f"(tl.abs({as_float(a[0])}) < float('inf'))",
@@ -405,6 +426,8 @@ def _target_name(node: fx.Node) -> str:
     if name is not None:
         return f"the operator {name!r}"
     qualname = getattr(t, "__qualname__", None) or ""
+    if getattr(t, "__module__", None) == "math":
+        return f"math.{qualname} (math's functions take Python numbers: use torch.{qualname})"
     if qualname.startswith("_VariableFunctionsClass."):  # torch.dot and the other torch.* builtins
         return f"torch.{qualname.split('.', 1)[1]}"
     return qualname or getattr(t, "__name__", None) or str(t)
@@ -661,7 +684,13 @@ class _Lowerer:
                 kwargs = {k: self.as_float_form(v) for k, v in kwargs.items()}
         if key == "pow":
             return self.power(node, args, kwargs)
-        result = self.emit(node, OPS[key](args, kwargs, node), dtype)
+        try:
+            expr = OPS[key](args, kwargs, node)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            self.fail(node, f"{_target_name(node)} is called with arguments its lowering does not take ({len(args)} "
+                            f"positional, keywords {sorted(kwargs) or 'none'}); call it in its usual form, e.g. "
+                            f"torch.where(cond, x, y), torch.maximum(x, y)")
+        result = self.emit(node, expr, dtype)
         if self.float_index and dtype is not None and not dtype.is_floating_point and dtype != torch.bool:
             self.track_float_form(key, args, result)
         return result
@@ -839,19 +868,6 @@ def _only(gm: fx.GraphModule, inputs: tuple) -> tuple[set, set]:
             if any(i in loads for i in node.all_input_nodes):
                 loads.add(node)
     return invariant, loads
-
-
-def _uses_score(gm: fx.GraphModule) -> bool:
-    """Whether the mod's output depends on ``score`` (else it must be broadcast to the score tile)."""
-    stack, seen = [n for n in gm.graph.nodes if n.op == "output"], set()
-    while stack:
-        node = stack.pop()
-        if node.op == "placeholder" and node.target == "score":
-            return True
-        if node not in seen:
-            seen.add(node)
-            stack.extend(node.all_input_nodes)
-    return False
 
 
 def literal_none() -> Val:
@@ -1046,7 +1062,7 @@ def lower_mod(traced: TracedMod, fn_name: str, prefix: str, float_index: bool = 
     names = tuple(low.env[n].expr for n in hoisted)
     if traced.kind == "score_mod":
         out = cast(result, torch.float32)
-        if not _uses_score(traced.graph_module):
+        if "score" not in arguments_read(traced):  # (torch.zeros_like(score) reads its shape only)
             out = f"{out} + zeros_of(score)"  # broadcast a mod that ignores the score to its tile
     else:
         out = cast(result, torch.bool)
