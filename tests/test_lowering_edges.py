@@ -292,7 +292,13 @@ _TABLE[::7] = float("inf")
 _SPECIAL = torch.tensor([0.0, 0.5, -0.5, 2.0, -2.0, float("inf"), -float("inf"), 1e-30, -1e30], device=DEVICE)
 _ENDS = torch.tensor([-1.0, -0.5, 0.0, 0.5, 1.0], device=DEVICE)  # asin / acos at the ends of their domain
 
+_U8 = torch.arange(190, 190 + L, dtype=torch.uint8, device=DEVICE)  # torch: uint8 with int8 is int16
+_I8 = torch.arange(-100, -100 + 5 * L, 5, dtype=torch.int8, device=DEVICE)
+
 MORE_OPS = {
+    # (Triton kept such pairs in 8 bits, unsigned: the negative ones wrapped)
+    "mixed_signedness_ints": lambda s, b, h, q, kv: torch.where(_U8[q] > _I8[kv], s, s - 1.0) + (
+        _U8[q] + _I8[kv]) * 0.01 - (_U8[kv] * _I8[q]) * 1e-4,
     "round": lambda s, b, h, q, kv: s + torch.round(s * 3) * 0.1 + torch.round((q - kv) * 0.5),  # halves to even
     # (alpha and decimals were dropped before: the plain add / sub / round)
     "add_sub_alpha": lambda s, b, h, q, kv: torch.add(s, q - kv, alpha=0.1) - s.sub((q + kv) * 0.01, alpha=3),

@@ -189,9 +189,50 @@ def _inplace_parameter(mp):
     return mod, change
 
 
+# globals read by a function the mod defines, by a class's static method and by another module's function (their
+# changes were not seen before: the old kernel kept)
+NESTED_SCALE = 1.0
+STATIC_SCALE = 1.0
+_HELPERS = types.ModuleType("flexlite_test_helpers")
+exec("CAP = 1.0\n\ndef scale(x):\n    return x * CAP\n", _HELPERS.__dict__)
+
+
+def nested_mod(s, b, h, qi, ki):
+    def inner(x):
+        return x * NESTED_SCALE
+    return inner(s)
+
+
+class StaticHelper:
+    @staticmethod
+    def apply(x):
+        return x * STATIC_SCALE
+
+
+def static_mod(s, b, h, qi, ki):
+    return StaticHelper.apply(s)
+
+
+def helpers_mod(s, b, h, qi, ki):
+    return _HELPERS.scale(s)
+
+
+def _nested_function_global(mp):
+    return nested_mod, lambda: mp.setattr(sys.modules[__name__], "NESTED_SCALE", 3.0)
+
+
+def _static_method_global(mp):
+    return static_mod, lambda: mp.setattr(sys.modules[__name__], "STATIC_SCALE", 3.0)
+
+
+def _module_function_global(mp):
+    return helpers_mod, lambda: mp.setattr(_HELPERS, "CAP", 3.0)
+
+
 CASES = [_callable_object, _bound_method, _bound_method_stored, _namespace_global, _dataclass_global, _slots_global,
          _module_parameter, _module_buffer, _module_float, _submodule_parameter, _class_attribute,
-         _class_namespace_global, _partial_object, _plain_global, _global_dict, _inplace_parameter]
+         _class_namespace_global, _partial_object, _plain_global, _global_dict, _inplace_parameter,
+         _nested_function_global, _static_method_global, _module_function_global]
 
 
 @pytest.fixture

@@ -96,6 +96,22 @@ def _binary(op):
     return lambda a, kw, n: f"({a[0].expr} {op} {a[1].expr})"
 
 
+# ops whose two tensor operands torch promotes to one dtype first (where: its last two)
+_PROMOTING_OPS = ("add", "sub", "mul", "floordiv", "mod", "fmod", "div", "and", "or", "xor", "eq", "ne", "lt", "le",
+                  "gt", "ge", "minimum", "maximum", "where")
+
+
+def _promote_ints(args: list) -> list:
+    """``args`` with two integer tensor operands of different dtypes cast to torch's promoted one (uint8 with int8 is
+    int16 in torch; Triton keeps such a pair in 8 bits, unsigned, so negative values wrapped)."""
+    at = [i for i, a in enumerate(args) if isinstance(a, Val) and not a.is_literal and a.dtype is not None and
+          not a.dtype.is_floating_point and a.dtype != torch.bool][-2:]
+    if len(at) != 2 or args[at[0]].dtype == args[at[1]].dtype:
+        return args
+    dtype = torch.promote_types(args[at[0]].dtype, args[at[1]].dtype)
+    return [Val(cast(a, dtype), dtype) if i in at else a for i, a in enumerate(args)]
+
+
 def _add_sub(op):
     def lower(a, kw, n):  # torch.add / sub(x, y, alpha=a): x + a * y
         alpha = kw.get("alpha")
@@ -684,6 +700,8 @@ class _Lowerer:
                 kwargs = {k: self.as_float_form(v) for k, v in kwargs.items()}
         if key == "pow":
             return self.power(node, args, kwargs)
+        if key in _PROMOTING_OPS:
+            args = _promote_ints(args)
         try:
             expr = OPS[key](args, kwargs, node)
         except (ValueError, TypeError, KeyError, IndexError, AttributeError):

@@ -241,15 +241,19 @@ def _fingerprint(obj, seen: set, depth: int = 0) -> tuple:
                 parts.append(_fingerprint(cell.cell_contents, seen, depth + 1))
             except ValueError:  # empty cell
                 parts.append(None)
-        for name in fn.__code__.co_names:
+        names = _code_names(fn.__code__)
+        for name in names:
             if name in fn.__globals__:
                 value = fn.__globals__[name]
                 if not isinstance(value, types.ModuleType):
                     parts.append((name, _fingerprint(value, seen, depth + 1)))
-                else:  # a module's attributes the code may read (``cfg.cap``): its scalars and tensors, by name
-                    attrs = [(n, _fingerprint(a, seen, depth + 1)) for n in fn.__code__.co_names
+                else:  # a module's attributes the code may read (``cfg.cap``): its scalars and tensors, by name,
+                    # and a user module's functions (``helpers.scale(s)`` reading ``helpers.CAP``)
+                    user = not _library_module(value.__name__)
+                    attrs = [(n, _fingerprint(a, seen, depth + 1)) for n in names
                              for a in (vars(value).get(n, None),)
-                             if isinstance(a, (int, float, bool, str, torch.Tensor))]
+                             if isinstance(a, (int, float, bool, str, torch.Tensor))
+                             or (user and isinstance(a, types.FunctionType))]
                     if attrs:
                         parts.append((name, tuple(attrs)))
         if fn.__defaults__:  # a mod's extra parameters with defaults (their values are constants too)
@@ -263,9 +267,37 @@ def _fingerprint(obj, seen: set, depth: int = 0) -> tuple:
         if len(seen) <= _MAX_OBJECTS:
             return tuple(_state_fingerprint(obj, seen, depth))
         seen.add(_TRUNCATED)
-    if isinstance(obj, type):  # a class used as a namespace of settings (``Cfg.window``)
-        return (id(obj), *_class_constants(obj))
+    if isinstance(obj, type):  # a class used as a namespace of settings (``Cfg.window``) or of helpers
+        return (id(obj), *_class_constants(obj), *_class_functions(obj, seen, depth))
     return (id(obj),)
+
+
+def _library_module(name: str) -> bool:
+    return name.split(".")[0] in ("builtins", "torch", "triton", "numpy", "math", "functools", "operator")
+
+
+def _code_names(code: types.CodeType) -> tuple:
+    """The global and attribute names ``code`` and the functions defined inside it (their code objects are its
+    constants) read."""
+    names, stack = [], [code]
+    while stack:
+        c = stack.pop()
+        names.extend(c.co_names)
+        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    return tuple(dict.fromkeys(names))
+
+
+def _class_functions(cls, seen: set, depth: int) -> tuple:
+    """The fingerprints of the static and class methods a user class defines (``Helper.apply(s)``, reading a
+    global): called through the class, not an instance, so no instance's state walk reaches them."""
+    parts = []
+    for klass in cls.__mro__:
+        if _library_module(getattr(klass, "__module__", None) or "builtins"):
+            continue
+        for name, value in vars(klass).items():
+            if isinstance(value, (staticmethod, classmethod)) and isinstance(value.__func__, types.FunctionType):
+                parts.append((klass.__name__, name, _fingerprint(value.__func__, seen, depth + 1)))
+    return tuple(parts)
 
 
 def _class_constants(cls) -> tuple:
