@@ -412,7 +412,7 @@ def test_an_operator_without_a_lowering_is_named_by_its_qualified_name():
     (lambda s, b, h, q_idx, kv_idx: torch.max(s), r"torch\.max is called with arguments its lowering does not take "
                                                    r"\(1 positional, keywords none\)"),
     (lambda s, b, h, q_idx, kv_idx: torch.where(q_idx >= kv_idx, s, other=s * 2),
-     r"torch\.where is called with .*keywords \['other'\]\); call it in its usual form"),
+     r"torch\.where is called with .*keywords \['other'\]\); pass its tensors positionally"),
     (lambda s, b, h, q_idx, kv_idx: math.exp(s), r"no lowering for math\.exp \(math's functions take Python numbers: "
                                                  r"use torch\.exp\)")], ids=["max_of_one", "where_other", "math_exp"])
 def test_calls_a_lowering_cannot_take_are_named(mod, message):

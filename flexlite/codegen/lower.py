@@ -706,8 +706,8 @@ class _Lowerer:
             expr = OPS[key](args, kwargs, node)
         except (ValueError, TypeError, KeyError, IndexError, AttributeError):
             self.fail(node, f"{_target_name(node)} is called with arguments its lowering does not take ({len(args)} "
-                            f"positional, keywords {sorted(kwargs) or 'none'}); call it in its usual form, e.g. "
-                            f"torch.where(cond, x, y), torch.maximum(x, y)")
+                            f"positional, keywords {sorted(kwargs) or 'none'}); pass its tensors positionally, in the "
+                            f"elementwise form torch documents (torch.where(cond, x, y), torch.maximum(x, y))")
         result = self.emit(node, expr, dtype)
         if self.float_index and dtype is not None and not dtype.is_floating_point and dtype != torch.bool:
             self.track_float_form(key, args, result)
