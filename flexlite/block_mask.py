@@ -658,8 +658,8 @@ class BlockMask:
     @staticmethod
     def _check_index(index) -> tuple:
         """``index`` as a tuple of at most 3 entries (batch, head, q block), ``...`` expanded; each an int, a
-        slice, or (in one position) a 1-D integer tensor or list: others would change the number of
-        dimensions or index the kv_indices' columns."""
+        slice, or (in one position) a 1-D integer or bool tensor, numpy array or list, as torch takes them: others
+        would change the number of dimensions or index the kv_indices' columns."""
         index = index if isinstance(index, tuple) else (index,)
         if sum(i is Ellipsis for i in index) > 1:
             raise IndexError("BlockMask index: an index can only have a single ellipsis ('...')")
@@ -671,13 +671,14 @@ class BlockMask:
             raise IndexError(f"BlockMask index: too many indices ({len(index)}); a BlockMask is indexed over "
                              f"(batch, head, q block) only")
         advanced = 0
+        index = tuple(torch.as_tensor(i) if type(i).__module__ == "numpy" and hasattr(i, "ndim") and i.ndim else i
+                      for i in index)  # (a numpy array; its scalars are ints)
         for i in index:
             if isinstance(i, (list, Tensor)):
                 t = torch.as_tensor(i) if isinstance(i, list) else i
-                if t.dim() != 1 or not (t.numel() == 0 or (not t.dtype.is_floating_point and not t.dtype.is_complex
-                                                           and t.dtype != torch.bool)):
-                    raise TypeError(f"BlockMask index: a tensor or list index must be 1-D integers; got "
-                                    f"{t.dtype} of shape {tuple(t.shape)}")
+                if t.dim() != 1 or not (t.numel() == 0 or (not t.dtype.is_floating_point and not t.dtype.is_complex)):
+                    raise TypeError(f"BlockMask index: a tensor, array or list index must be 1-D integers or bools; "
+                                    f"got {t.dtype} of shape {tuple(t.shape)}")
                 advanced += 1
             elif not (_is_int(i) or isinstance(i, slice)):
                 raise TypeError(f"BlockMask index: entries must be ints, slices, '...' or 1-D integer tensors; got "

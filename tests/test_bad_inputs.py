@@ -256,8 +256,8 @@ BLOCK_MASK = {
                        r"too many indices \(4\); a BlockMask is indexed over \(batch, head, q block\)"),
     "index_two_ellipses": (lambda: small_mask()[..., 0, ...], IndexError, "single ellipsis"),
     "index_two_tensors": (lambda: small_mask()[[0, 1], [0, 1]], IndexError, "at most one tensor / list index"),
-    "index_2d_tensor": (lambda: small_mask()[torch.zeros(1, 1, dtype=torch.long)], TypeError, "must be 1-D integers"),
-    "index_float_tensor": (lambda: small_mask()[torch.tensor([0.0])], TypeError, "must be 1-D integers"),
+    "index_2d_tensor": (lambda: small_mask()[torch.zeros(1, 1, dtype=torch.long)], TypeError, "must be 1-D integers or bools"),
+    "index_float_tensor": (lambda: small_mask()[torch.tensor([0.0])], TypeError, "must be 1-D integers or bools"),
     "index_out_of_range": (lambda: small_mask()[:, 2], IndexError, "index 2 is out of range for a dimension of size 2"),
     "index_negative_step": (lambda: small_mask()[::-1], ValueError,
                             "BlockMask index: a slice's step must be a positive"),
@@ -296,6 +296,13 @@ def test_block_mask_index_forms_that_work():
     assert bm[0, ...].to_dense().equal(bm[0:1].to_dense())
     assert bm[torch.tensor([1])].to_dense().equal(bm[1:2].to_dense())
     assert bm[[1, 0]].to_dense().equal(bm.to_dense().flip(0))
+    # as torch's BlockMask takes them: a bool mask, a numpy index array (refused before); a mask that differs by
+    # batch and head
+    bh = create_block_mask(lambda b, h, q, kv: (q - kv).abs() <= 16 * b + 32 * h, 2, 2, 64, 64, device=DEVICE,
+                           BLOCK_SIZE=16)
+    assert bh[torch.tensor([False, True])].to_dense().equal(bh.to_dense()[1:])
+    assert bh[:, np.array([1, 0])].to_dense().equal(bh.to_dense().flip(1))
+    assert not bh.to_dense()[0].equal(bh.to_dense()[1]) and not bh.to_dense()[:, 0].equal(bh.to_dense()[:, 1])
     assert bm[2:].shape == (0, 2, 64, 64)
     assert bm.to_string(grid_size=-1, limit=-1).count("(") == 4  # no limits: every (b, h) grid
 
