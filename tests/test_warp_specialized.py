@@ -518,7 +518,7 @@ def test_wide_items_take_three_consumer_warpgroups_where_they_spill_little(monke
 @pytest.mark.parametrize("walk", ["dense", "block mask"])
 def test_two_consumer_warpgroups_take_their_tiles_q_buffers_on_a_block_masks_persistent_walk(monkeypatch, walk,
                                                                                             persistent):
-    """launch.WS_TILES' Q_BUFFERS (one by default, two built at D64): the 128-row items take two Q buffers (the next
+    """launch.WS_TILES' Q_BUFFERS (one by default; two at D64 a tuning choice): the 128-row items take two Q buffers (the next
     item's Q loads while an item runs) where the wide items would, a block mask's walk on the persistent grid; the
     dense walk and a program per item one."""
     from flexlite.api import _block_tensors
@@ -742,7 +742,7 @@ if ON_HOPPER:
                                              run.id.endswith("persistent")])
     @pytest.mark.parametrize("name", ["sliding_window", "causal", "document", "alibi_causal", "fully_masked_rows"])
     def test_two_q_buffers_in_two_consumer_warpgroups_match_the_reference(monkeypatch, name, shape, grid):
-        # launch.WS_TILES' Q_BUFFERS at D64 (one by default; two built, not timed, NOTES 91), in the 128-row items
+        # launch.WS_TILES' Q_BUFFERS at D64 (one by default; two no faster on the H200, NOTES 92), in the 128-row items
         # (the wide items off), on the persistent grid the next item's Q loaded while an item runs
         monkeypatch.setattr(launch, "WS_TILES", {**launch.WS_TILES, 64: {**launch.WS_TILES[64], "Q_BUFFERS": 2}})
         monkeypatch.setattr(launch, "WS_FWD_WIDE_TILES", {})

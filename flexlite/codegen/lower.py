@@ -704,7 +704,7 @@ class _Lowerer:
             args = _promote_ints(args)
         try:
             expr = OPS[key](args, kwargs, node)
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        except (ValueError, KeyError, IndexError):  # (unpacking too few arguments, a keyword it reads missing)
             self.fail(node, f"{_target_name(node)} is called with arguments its lowering does not take ({len(args)} "
                             f"positional, keywords {sorted(kwargs) or 'none'}); pass its tensors positionally, in the "
                             f"elementwise form torch documents (torch.where(cond, x, y), torch.maximum(x, y))")

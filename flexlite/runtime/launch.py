@@ -299,7 +299,8 @@ def launch_forward(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
 # Q's buffer, and measured 7-11 % faster than two)
 WS_BLOCK_M = 128
 WS_HALF_M = 64  # query rows per consumer warpgroup (the template's HALF): Q's and OUT's descriptors' block rows
-# (Q_BUFFERS: as WS_FWD_WIDE_TILES' below; two at D64 built: 98 KB of shared memory, no spills offline; not timed)
+# (Q_BUFFERS: as WS_FWD_WIDE_TILES' below; two at D64: 98 KB of shared memory, no spills offline; on the H200 sliding
+# window 0.6 % faster, ALiBi 0.5 % and document 1.2 % slower, within a run's spread: one, NOTES 92)
 WS_TILES = {64: dict(BLOCK_N=128, STAGES=2, CONSUMER_REGS=232, Q_BUFFERS=1),
             128: dict(BLOCK_N=128, STAGES=3, CONSUMER_REGS=240, Q_BUFFERS=1)}
 # per head dim, the warp-specialized forward's wide items: BLOCK_M query rows per item, a consumer warpgroup per
@@ -634,7 +635,7 @@ WS_FWD_POLY_EXP2: dict = {}
 # the same, over WS_FWD_POLY_EXP2, for a kernel that runs a bounded score_mod against its bound (softcap: its tanh
 # shares the SFU with the exponentials; WS_FWD_BOUNDED_SOFTMAX). H200, D64 softcap + causal (the wide items):
 # N = 8 8.3 % faster, 16 3.8 %, 4 4.1-5.6 %, 2 0.2-1.2 %; the same N = 4 made plain causal 12 %, full 8.5 % and
-# ALiBi 4.5 % slower (NOTES 91). D128 not measured
+# ALiBi 4.5 % slower (NOTES 91). D128 (two warpgroups) at N = 8: 0.5 % slower (NOTES 92), so D64 only
 WS_FWD_POLY_EXP2_BOUNDED = {64: 8}
 
 
