@@ -572,6 +572,7 @@ def _generate(score_mod, block_mask, device: torch.device, template: str = "fwd.
                     separate=_launch.SEPARATE_SCORE_BIAS, affine_keys=_launch.AFFINE_KEY_BIAS,
                     compact_bias_dims=_launch.WS_FWD_COMPACT_BIAS_HEAD_DIMS,
                     affine_bias_dims=_launch.WS_FWD_AFFINE_BIAS_HEAD_DIMS, decide_mask_terms=_launch.DECIDE_MASK_TERMS,
+                    decide_rewrite=_launch.DECIDE_REWRITE_TERMS,
                     bounded=_launch.WS_FWD_BOUNDED_SOFTMAX and dtype == torch.bfloat16 and not max_scores,
                     llvm_opt_levels=(_launch.WS_FWD_DENSE_LLVM_OPT_LEVELS if block_mask is None
                                      else _launch.WS_FWD_LLVM_OPT_LEVELS),
@@ -622,7 +623,8 @@ def kernel_source(score_mod: Optional[Callable] = None, block_mask=None, *, devi
         return generate_backward(score_mod, mask_mod, interpret=device.type != "cuda", template=_PASSES[kernel],
                                  query_values=_launch.WS_BWD_QUERY_VALUES,
                                  llvm_opt_levels=_launch.WS_BWD_LLVM_OPT_LEVELS,
-                                 decide_mask_terms=_launch.DECIDE_MASK_TERMS).source
+                                 decide_mask_terms=_launch.DECIDE_MASK_TERMS,
+                                 decide_rewrite=_launch.DECIDE_REWRITE_TERMS).source
     lengths = block_mask.seq_lengths if block_mask is not None else (0, 0)
     return _generate(score_mod, block_mask, device, _PASSES[kernel], _float_index(_PASSES[kernel], *lengths),
                      dtype=dtype).source
@@ -967,13 +969,15 @@ def _backward_kernels(traced, query, key, value, sparse, options: dict, interpre
     """(the Triton kernels, the warp-specialized dK / dV kernel or None) that :func:`_backward` runs for these traced
     mods (``scatter``: the captured tensors whose gradients the kernels add up)."""
     kernel = generate_backward(*traced, interpret=interpret, grad_captured=scatter,
-                               decide_mask_terms=_launch.DECIDE_MASK_TERMS)
+                               decide_mask_terms=_launch.DECIDE_MASK_TERMS,
+                               decide_rewrite=_launch.DECIDE_REWRITE_TERMS)
     ws_kernel = None
     if not (scatter or deterministic) and _warp_specialize_backward(query, key, value, sparse, options):
         ws_kernel = generate_backward(*traced, interpret=interpret, template="bwd_ws.py.jinja",
                                       query_values=_launch.WS_BWD_QUERY_VALUES,
                                       llvm_opt_levels=_launch.WS_BWD_LLVM_OPT_LEVELS,
-                                      decide_mask_terms=_launch.DECIDE_MASK_TERMS)
+                                      decide_mask_terms=_launch.DECIDE_MASK_TERMS,
+                                      decide_rewrite=_launch.DECIDE_REWRITE_TERMS)
         if ws_kernel.source in _WS_UNCOMPILABLE:
             ws_kernel = None
     return kernel, ws_kernel

@@ -12,6 +12,14 @@ and runs the mask without those (``mask_mod_d<code>``), or none of it where the 
 term's range contains its values on the tile), so a term is only dropped where it holds on every position of the tile.
 
 Masks that read captured tensors are left as they are (a variant's parameters would differ from the mask's).
+
+Before that (``rewrite``, launch.DECIDE_REWRITE_TERMS) :func:`rewritten_terms` puts the top-level terms in the forms a
+tile's variant computes most cheaply, each equal to the term it replaces at every position: ``|x| <= c`` under an
+``&`` (``|x| >= c`` under an ``|``) becomes two terms, ``x <= c`` and ``-x <= c``, so that a tile on one side of the
+band decides one of them (sliding window's edge tile keeps ``q_idx - w <= kv_idx`` alone, without the abs); and a
+compare of int arithmetic linear in q_idx and kv_idx (``q_idx - kv_idx <= w``) becomes a query side against a key
+side (``q_idx - w <= kv_idx``), which the kernels compute once per row and once per column, leaving one compare per
+score (the subtract per score was one instruction of the three a masked score cost: benchmarks/NOTES.md 94).
 """
 
 from __future__ import annotations
@@ -48,9 +56,10 @@ class MaskVariants:
     (``mask_mod_d<code>``, the mask's own signature)."""
 
     terms: int  # top-level terms taken apart
-    names: tuple  # their nodes' names in the mask's graph, by bit
+    names: tuple  # their nodes' names in graph_module, by bit
     decide: str
     variants: dict  # code -> LoweredMod
+    graph_module: Optional[fx.GraphModule] = None  # the mask as the variants take it (its terms rewritten)
 
     @property
     def empty(self) -> int:
@@ -139,11 +148,174 @@ class _Intervals:
         return None
 
 
-def mask_variants(traced: Optional[TracedMod]) -> Optional[MaskVariants]:
+# the compares with their operands swapped, and negated (a op b == -a op' -b)
+_MIRROR = {"ge": "le", "gt": "lt", "le": "ge", "lt": "gt", "eq": "eq", "ne": "ne"}
+# a side of a rewritten compare: its values' bound where every index, b and h are below 2 ** 24, at most this (int32
+# holds the side's values wherever it holds the indices')
+_MAX_SIDE = 2 ** 30
+_INDEX_BOUND = 2 ** 24
+
+
+def _linear(v) -> Optional[dict]:
+    """An int value of the mask as ``{name: factor}`` (q_idx, kv_idx, b, h; 1 for the number), where it is built from
+    those and int numbers by adds, subtracts, negations and multiplies by numbers (the bounds of _Intervals); else
+    None."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return {1: v} if abs(v) <= _MAX_NUMBER else None
+    if not isinstance(v, fx.Node) or v.meta.get("dtype") not in _INTS or v.kwargs:
+        return None
+    if v.op == "placeholder":
+        return {v.target: 1}
+    key = op_key(v)
+    if key == "mul" and len(v.args) == 2:
+        for k in (0, 1):
+            c, other = v.args[k], v.args[1 - k]
+            if isinstance(c, int) and not isinstance(c, bool) and abs(c) <= _MAX_FACTOR:
+                form = _linear(other)
+                return None if form is None else {name: c * f for name, f in form.items() if c * f}
+        return None
+    args = [_linear(a) for a in v.args]
+    if any(a is None for a in args):
+        return None
+    if key in ("add", "sub") and len(args) == 2:
+        sign = 1 if key == "add" else -1
+        out = dict(args[0])
+        for name, f in args[1].items():
+            out[name] = out.get(name, 0) + sign * f
+        return {name: f for name, f in out.items() if f}
+    if key == "neg" and len(args) == 1:
+        return {name: -f for name, f in args[0].items()}
+    if key == "pos" and len(args) == 1:
+        return args[0]
+    return None
+
+
+def _bound(form: dict) -> int:
+    """The largest magnitude of a linear form's values with every index, b and h below 2 ** 24."""
+    return sum(abs(f) * (1 if name == 1 else _INDEX_BOUND) for name, f in form.items())
+
+
+class _Builder:
+    """New int and bool nodes in ``graph``, with the meta the lowering reads."""
+
+    def __init__(self, graph: fx.Graph, placeholders: dict):
+        self.graph, self.placeholders = graph, placeholders
+
+    def call(self, fn, args: tuple, dtype) -> fx.Node:
+        node = self.graph.call_function(fn, args)
+        node.meta.update(dtype=dtype, shape=())
+        return node
+
+    def linear(self, form: dict):
+        """The value of a linear form (the indices first, the number last): a node, or an int where it has no
+        index."""
+        value = None
+        for name in ("q_idx", "kv_idx", "b", "h"):
+            f = form.get(name, 0)
+            if not f:
+                continue
+            x = self.placeholders[name]
+            term = x if abs(f) == 1 else self.call(operator.mul, (abs(f), x), torch.int32)
+            if value is None:
+                value = term if f > 0 else self.call(operator.neg, (term,), torch.int32)
+            else:
+                value = self.call(operator.add if f > 0 else operator.sub, (value, term), torch.int32)
+        c = form.get(1, 0)
+        if value is None:
+            return c
+        return value if not c else self.call(operator.add if c > 0 else operator.sub, (value, abs(c)), torch.int32)
+
+
+def _separated(build: _Builder, key: str, a, b) -> Optional[fx.Node]:
+    """``a key b`` as a query side against a key side (``q_idx - w <= kv_idx``), or None where it is one already, or
+    is not linear in the indices, or a side could leave int32."""
+    la, lb = _linear(a), _linear(b)
+    if la is None or lb is None:
+        return None
+    sides = [{n for n in form if n in ("q_idx", "kv_idx")} for form in (la, lb)]
+    if len(sides[0]) < 2 and len(sides[1]) < 2 and sides[0] != sides[1]:
+        return None  # (each side one of the indices, or none: nothing to gain)
+    d = dict(la)
+    for name, f in lb.items():
+        d[name] = d.get(name, 0) - f
+    k = d.pop("kv_idx", 0)
+    if not k or not d.get("q_idx"):
+        return None
+    # a - b = R + k * kv_idx: (a key b) == (R key -k * kv_idx), or with k > 0, (-R key' k * kv_idx)
+    row = d if k < 0 else {name: -f for name, f in d.items()}
+    if k > 0:
+        key = _MIRROR[key]
+    col = {"kv_idx": abs(k)}
+    if _bound(row) > _MAX_SIDE or _bound(col) > _MAX_SIDE:
+        return None
+    return build.call(getattr(operator, key), (build.linear(row), build.linear(col)), torch.bool)
+
+
+def _abs_split(build: _Builder, env: dict, term, join: str) -> Optional[list]:
+    """``|x| <= c`` under ``&`` (``|x| >= c`` under ``|``; also < / >, and either way round) as the two terms
+    ``x <= c``, ``-x <= c`` (their values the term's at every position), in the new graph (``env``: the old graph's
+    nodes there); or None."""
+    if not isinstance(term, fx.Node) or term.kwargs or len(term.args) != 2:
+        return None
+    key = op_key(term)
+    if key not in _MIRROR:
+        return None
+    a, c = term.args
+    if not (isinstance(a, fx.Node) and op_key(a) == "abs"):
+        c, a, key = a, c, _MIRROR[key]  # (c >= |x|: |x| <= c)
+    if not (isinstance(a, fx.Node) and op_key(a) == "abs" and len(a.args) == 1 and not a.kwargs
+            and a.meta.get("dtype") in _INTS and (_linear(c) is not None)):
+        return None
+    if key not in (("le", "lt") if join == "and" else ("ge", "gt")):
+        return None
+    x, c = env[a.args[0]], env[c] if isinstance(c, fx.Node) else c
+    neg = build.call(operator.neg, (x,), a.meta["dtype"])
+    return [build.call(getattr(operator, key), (x, c), torch.bool),
+            build.call(getattr(operator, key), (neg, c), torch.bool)]
+
+
+def rewritten_terms(traced: TracedMod) -> TracedMod:
+    """The mask with its top-level terms in the forms the variants compute most cheaply (module docstring), or the
+    mask itself where no term changes."""
+    gm = traced.graph_module
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    join = _join(out) or "and"
+    graph = fx.Graph()
+    env = {}
+    graph.graph_copy(gm.graph, env)
+    placeholders = {n.target: env[n] for n in gm.graph.nodes if n.op == "placeholder"}
+    build = _Builder(graph, placeholders)
+    terms, changed = [], False
+    for term in _terms(out, join):
+        parts = _abs_split(build, env, term, join)
+        parts = parts if parts is not None else [env[term] if isinstance(term, fx.Node) else term]
+        changed |= len(parts) > 1
+        for part in parts:
+            sep = (_separated(build, op_key(part), *part.args) if isinstance(part, fx.Node) and not part.kwargs
+                   and op_key(part) in _MIRROR and len(part.args) == 2 else None)
+            changed |= sep is not None
+            terms.append(sep if sep is not None else part)
+    if not changed:
+        return traced
+    value = terms[0]
+    for term in terms[1:]:
+        value = build.call(operator.and_ if join == "and" else operator.or_, (value, term), torch.bool)
+    graph.output(value)
+    graph.eliminate_dead_code()
+    return TracedMod(traced.kind, traced.name, fx.GraphModule(gm, graph), traced.captured)
+
+
+def mask_variants(traced: Optional[TracedMod], rewrite: bool = True) -> Optional[MaskVariants]:
     """The variants of a mask_mod whose top-level terms (of an ``&`` or an ``|`` at its output) include compares a
-    tile's index ranges can decide (module docstring), or None (no such term, or the mask reads captured tensors)."""
+    tile's index ranges can decide (module docstring), or None (no such term, or the mask reads captured tensors).
+    ``rewrite``: the terms first rewritten by :func:`rewritten_terms` (the variants' graph:
+    :attr:`MaskVariants.graph_module`)."""
     if traced is None or traced.kind != "mask_mod" or traced.captured:
         return None
+    if rewrite:
+        traced = rewritten_terms(traced)
     gm = traced.graph_module
     out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     join = _join(out) or "and"  # (a single compare: the term of a conjunction of one)
@@ -158,7 +330,7 @@ def mask_variants(traced: Optional[TracedMod]) -> Optional[MaskVariants]:
     if not decided:
         return None
     n = len(decided)
-    result = MaskVariants(n, tuple(term.name for term, _, _ in decided), "", {})
+    result = MaskVariants(n, tuple(term.name for term, _, _ in decided), "", {}, gm)
     # per term: "holds" (true under &, false under |: the term can go) and "settles" the tile (false under &: nothing
     # kept; true under |: all kept)
     lines = list(intervals.lines)

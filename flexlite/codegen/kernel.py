@@ -63,14 +63,14 @@ def _lowered(traced: Optional[TracedMod], fn_name: str, prefix: str, float_index
     return traced.lowered[key]
 
 
-def _mask_variants(traced: Optional[TracedMod]):
-    """mask_mod's :class:`~flexlite.codegen.decide.MaskVariants` (None: no term a tile decides), kept with its
-    trace."""
+def _mask_variants(traced: Optional[TracedMod], rewrite: bool):
+    """mask_mod's :class:`~flexlite.codegen.decide.MaskVariants` (None: no term a tile decides; ``rewrite``: its
+    terms rewritten first, decide.rewritten_terms), kept with its trace."""
     if traced is None:
         return None
-    if "decide" not in traced.lowered:
-        traced.lowered["decide"] = mask_variants(traced)
-    return traced.lowered["decide"]
+    if ("decide", rewrite) not in traced.lowered:
+        traced.lowered["decide", rewrite] = mask_variants(traced, rewrite)
+    return traced.lowered["decide", rewrite]
 
 
 def _refuse_bfloat16_arithmetic(*traced_mods) -> None:
@@ -148,7 +148,7 @@ def _levels(levels: Optional[dict]) -> tuple:
 def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Callable], *,
              interpret: bool, float_index: bool = False, fold_scales: bool = False,
              key_values: bool = False, separate: bool = False, affine_keys=(),
-             compact_bias_dims: tuple = (), affine_bias_dims: tuple = (), decide_mask_terms=(),
+             compact_bias_dims: tuple = (), affine_bias_dims: tuple = (), decide_mask_terms=(), decide_rewrite=True,
              bounded: bool = False, llvm_opt_levels: Optional[dict] = None,
              poly_exp2: Optional[dict] = None, bounded_poly_exp2: Optional[dict] = None) -> GeneratedKernel:
     """Kernel source for ``template`` with ``score_mod`` / ``mask_mod`` (None: identity / keep all).
@@ -195,7 +195,7 @@ def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Ca
                      if template in affine_keys and low_sm.affine_keys and ws else (),
                      score_bound=score_bound, llvm_opt_levels=_levels(llvm_opt_levels) if ws else (),
                      poly_exp2=_one_in(poly_exp2, bounded_poly_exp2, score_bound) if ws else (),
-                     mm_decide=_mask_variants(mm) if template in decide_mask_terms and template in (
+                     mm_decide=_mask_variants(mm, decide_rewrite) if template in decide_mask_terms and template in (
                          "fwd.py.jinja", "fwd_ws.py.jinja") else None)
     return GeneratedKernel(template, source, low_sm, low_mm, has_score_mod=sm is not None)
 
@@ -243,13 +243,14 @@ def _captured_grad(traced: TracedMod, grad_captured: tuple) -> tuple:
 def generate_backward(score_mod: Optional[Callable], mask_mod: Optional[Callable], *, interpret: bool,
                       grad_captured: tuple = (), template: str = "bwd.py.jinja",
                       query_values: bool = False, llvm_opt_levels: Optional[dict] = None,
-                      decide_mask_terms=()) -> BackwardKernel:
+                      decide_mask_terms=(), decide_rewrite=True) -> BackwardKernel:
     """Backward kernel source for these mods. ``grad_captured``: tensors captured by ``score_mod``
     whose gradients the dK/dV kernel scatters (atomically) into buffers; () for none. ``template``:
     ``"bwd.py.jinja"`` (preprocess, dK/dV and dQ kernels) or ``"bwd_ws.py.jinja"`` (the warp-specialized dK/dV
     kernel; no captured-tensor gradients). ``query_values`` (bwd_ws.py.jinja): mask_mod's values from b, h, q_idx
     and captured tensors alone (its gathers along the queries) computed apart, on a compact query vector.
-    ``llvm_opt_levels`` (bwd_ws.py.jinja): as :func:`generate`'s. ``decide_mask_terms``: as :func:`generate`'s,
+    ``llvm_opt_levels`` (bwd_ws.py.jinja): as :func:`generate`'s. ``decide_mask_terms``, ``decide_rewrite``: as
+    :func:`generate`'s,
     for the backward templates (their partial tiles' P and dS; not where mask_mod's values along the queries are
     computed apart, whose parameters the variants lack). The mods may come as their traces, as there."""
     sm = trace_mod(score_mod, "score_mod") if score_mod is not None else None
@@ -267,6 +268,7 @@ def generate_backward(score_mod: Optional[Callable], mask_mod: Optional[Callable
                      interpret, sm.name if sm else "none", mm.name if mm else "none", extra, low_sm.hoisted,
                      low_sm.hoist_source, low_mm.hoisted, low_mm.hoist_source,
                      llvm_opt_levels=_levels(llvm_opt_levels) if template == "bwd_ws.py.jinja" else (),
-                     mm_decide=_mask_variants(mm) if template in decide_mask_terms and not low_mm.hoisted else None)
+                     mm_decide=_mask_variants(mm, decide_rewrite) if template in decide_mask_terms
+                     and not low_mm.hoisted else None)
     return BackwardKernel(template, source, low_sm, low_mm, has_score_mod=sm is not None,
                           score_grad=score_grad, captured_grad=captured_grad, buffer_slots=slots)
