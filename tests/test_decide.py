@@ -11,7 +11,7 @@ import torch.fx as fx
 
 import flexlite
 from flexlite import create_block_mask, flex_attention
-from flexlite.codegen.decide import MAX_TERMS, mask_variants, rewritten_terms
+from flexlite.codegen.decide import MAX_TERMS, mask_variants
 from flexlite.codegen.trace import trace_mod
 from flexlite.masks import causal_mask, generate_prefix_lm_mask, generate_sliding_window
 from flexlite.runtime import launch
@@ -21,10 +21,14 @@ _doc = torch.tensor([0] * 40 + [1] * 60 + [2] * 100, device=DEVICE)
 
 MASKS = {
     # mask_mod, (terms taken apart, codes of the variants kept) or None
-    # (the band |q - kv| <= 24 taken as two terms: decide.rewritten_terms)
-    "sliding_window": (generate_sliding_window(24), (3, [1, 2, 3, 4, 5, 6])),
-    "bidirectional_window": (generate_sliding_window(24, causal=False), (2, [1, 2])),
-    "band_under_or": (lambda b, h, q, kv: (30 <= (kv - q).abs()) | (q < 5), (3, [1, 2, 3, 4, 5, 6])),
+    "sliding_window": (generate_sliding_window(24), (2, [1, 2])),
+    "bidirectional_window": (generate_sliding_window(24, causal=False), (1, [])),
+    # variants whose kept band takes its abs's sign from a dropped term (decide._rewritten), or cannot
+    "band_above": (lambda b, h, q, kv: ((kv - q).abs() < 20) & (kv > q), (2, [1, 2])),
+    "band_on_the_right": (lambda b, h, q, kv: (24 >= (q - kv).abs()) & (q >= kv) & (q % 3 != 1), (2, [1, 2, 3])),
+    "band_under_or": (lambda b, h, q, kv: (30 <= (kv - q).abs()) | (q < 5), (2, [1, 2])),
+    "band_of_another_factor": (lambda b, h, q, kv: ((2 * q - 2 * kv).abs() <= 30) & (kv <= q), (2, [1, 2])),
+    "side_past_int32": (lambda b, h, q, kv: (64 * q - 64 * kv <= 5) & (q < 100), (2, [1, 2])),
     "prefix_lm": (generate_prefix_lm_mask(40), (2, [1, 2])),
     "causal": (causal_mask, (1, [])),
     "affine_pair": (lambda b, h, q, kv: (q - 2 * kv > -30) & (kv <= q + 3), (2, [1, 2])),
@@ -70,6 +74,14 @@ def _decide(variants):
     return scope["mask_mod_decide"]
 
 
+def _variant(low):
+    """A variant's lowered source (``mask_mod_d<code>``) as a Python function of torch tensors."""
+    scope = {"tl": types.SimpleNamespace(abs=torch.abs, where=torch.where, int32=torch.int32),
+             "py_mod": torch.remainder}  # (common.py.jinja's Python remainder)
+    exec(low.source.split("\n", 1)[1], scope)  # (without @triton.jit)
+    return scope[low.fn_name]
+
+
 def _node_values(gm: fx.GraphModule, q, kv):
     """The value of every node of a traced mask's graph, by name, on the grid of queries q x keys kv
     (fx.Interpreter)."""
@@ -92,15 +104,17 @@ def test_a_tiles_code_drops_only_terms_that_hold_on_all_of_it(name):
     mod = MASKS[name][0]
     variants = mask_variants(trace_mod(mod, "mask_mod"))
     decide = _decide(variants)
-    out = variants.graph_module.graph.find_nodes(op="output")[0].args[0]  # (its terms rewritten)
+    gm = trace_mod(mod, "mask_mod").graph_module
+    out = gm.graph.find_nodes(op="output")[0].args[0]
     under_or = out.target is operator.or_
+    kernels = {code: _variant(low) for code, low in variants.variants.items()}
     gen = torch.Generator().manual_seed(3)
     seen = set()
     for _ in range(300):
         q_lo, k_lo = (int(x) for x in torch.randint(0, 120, (2,), generator=gen))
         rows, cols = (int(x) for x in torch.randint(1, 40, (2,), generator=gen))
-        values = _node_values(variants.graph_module, torch.arange(q_lo, q_lo + rows),
-                              torch.arange(k_lo, k_lo + cols))
+        q, kv = torch.arange(q_lo, q_lo + rows), torch.arange(k_lo, k_lo + cols)
+        values = _node_values(gm, q, kv)
         keep = values[out.name].expand(rows, cols)
         code = int(decide(*(torch.tensor(x) for x in (0, 1, q_lo, q_lo + rows - 1, k_lo, k_lo + cols - 1))))
         if code == variants.empty:
@@ -112,14 +126,17 @@ def test_a_tiles_code_drops_only_terms_that_hold_on_all_of_it(name):
                 if code >> i & 1:
                     value = values[term].expand(rows, cols)
                     assert (not value.any()) if under_or else value.all(), (term, q_lo, rows, k_lo, cols)
+            if code:  # the tile's variant (its kept terms rewritten where the dropped ones allow) is the mask there
+                variant = kernels[code](torch.tensor(0), torch.tensor(1), q[:, None], kv[None, :])
+                assert torch.equal(torch.as_tensor(variant).expand(rows, cols), keep), (code, q_lo, rows, k_lo, cols)
         seen.add("empty" if code == variants.empty else "full" if code == variants.full else "some" if code else
                  "none")
     assert ({"none", "some"} & seen) and ({"empty", "full"} & seen) and ("some" in seen or not variants.variants), seen
 
 
 @pytest.mark.parametrize("Lq, Lkv, block", [(200, 200, 32), (111, 63, 16)], ids=["square", "ragged"])
-@pytest.mark.parametrize("name", ["sliding_window", "bidirectional_window", "band_under_or", "prefix_lm",
-                                  "affine_pair", "negative_factor_and_heads", "equal_and_or", "with_an_undecided_term",
+@pytest.mark.parametrize("name", ["sliding_window", "band_above", "band_under_or", "prefix_lm", "affine_pair",
+                                  "negative_factor_and_heads", "equal_and_or", "with_an_undecided_term",
                                   "nested_under_or"])
 def test_decided_terms_leave_the_forward_bit_for_bit(monkeypatch, name, Lq, Lkv, block):
     """Outputs and LSE with the decided terms left out of their tiles are the same bits as with the whole mask on
@@ -191,56 +208,24 @@ def test_variants_of_a_mask_traced_again_are_equal():
     assert first != mask_variants(trace_mod(generate_sliding_window(25), "mask_mod"))
 
 
-REWRITES = {
-    # mask_mod, whether decide.rewritten_terms changes it
-    **{name: (MASKS[name][0], True) for name in ("sliding_window", "bidirectional_window", "band_under_or",
-                                                 "affine_pair", "negative_factor_and_heads", "equal_and_or")},
-    "band_on_the_right": (lambda b, h, q, kv: (24 >= (q - kv).abs()) & (q >= kv), True),
-    "strict_band_with_factors": (lambda b, h, q, kv: (2 * q - 3 * kv).abs() < 40, True),
-    "band_with_heads": (lambda b, h, q, kv: (q - kv + h).abs() <= h * 3 + 10, True),
-    "band_of_a_modulus": (lambda b, h, q, kv: ((q - kv) % 7).abs() <= 2, True),  # (split; neither side linear)
-    "linear_equal": (lambda b, h, q, kv: (q - kv == 5) | (-kv + 2 * q != b - 3), True),
-    # unchanged: compares of an index against the other already, not linear, a side that could leave int32, a band
-    # whose split would not be a conjunction (|x| <= c under |), float values
-    "causal": (causal_mask, False),
-    "sides_already": (lambda b, h, q, kv: (kv <= q + 3) & (q != kv + 7) & (kv < 9), False),
-    "modulus": (MASKS["modulus"][0], False),
-    "product": (lambda b, h, q, kv: q * kv >= 300, False),
-    "past_int32": (lambda b, h, q, kv: 64 * q - 64 * kv <= 5, False),
-    "band_under_or_the_wrong_way": (lambda b, h, q, kv: ((q - kv).abs() <= 3) | (q < 2), False),
-    "float_band": (lambda b, h, q, kv: (q.float() - kv.float()).abs() <= 3.0, False),
-}
-
-
-@pytest.mark.parametrize("name", sorted(REWRITES))
-def test_rewritten_terms_keep_the_masks_values_everywhere(name):
-    """decide.rewritten_terms (a band as two terms, linear compares as a query side against a key side) gives the mask's
-    own value at every position of a grid past both edges of each band, for a few batches and heads; a mask with
-    nothing to rewrite comes back as it is."""
-    mod, changes = REWRITES[name]
-    traced = trace_mod(mod, "mask_mod")
-    rewritten = rewritten_terms(traced)
-    assert (rewritten is not traced) == changes
-    q, kv = torch.arange(0, 160)[:, None], torch.arange(0, 160)[None, :]
-    for b, h in ((0, 0), (1, 3), (2, 7)):
-        want = traced(torch.tensor(b), torch.tensor(h), q, kv)
-        got = rewritten(torch.tensor(b), torch.tensor(h), q, kv)
-        assert torch.equal(got.expand(160, 160), want.expand(160, 160)), (b, h)
-        assert 0 < int(want.expand(160, 160).sum()) < 160 * 160
-
 
 def test_a_window_edge_tiles_variant_is_one_compare_of_a_row_side_and_a_key():
-    """Sliding window's band taken apart: on its edge tile (the band's other side and causality hold) the variant is
-    ``q_idx - w <= kv_idx``, a query side computed per row against the key, without the abs or a subtract per score;
-    on the diagonal tile, causality alone. launch.DECIDE_REWRITE_TERMS off: the band and causality as written."""
+    """Sliding window's edge tile (causality holds there) keeps the band as ``q_idx - w <= kv_idx``: the abs gone (the
+    dropped causality gives its sign) and the window's row side computed per row against the key, one compare per
+    score; the diagonal tile's causality as written. Other variants keep their terms where nothing is gained or a
+    side could leave int32. launch.DECIDE_REWRITE_TERMS off: the band as written."""
     variants = mask_variants(trace_mod(generate_sliding_window(24), "mask_mod"))
-    lines = [line.strip() for line in variants.variants[6].source.splitlines()[3:]]
-    assert lines == ["t_sub_1 = (q_idx - 24)", "t_le_3 = (t_sub_1 <= kv_idx)", "return t_le_3"], lines
-    assert [line.strip() for line in variants.variants[3].source.splitlines()[3:]] == [
-        "t_ge = (q_idx >= kv_idx)", "return t_ge"]
-    assert not any("abs" in low.source for low in variants.variants.values())
+    body = {code: [line.strip() for line in low.source.splitlines()[3:]] for code, low in variants.variants.items()}
+    assert body == {1: ["t_ge = (q_idx >= kv_idx)", "return t_ge"],
+                    2: ["t_sub_1 = (q_idx - 24)", "t_le_1 = (t_sub_1 <= kv_idx)", "return t_le_1"]}, body
     as_written = mask_variants(trace_mod(generate_sliding_window(24), "mask_mod"), rewrite=False)
-    assert as_written.terms == 2 and "tl.abs(t_sub)" in as_written.variants[2].source
+    assert "tl.abs(t_sub)" in as_written.variants[2].source
+    for name in ("band_under_or", "band_of_another_factor", "side_past_int32"):
+        mod = MASKS[name][0]
+        rewritten, written = (mask_variants(trace_mod(mod, "mask_mod"), rewrite=r) for r in (True, False))
+        assert rewritten.variants[2].source == written.variants[2].source, name
+    above = mask_variants(trace_mod(MASKS["band_above"][0], "mask_mod")).variants[2].source
+    assert "abs" not in above and "> kv_idx)" in above, above
 
 
 @pytest.mark.parametrize("rewrite", [True, False])
@@ -248,5 +233,5 @@ def test_the_kernels_take_the_rewritten_terms_where_the_setting_says(monkeypatch
     monkeypatch.setattr(launch, "DECIDE_REWRITE_TERMS", rewrite)
     bm = create_block_mask(generate_sliding_window(24), None, 2, 200, 200, device=DEVICE, BLOCK_SIZE=32)
     source = flexlite.kernel_source(None, bm, device="cuda", kernel="forward_ws")
-    assert ("def mask_mod_d6(" in source) == rewrite and ("t_le_3 = (t_sub_1 <= kv_idx)" in source) == rewrite
-    assert ("def mask_mod_d2(" in source and "tl.abs(t_sub)" in source.split("def mask_mod_d2(")[1]) == (not rewrite)
+    variant = source.split("def mask_mod_d2(")[1].split("\n\n")[0]
+    assert ("t_le_1 = (t_sub_1 <= kv_idx)" in variant) == rewrite and ("tl.abs(" in variant) == (not rewrite)

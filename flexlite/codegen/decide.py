@@ -13,13 +13,13 @@ term's range contains its values on the tile), so a term is only dropped where i
 
 Masks that read captured tensors are left as they are (a variant's parameters would differ from the mask's).
 
-Before that (``rewrite``, launch.DECIDE_REWRITE_TERMS) :func:`rewritten_terms` puts the top-level terms in the forms a
-tile's variant computes most cheaply, each equal to the term it replaces at every position: ``|x| <= c`` under an
-``&`` (``|x| >= c`` under an ``|``) becomes two terms, ``x <= c`` and ``-x <= c``, so that a tile on one side of the
-band decides one of them (sliding window's edge tile keeps ``q_idx - w <= kv_idx`` alone, without the abs); and a
-compare of int arithmetic linear in q_idx and kv_idx (``q_idx - kv_idx <= w``) becomes a query side against a key
-side (``q_idx - w <= kv_idx``), which the kernels compute once per row and once per column, leaving one compare per
-score (the subtract per score was one instruction of the three a masked score cost: benchmarks/NOTES.md 94).
+With ``rewrite`` (launch.DECIDE_REWRITE_TERMS) a variant's kept terms are put in the forms it computes most cheaply,
+each equal to the term it replaces wherever the dropped terms hold: ``|x|`` becomes ``x`` (or ``-x``) where a dropped
+term gives x's sign (sliding window's edge tile, where causality holds: ``q_idx - kv_idx <= w``), and a compare of
+int arithmetic linear in q_idx and kv_idx becomes a query side against a key side (``q_idx - w <= kv_idx``), which the
+kernels compute once per row and once per column: one compare per score where the band took a subtract, an abs and
+a compare (benchmarks/NOTES.md 94). The variants stay one per code: taking the band apart as two terms instead
+(seven variants) made the warp-specialized forward's partial-tile loop half as long again and sliding window slower.
 """
 
 from __future__ import annotations
@@ -56,10 +56,9 @@ class MaskVariants:
     (``mask_mod_d<code>``, the mask's own signature)."""
 
     terms: int  # top-level terms taken apart
-    names: tuple  # their nodes' names in graph_module, by bit
+    names: tuple  # their nodes' names in the mask's graph, by bit
     decide: str
     variants: dict  # code -> LoweredMod
-    graph_module: Optional[fx.GraphModule] = None  # the mask as the variants take it (its terms rewritten)
 
     @property
     def empty(self) -> int:
@@ -253,69 +252,12 @@ def _separated(build: _Builder, key: str, a, b) -> Optional[fx.Node]:
     return build.call(getattr(operator, key), (build.linear(row), build.linear(col)), torch.bool)
 
 
-def _abs_split(build: _Builder, env: dict, term, join: str) -> Optional[list]:
-    """``|x| <= c`` under ``&`` (``|x| >= c`` under ``|``; also < / >, and either way round) as the two terms
-    ``x <= c``, ``-x <= c`` (their values the term's at every position), in the new graph (``env``: the old graph's
-    nodes there); or None."""
-    if not isinstance(term, fx.Node) or term.kwargs or len(term.args) != 2:
-        return None
-    key = op_key(term)
-    if key not in _MIRROR:
-        return None
-    a, c = term.args
-    if not (isinstance(a, fx.Node) and op_key(a) == "abs"):
-        c, a, key = a, c, _MIRROR[key]  # (c >= |x|: |x| <= c)
-    if not (isinstance(a, fx.Node) and op_key(a) == "abs" and len(a.args) == 1 and not a.kwargs
-            and a.meta.get("dtype") in _INTS and (_linear(c) is not None)):
-        return None
-    if key not in (("le", "lt") if join == "and" else ("ge", "gt")):
-        return None
-    x, c = env[a.args[0]], env[c] if isinstance(c, fx.Node) else c
-    neg = build.call(operator.neg, (x,), a.meta["dtype"])
-    return [build.call(getattr(operator, key), (x, c), torch.bool),
-            build.call(getattr(operator, key), (neg, c), torch.bool)]
-
-
-def rewritten_terms(traced: TracedMod) -> TracedMod:
-    """The mask with its top-level terms in the forms the variants compute most cheaply (module docstring), or the
-    mask itself where no term changes."""
-    gm = traced.graph_module
-    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-    join = _join(out) or "and"
-    graph = fx.Graph()
-    env = {}
-    graph.graph_copy(gm.graph, env)
-    placeholders = {n.target: env[n] for n in gm.graph.nodes if n.op == "placeholder"}
-    build = _Builder(graph, placeholders)
-    terms, changed = [], False
-    for term in _terms(out, join):
-        parts = _abs_split(build, env, term, join)
-        parts = parts if parts is not None else [env[term] if isinstance(term, fx.Node) else term]
-        changed |= len(parts) > 1
-        for part in parts:
-            sep = (_separated(build, op_key(part), *part.args) if isinstance(part, fx.Node) and not part.kwargs
-                   and op_key(part) in _MIRROR and len(part.args) == 2 else None)
-            changed |= sep is not None
-            terms.append(sep if sep is not None else part)
-    if not changed:
-        return traced
-    value = terms[0]
-    for term in terms[1:]:
-        value = build.call(operator.and_ if join == "and" else operator.or_, (value, term), torch.bool)
-    graph.output(value)
-    graph.eliminate_dead_code()
-    return TracedMod(traced.kind, traced.name, fx.GraphModule(gm, graph), traced.captured)
-
-
 def mask_variants(traced: Optional[TracedMod], rewrite: bool = True) -> Optional[MaskVariants]:
     """The variants of a mask_mod whose top-level terms (of an ``&`` or an ``|`` at its output) include compares a
     tile's index ranges can decide (module docstring), or None (no such term, or the mask reads captured tensors).
-    ``rewrite``: the terms first rewritten by :func:`rewritten_terms` (the variants' graph:
-    :attr:`MaskVariants.graph_module`)."""
+    ``rewrite``: each variant's kept terms in the cheaper forms the dropped ones allow (:func:`_rewritten`)."""
     if traced is None or traced.kind != "mask_mod" or traced.captured:
         return None
-    if rewrite:
-        traced = rewritten_terms(traced)
     gm = traced.graph_module
     out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     join = _join(out) or "and"  # (a single compare: the term of a conjunction of one)
@@ -330,7 +272,7 @@ def mask_variants(traced: Optional[TracedMod], rewrite: bool = True) -> Optional
     if not decided:
         return None
     n = len(decided)
-    result = MaskVariants(n, tuple(term.name for term, _, _ in decided), "", {}, gm)
+    result = MaskVariants(n, tuple(term.name for term, _, _ in decided), "", {})
     # per term: "holds" (true under &, false under |: the term can go) and "settles" the tile (false under &: nothing
     # kept; true under |: all kept)
     lines = list(intervals.lines)
@@ -349,23 +291,82 @@ def mask_variants(traced: Optional[TracedMod], rewrite: bool = True) -> Optional
          f"    # which of mask_mod {traced.name}'s terms the tile of queries q_lo ... q_hi and keys k_lo ... k_hi "
          f"decides (flexlite.codegen.decide)"] + [f"    {line}" for line in lines] + ["    return code"]) + "\n"
     for code in range(1, 1 << n):
-        kept = [t for t in terms if not any(code >> i & 1 and t is term for i, (term, _, _) in
-                                            enumerate(decided))]
+        dropped = [term for i, (term, _, _) in enumerate(decided) if code >> i & 1]
+        kept = [t for t in terms if not any(t is term for term in dropped)]
         if kept:
-            result.variants[code] = _lowered_without(traced, kept, join, f"mask_mod_d{code}")
+            result.variants[code] = _lowered_without(traced, kept, join, f"mask_mod_d{code}",
+                                                     dropped if rewrite else None)
     return result
 
 
-def _lowered_without(traced: TracedMod, kept: list, join: str, fn_name: str) -> LoweredMod:
-    """The mask with only the top-level terms ``kept`` (joined as before), lowered as ``fn_name``."""
+def _lowered_without(traced: TracedMod, kept: list, join: str, fn_name: str,
+                     dropped: Optional[list] = None) -> LoweredMod:
+    """The mask with only the top-level terms ``kept`` (joined as before), lowered as ``fn_name``; with ``dropped``
+    (the terms the variant's tiles decide) the kept ones rewritten where that makes them cheaper (:func:`_rewritten`)."""
     graph = fx.Graph()
     env = {}
     graph.graph_copy(traced.graph_module.graph, env)
-    value = env[kept[0]]
-    for term in kept[1:]:
-        value = graph.call_function(operator.and_ if join == "and" else operator.or_, (value, env[term]))
-        value.meta.update(dtype=torch.bool, shape=env[term].meta.get("shape"))
+    build = _Builder(graph, {n.target: env[n] for n in traced.graph_module.graph.nodes if n.op == "placeholder"})
+    facts = _facts(dropped, join) if dropped is not None else None
+    values = [_rewritten(build, env, term, facts) if facts is not None else env[term] for term in kept]
+    value = values[0]
+    for term in values[1:]:
+        value = build.call(operator.and_ if join == "and" else operator.or_, (value, term), torch.bool)
     graph.output(value)
     graph.eliminate_dead_code()
     gm = fx.GraphModule(traced.graph_module, graph)
     return lower_mod(TracedMod(traced.kind, traced.name, gm, traced.captured), fn_name, "mm_")
+
+
+# a compare of a - b: the sign it gives d = a - b where it holds, and where it fails
+_SIGN = {"ge": (">=", "<"), "gt": (">", "<="), "le": ("<=", ">"), "lt": ("<", ">="), "eq": ("==", "!="),
+         "ne": ("!=", "==")}
+
+
+def _facts(dropped: list, join: str) -> list:
+    """What the dropped terms say on a variant's tiles (true under ``&``, false under ``|``) as (linear form of d,
+    relation of d to 0), for those that compare linear int values."""
+    facts = []
+    for term in dropped:
+        key = op_key(term)
+        forms = [_linear(a) for a in term.args]
+        if key in _SIGN and None not in forms:
+            d = dict(forms[0])
+            for name, f in forms[1].items():
+                d[name] = d.get(name, 0) - f
+            facts.append(({name: f for name, f in d.items() if f}, _SIGN[key][0 if join == "and" else 1]))
+    return facts
+
+
+def _sign(form: dict, facts: list) -> int:
+    """1 where the facts say the linear form is >= 0 on the tile, -1 where <= 0, else 0."""
+    negated = {name: -f for name, f in form.items()}
+    for d, rel in facts:
+        for sign, same in ((1, d == form), (-1, d == negated)):
+            if same and rel in (">=", ">", "=="):
+                return sign
+            if same and rel in ("<=", "<", "=="):
+                return -sign
+    return 0
+
+
+def _rewritten(build: _Builder, env: dict, term, facts: list):
+    """A kept term in the new graph, cheaper where it can be: a compare with ``|x|`` as one side takes ``x`` or
+    ``-x`` where the facts give x's sign, then a compare linear in the indices takes a query side against a key side
+    (:func:`_separated`); its value the term's wherever the facts hold."""
+    if not isinstance(term, fx.Node) or term.kwargs or op_key(term) not in _MIRROR or len(term.args) != 2:
+        return env[term] if isinstance(term, fx.Node) else term
+    args = [env[a] if isinstance(a, fx.Node) else a for a in term.args]
+    for k, a in enumerate(term.args):
+        if isinstance(a, fx.Node) and op_key(a) == "abs" and len(a.args) == 1 and not a.kwargs \
+                and a.meta.get("dtype") in _INTS and (form := _linear(a.args[0])) is not None:
+            sign = _sign(form, facts)
+            if sign:
+                x = env[a.args[0]]
+                args[k] = x if sign > 0 else build.call(operator.neg, (x,), a.meta["dtype"])
+    separated = _separated(build, op_key(term), *args)
+    if separated is not None:
+        return separated
+    if args != [env[a] if isinstance(a, fx.Node) else a for a in term.args]:
+        return build.call(getattr(operator, op_key(term)), tuple(args), torch.bool)
+    return env[term]
