@@ -179,16 +179,20 @@ def _linear(v) -> Optional[dict]:
     if any(a is None for a in args):
         return None
     if key in ("add", "sub") and len(args) == 2:
-        sign = 1 if key == "add" else -1
-        out = dict(args[0])
-        for name, f in args[1].items():
-            out[name] = out.get(name, 0) + sign * f
-        return {name: f for name, f in out.items() if f}
+        return _combined(args[0], args[1], 1 if key == "add" else -1)
     if key == "neg" and len(args) == 1:
-        return {name: -f for name, f in args[0].items()}
+        return _combined({}, args[0], -1)
     if key == "pos" and len(args) == 1:
         return args[0]
     return None
+
+
+def _combined(a: dict, b: dict, sign: int) -> dict:
+    """The linear form a + sign * b."""
+    out = dict(a)
+    for name, f in b.items():
+        out[name] = out.get(name, 0) + sign * f
+    return {name: f for name, f in out.items() if f}
 
 
 def _bound(form: dict) -> int:
@@ -202,9 +206,9 @@ class _Builder:
     def __init__(self, graph: fx.Graph, placeholders: dict):
         self.graph, self.placeholders = graph, placeholders
 
-    def call(self, fn, args: tuple, dtype) -> fx.Node:
+    def call(self, fn, args: tuple, dtype, shape: tuple = ()) -> fx.Node:
         node = self.graph.call_function(fn, args)
-        node.meta.update(dtype=dtype, shape=())
+        node.meta.update(dtype=dtype, shape=shape)
         return node
 
     def linear(self, form: dict):
@@ -236,14 +240,12 @@ def _separated(build: _Builder, key: str, a, b) -> Optional[fx.Node]:
     sides = [{n for n in form if n in ("q_idx", "kv_idx")} for form in (la, lb)]
     if len(sides[0]) < 2 and len(sides[1]) < 2 and sides[0] != sides[1]:
         return None  # (each side one of the indices, or none: nothing to gain)
-    d = dict(la)
-    for name, f in lb.items():
-        d[name] = d.get(name, 0) - f
+    d = _combined(la, lb, -1)
     k = d.pop("kv_idx", 0)
     if not k or not d.get("q_idx"):
         return None
     # a - b = R + k * kv_idx: (a key b) == (R key -k * kv_idx), or with k > 0, (-R key' k * kv_idx)
-    row = d if k < 0 else {name: -f for name, f in d.items()}
+    row = d if k < 0 else _combined({}, d, -1)
     if k > 0:
         key = _MIRROR[key]
     col = {"kv_idx": abs(k)}
@@ -311,7 +313,8 @@ def _lowered_without(traced: TracedMod, kept: list, join: str, fn_name: str,
     values = [_rewritten(build, env, term, facts) if facts is not None else env[term] for term in kept]
     value = values[0]
     for term in values[1:]:
-        value = build.call(operator.and_ if join == "and" else operator.or_, (value, term), torch.bool)
+        value = build.call(operator.and_ if join == "and" else operator.or_, (value, term), torch.bool,
+                           term.meta.get("shape", ()) if isinstance(term, fx.Node) else ())
     graph.output(value)
     graph.eliminate_dead_code()
     gm = fx.GraphModule(traced.graph_module, graph)
@@ -331,16 +334,13 @@ def _facts(dropped: list, join: str) -> list:
         key = op_key(term)
         forms = [_linear(a) for a in term.args]
         if key in _SIGN and None not in forms:
-            d = dict(forms[0])
-            for name, f in forms[1].items():
-                d[name] = d.get(name, 0) - f
-            facts.append(({name: f for name, f in d.items() if f}, _SIGN[key][0 if join == "and" else 1]))
+            facts.append((_combined(forms[0], forms[1], -1), _SIGN[key][0 if join == "and" else 1]))
     return facts
 
 
 def _sign(form: dict, facts: list) -> int:
     """1 where the facts say the linear form is >= 0 on the tile, -1 where <= 0, else 0."""
-    negated = {name: -f for name, f in form.items()}
+    negated = _combined({}, form, -1)
     for d, rel in facts:
         for sign, same in ((1, d == form), (-1, d == negated)):
             if same and rel in (">=", ">", "=="):
@@ -357,6 +357,7 @@ def _rewritten(build: _Builder, env: dict, term, facts: list):
     if not isinstance(term, fx.Node) or term.kwargs or op_key(term) not in _MIRROR or len(term.args) != 2:
         return env[term] if isinstance(term, fx.Node) else term
     args = [env[a] if isinstance(a, fx.Node) else a for a in term.args]
+    changed = False
     for k, a in enumerate(term.args):
         if isinstance(a, fx.Node) and op_key(a) == "abs" and len(a.args) == 1 and not a.kwargs \
                 and a.meta.get("dtype") in _INTS and (form := _linear(a.args[0])) is not None:
@@ -364,9 +365,8 @@ def _rewritten(build: _Builder, env: dict, term, facts: list):
             if sign:
                 x = env[a.args[0]]
                 args[k] = x if sign > 0 else build.call(operator.neg, (x,), a.meta["dtype"])
+                changed = True
     separated = _separated(build, op_key(term), *args)
     if separated is not None:
         return separated
-    if args != [env[a] if isinstance(a, fx.Node) else a for a in term.args]:
-        return build.call(getattr(operator, op_key(term)), tuple(args), torch.bool)
-    return env[term]
+    return build.call(getattr(operator, op_key(term)), tuple(args), torch.bool) if changed else env[term]
