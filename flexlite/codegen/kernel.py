@@ -64,8 +64,8 @@ def _lowered(traced: Optional[TracedMod], fn_name: str, prefix: str, float_index
 
 
 def _mask_variants(traced: Optional[TracedMod], rewrite: bool):
-    """mask_mod's :class:`~flexlite.codegen.decide.MaskVariants` (None: no term a tile decides; ``rewrite``: its
-    terms rewritten first, decide.rewritten_terms), kept with its trace."""
+    """mask_mod's :class:`~flexlite.codegen.decide.MaskVariants` (None: no term a tile decides; ``rewrite``: each
+    variant's kept terms rewritten where its dropped ones allow), kept with its trace."""
     if traced is None:
         return None
     if ("decide", rewrite) not in traced.lowered:
@@ -165,8 +165,9 @@ def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Ca
     ``compact_bias_dims`` (fwd_ws.py.jinja): the head dims at which a bias not taken so is computed along the keys
     on a compact key vector. ``decide_mask_terms``: the templates (of fwd.py.jinja, fwd_ws.py.jinja; for
     :func:`generate_backward` its own) in which mask_mod's terms that a partial tile's index ranges decide are left
-    out on that tile
-    (:mod:`flexlite.codegen.decide`). ``bounded`` (fwd_ws.py.jinja, bf16 inputs only: the caller's to know): where
+    out on that tile (:mod:`flexlite.codegen.decide`), with ``decide_rewrite`` each variant's kept terms rewritten
+    where the dropped ones allow (an abs whose argument's sign they give, linear compares as a query side against a
+    key side). ``bounded`` (fwd_ws.py.jinja, bf16 inputs only: the caller's to know): where
     score_mod's folded output factor bounds it (``cap * tanh`` with cap * log2(e) up to :data:`MAX_BOUND`), the
     softmax runs against that bound instead of the running row max. ``llvm_opt_levels`` (fwd_ws.py.jinja): head
     dim -> the LLVM optimization level its launcher compiles it at (others: Triton's own;
@@ -250,9 +251,8 @@ def generate_backward(score_mod: Optional[Callable], mask_mod: Optional[Callable
     kernel; no captured-tensor gradients). ``query_values`` (bwd_ws.py.jinja): mask_mod's values from b, h, q_idx
     and captured tensors alone (its gathers along the queries) computed apart, on a compact query vector.
     ``llvm_opt_levels`` (bwd_ws.py.jinja): as :func:`generate`'s. ``decide_mask_terms``, ``decide_rewrite``: as
-    :func:`generate`'s,
-    for the backward templates (their partial tiles' P and dS; not where mask_mod's values along the queries are
-    computed apart, whose parameters the variants lack). The mods may come as their traces, as there."""
+    :func:`generate`'s, for the backward templates (their partial tiles' P and dS; not where mask_mod's values along
+    the queries are computed apart, whose parameters the variants lack). The mods may come as their traces, as there."""
     sm = trace_mod(score_mod, "score_mod") if score_mod is not None else None
     mm = trace_mod(mask_mod, "mask_mod") if mask_mod is not None else None
     if interpret:
