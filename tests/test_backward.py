@@ -297,10 +297,17 @@ def _learnable(B, H, Lq, Lkv, kind, dtype=torch.float32):
         def score_mod(score, b, h, q_idx, kv_idx):
             return torch.tanh(score * temp) * 2.0 + bias[h, q_idx, kv_idx]
         return score_mod, [bias, temp]
+    if kind == "gate_and_scale":  # a gate read by a compare only (no gradient path: zero) beside a learnable scale
+        gate = torch.tensor([1.0, -1.0] * H)[:H].to(DEVICE, dtype).requires_grad_()
+        scale = torch.linspace(0.5, 1.5, H).to(DEVICE, dtype).requires_grad_()
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return torch.where(gate[h] > 0, score * scale[h], score * 0.5)
+        return score_mod, [gate, scale]
     raise ValueError(kind)
 
 
-CAPTURED_KINDS = ["bias_table", "alibi_slopes", "bias_3d"]
+CAPTURED_KINDS = ["bias_table", "alibi_slopes", "bias_3d", "gate_and_scale"]
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
