@@ -238,7 +238,8 @@ def _captured_grad(traced: TracedMod, grad_captured: tuple) -> tuple:
         low = lower_mod(trace, "score_mod_captured_grad", "sg_")
         # (a target the score does not depend on through a differentiable path, read by a compare or an index only,
         # scatters nothing: its buffer is not in the trace and its gradient stays zero)
-        placeholder_slot = {id(trace.captured[b.buffer]): i for i, b in enumerate(buffers) if b.buffer in trace.captured}
+        placeholder_slot = {id(trace.captured[b.buffer]): i for i, b in enumerate(buffers)
+                            if b.buffer in trace.captured}
         traced.lowered[key] = (low, tuple(placeholder_slot.get(id(t)) for t in low.tensors))
     return traced.lowered[key]
 
