@@ -524,3 +524,19 @@ def test_torch_func_transforms_are_named():
     dq, = torch.autograd.grad(flex_attention(q, k, v).sum(), q)  # (double backward: test_double_backward_is_an_error)
     ref, = torch.autograd.grad(attention_reference(q, k, v)[0].sum(), q)
     assert_grad_close(dq, ref)
+
+
+@pytest.mark.parametrize("where", ["mask_mod", "score_mod"])
+def test_a_float_tables_compare_joined_by_and(where):
+    """A compare of a float captured value read at b or h, joined to an index compare by ``&``: Triton's interpreter
+    kept the float compare's result as 0.0 / 1.0 floats, which the ``&`` rejected (the backward inlines what the
+    forward hoists); lower.py's compares of floats go through int8."""
+    gate = torch.tensor([0.3, -0.6]).to(DEVICE)
+    q, k, v = rand_qkv(1, 2, 2, 63, 63, 16, seed=4)
+    if where == "mask_mod":
+        bm = create_block_mask(lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (gate[h] > 0) | (q_idx == kv_idx), 1, 2,
+                               63, 63, device=DEVICE, BLOCK_SIZE=32)
+        check_backward(q, k, v, block_mask=bm, name="float gate in the mask")
+    else:
+        check_backward(q, k, v, lambda s, b, h, q_idx, kv_idx: torch.where((q_idx >= kv_idx) & (gate[h] > 0), s,
+                                                                          s * 0.5), name="float gate in score_mod")

@@ -96,6 +96,16 @@ def _binary(op):
     return lambda a, kw, n: f"({a[0].expr} {op} {a[1].expr})"
 
 
+def _compare(op):
+    """A compare; of float values through int8 and back: Triton 3.6's interpreter keeps a float compare's result in
+    its operands' float dtype (0.0 / 1.0), which a later ``&`` / ``|`` with a bool rejects (numpy's bitwise ops); the
+    casts fold away in a compiled kernel"""
+    def emit(a, kw, n):
+        text = f"({a[0].expr} {op} {a[1].expr})"
+        return f"({text}.to(tl.int8) != 0)" if any(isinstance(x, Val) and x.is_float for x in a[:2]) else text
+    return emit
+
+
 # ops whose two tensor operands torch promotes to one dtype first (where: its last two)
 _PROMOTING_OPS = ("add", "sub", "mul", "floordiv", "mod", "fmod", "div", "and", "or", "xor", "eq", "ne", "lt", "le",
                   "gt", "ge", "minimum", "maximum", "where")
@@ -335,8 +345,8 @@ OPS: dict[str, Callable] = {
     "abs": lambda a, kw, n: f"tl.abs({a[0].expr})",
     "and": _binary("&"), "or": _binary("|"), "xor": _binary("^"), "invert": _invert,
     "lshift": _binary("<<"), "rshift": _binary(">>"),
-    "eq": _binary("=="), "ne": _binary("!="), "lt": _binary("<"), "le": _binary("<="),
-    "gt": _binary(">"), "ge": _binary(">="),
+    "eq": _compare("=="), "ne": _compare("!="), "lt": _compare("<"), "le": _compare("<="),
+    "gt": _compare(">"), "ge": _compare(">="),
     "logical_and": _logical("&"), "logical_or": _logical("|"), "logical_xor": _logical("^"),
     "logical_not": lambda a, kw, n: f"({cast(a[0], torch.bool)} == 0)",
     "where": _where, "clamp": _clamp, "clamp_min": lambda a, kw, n: _clamp([a[0], a[1]], {}, n),
