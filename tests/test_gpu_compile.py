@@ -539,3 +539,31 @@ def test_the_bounds_probes_variants_still_find_their_lines_and_compile(variant):
         assert facts["HGMMA"] < facts["base_HGMMA"]
     if variant == "noturn":
         assert facts["waits"] < facts["base_waits"]
+
+
+def _compile_float_gate(cast: str) -> dict:
+    # the Triton backward of a mask joining a float table's compare to causality by & (lower._compare's int8 casts,
+    # or the plain compares where ``cast`` is "plain")
+    from flexlite.codegen import lower
+    if cast == "plain":
+        for key, op in (("eq", "=="), ("ne", "!="), ("lt", "<"), ("le", "<="), ("gt", ">"), ("ge", ">=")):
+            lower.OPS[key] = lower._binary(op)
+    offline = _offline()
+    gate = torch.tensor([0.3, -0.6])
+
+    def mask(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (gate[h] > 0) | (q_idx == kv_idx)
+    kernels = offline.compile_backward(None, create_block_mask(mask, None, 2, L, L, device="cpu"), 64,
+                                       launch.BackwardTileConfig(64, 64, 64, 64, num_warps=4, num_stages=2))
+    from flexlite.codegen.kernel import generate_backward
+    return {"loops": {name: [loop["instructions"] for loop in offline.sass_loops(k)] for name, k in kernels.items()},
+            "casts": "to(tl.int8)" in generate_backward(None, mask, interpret=False).source}
+
+
+def test_float_compares_casts_fold_away_when_compiled():
+    """lower._compare takes a float compare through int8 and back for Triton's interpreter (CPU); compiled for sm_90a
+    the backward's tile loops come out as long as with the plain compare."""
+    with_casts, plain = _compiled("float_gate", "cast"), _compiled("float_gate", "plain")
+    assert with_casts["casts"] and not plain["casts"]
+    loops = with_casts["loops"]
+    assert loops == plain["loops"] and loops["flex_bwd_dkdv_kernel"] and loops["flex_bwd_dq_kernel"], (loops, plain)

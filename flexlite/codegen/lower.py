@@ -98,8 +98,8 @@ def _binary(op):
 
 def _compare(op):
     """A compare; of float values through int8 and back: Triton 3.6's interpreter keeps a float compare's result in
-    its operands' float dtype (0.0 / 1.0), which a later ``&`` / ``|`` with a bool rejects (numpy's bitwise ops); the
-    casts fold away in a compiled kernel"""
+    its operands' float dtype (0.0 / 1.0), which a later ``&`` / ``|`` with a bool rejects (numpy's bitwise ops);
+    compiled, the casts fold away (sm_90a offline: the same SASS tile loops, test_gpu_compile)"""
     def emit(a, kw, n):
         text = f"({a[0].expr} {op} {a[1].expr})"
         return f"({text}.to(tl.int8) != 0)" if any(isinstance(x, Val) and x.is_float for x in a[:2]) else text
