@@ -180,7 +180,8 @@ def test_decided_terms_leave_the_backward_bit_for_bit(monkeypatch, name, score_m
 
 def test_decided_terms_leave_a_captured_tensors_gradient_bit_for_bit(monkeypatch):
     """A score_mod's captured tensor that needs a gradient (added up by the Triton dK / dV kernel from dS) gets the
-    same bits with the decided terms left out of the partial tiles as with the whole mask."""
+    same bits with the decided terms left out of the partial tiles as with the whole mask. Its sums take the
+    deterministic path: the atomic one adds in whatever order a GPU's programs finish."""
     bm = create_block_mask(MASKS["sliding_window"][0], None, 2, 200, 200, device=DEVICE, BLOCK_SIZE=32)
     q, k, v = [t.requires_grad_() for t in rand_qkv(1, 2, 2, 200, 200, 16, seed=5)]
     grad_out = torch.randn(1, 2, 200, 16, generator=torch.Generator().manual_seed(6)).to(DEVICE)
@@ -188,7 +189,8 @@ def test_decided_terms_leave_a_captured_tensors_gradient_bit_for_bit(monkeypatch
     for on in (True, False):
         monkeypatch.setattr(launch, "DECIDE_MASK_TERMS", frozenset({"bwd.py.jinja"} if on else ()))
         bias = torch.linspace(-1.0, 1.0, 2, device=DEVICE).requires_grad_()
-        out = flex_attention(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s + bias[h], block_mask=bm)
+        out = flex_attention(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s + bias[h], block_mask=bm,
+                             kernel_options={"DETERMINISTIC_CAPTURED_GRADS": True})
         results[on] = torch.autograd.grad(out, (q, k, v, bias), grad_out)
     for with_terms, without in zip(results[True], results[False]):
         assert torch.equal(with_terms, without) and not with_terms.isnan().any()
