@@ -623,12 +623,15 @@ class BlockMask:
         """Percentage of blocks that are empty (skipped).
 
         Counted in blocks; torch counts block areas against Q_LEN * KV_LEN, which differs (and
-        can go negative) when the lengths are not multiples of BLOCK_SIZE.
+        can go negative) when the lengths are not multiples of BLOCK_SIZE. A mask without blocks (a slice
+        such as ``block_mask[:, :, n:]`` past its last q block, or of no batch / head) computes nothing: 100.0.
         """
+        total = self.kv_num_blocks.numel() * self.kv_indices.shape[-1]
+        if total == 0:  # (not a ZeroDivisionError out of print(block_mask))
+            return 100.0
         computed = self.kv_num_blocks.sum()
         if self.full_kv_num_blocks is not None:
             computed = computed + self.full_kv_num_blocks.sum()
-        total = self.kv_num_blocks.numel() * self.kv_indices.shape[-1]
         return 100.0 * (1.0 - computed.item() / total)
 
     def as_tuple(self, flatten: bool = True) -> tuple:

@@ -417,6 +417,18 @@ def test_sparsity(mask_mod, L, block, want):
     assert bm.sparsity() == pytest.approx(want)
 
 
+@pytest.mark.parametrize("index", [(slice(None), slice(None), slice(4, None)), slice(0, 0), (0, slice(1, 1))],
+                         ids=["past the last q block", "no batch", "no head"])
+def test_sparsity_and_printing_of_a_mask_without_blocks(index):
+    """A slice with no blocks computes nothing: sparsity 100 (as torch's for the q-block slice), and printing it does
+    not divide by zero (before: ZeroDivisionError out of sparsity(), str() and repr())."""
+    bm = create_block_mask(causal, 2, 2, 64, 64, device=DEVICE, BLOCK_SIZE=16)[index]
+    assert bm.kv_num_blocks.numel() * bm.kv_indices.shape[-1] == 0
+    assert bm.sparsity() == 100.0
+    assert str(bm).startswith(f"BlockMask(shape={bm.shape}, sparsity=100.00%,")
+    assert "sparsity=100.00%" in repr(bm)
+
+
 def test_str_small_causal_exact():
     bm = create_block_mask(causal, 1, 1, 256, 256, device=DEVICE, BLOCK_SIZE=128)
     # block (0,0): diagonal -> partial; (0,1): all kv > q -> empty; (1,0): all kv < q -> full
