@@ -51,6 +51,11 @@ def demo() -> None:
         print("No GPU: skipping the timing table (python -m flexlite bench runs the full benchmark on a GPU).")
 
 
+# the most positions `show` evaluates: create_block_mask runs mask_mod at every position on the CPU (~1e9 a second
+# here; 131072 x 131072 takes ~20 s, a length of 3M would take hours)
+MAX_SHOW_POSITIONS = 2 ** 34
+
+
 def _pair(text: str) -> tuple:
     """'7' -> (7, 7); '16x8' -> (16, 8)."""
     parts = text.lower().split("x")
@@ -78,7 +83,8 @@ def show(argv) -> None:
                     "--png also draws the dense mask.",
         epilog=f"masks:\n{names}\n\nexample: python -m flexlite show sliding_window --seq 4096 --window 512")
     p.add_argument("mask", choices=list(NAMED_MASKS), metavar="mask", help="one of the masks listed below")
-    p.add_argument("--seq", type=int, default=1024, help="query (and key) length (default 1024)")
+    p.add_argument("--seq", type=int, default=1024, help="query (and key) length (default 1024; query x key lengths at most "
+                                                      f"{MAX_SHOW_POSITIONS}, as 131072 x 131072)")
     p.add_argument("--kv-seq", type=int, help="key length for causal_bottom_right")
     p.add_argument("--window", type=int, help="window size (default seq // 8; sasa: 3)")
     p.add_argument("--dilation", type=int, help="dilated_sliding_window: every n-th key (default 2)")
@@ -109,11 +115,18 @@ def show(argv) -> None:
         mask_mod, q_len, kv_len = build_named_mask(args.mask, args.seq, **given)
     except (ValueError, TypeError) as e:
         p.error(str(e))
-    if args.png:
-        from .viz import MAX_POSITIONS
-        if q_len * kv_len > MAX_POSITIONS:  # (before the printout: the PNG's limit, not a failure after it)
+    if q_len * kv_len > MAX_SHOW_POSITIONS:
+        p.error(f"--seq: {q_len} x {kv_len} positions is too many to evaluate on the CPU (mask_mod runs at every "
+                f"position; at most {MAX_SHOW_POSITIONS}, e.g. --seq 131072); use a smaller --seq")
+    if args.png:  # (before the printout: the PNG's limits, not a failure after it)
+        from .viz import MAX_POSITIONS, _check_path
+        if q_len * kv_len > MAX_POSITIONS:
             p.error(f"--png: {q_len} x {kv_len} positions is too many to draw (at most {MAX_POSITIONS}); use a "
                     f"smaller --seq, or leave out --png for the block printout")
+        try:
+            _check_path(args.png)
+        except (ValueError, TypeError) as e:
+            p.error(f"--png: {str(e).removeprefix('visualize_attention_scores: ')}")
     try:
         block_mask = create_block_mask(mask_mod, None, None, q_len, kv_len, device="cpu", BLOCK_SIZE=args.block_size)
         picture = block_mask.to_string(grid_size=args.grid).rstrip("\n")
@@ -136,6 +149,8 @@ def show(argv) -> None:
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] == "demo":
+        argparse.ArgumentParser(prog="python -m flexlite demo", description="flex_attention against the fp64 "
+                                "reference on a few masks and mods (and a timing table on a GPU)").parse_args(argv[1:])
         demo()
     elif argv[0] in ("-h", "--help"):
         print(__doc__.strip() + "\n\npython -m flexlite show --help lists the masks.")
@@ -145,7 +160,9 @@ def main(argv=None) -> None:
         from .bench import main as bench_main
         bench_main(argv[1:])
     else:
-        raise SystemExit(f"unknown command {argv[0]!r}; use: python -m flexlite [demo | show <mask> ... | bench ...]")
+        print(f"python -m flexlite: unknown command {argv[0]!r}; use: python -m flexlite [demo | show <mask> ... | "
+              f"bench ...]", file=sys.stderr)
+        raise SystemExit(2)  # (argparse's status for bad arguments, as show and bench give)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,8 @@ from typing import Sequence, Union
 
 import torch
 
-from .block_mask import BlockMask, _is_int, create_block_mask, noop_mask
+from .block_mask import BlockMask, _is_int, check_device, create_block_mask, noop_mask
 from .masks.causal import causal_mask
-from .masks._checks import check_device_arg
 from .masks.document import generate_doc_mask_mod
 
 
@@ -39,23 +38,26 @@ def _lengths(lengths: Union[Sequence[int], torch.Tensor], batch: int, max_len: i
     return [int(n) for n in values]
 
 
-def _cu_seqlens(caller: str, cu_seqlens) -> torch.Tensor:
-    """``cu_seqlens`` (an integer tensor or a sequence of ints) as a 1-D integer tensor [0, ..., total]: at
-    least one entry, starting at 0, never decreasing."""
+def _cu_seqlens(caller: str, cu_seqlens, name: str = "cu_seqlens") -> torch.Tensor:
+    """``cu_seqlens`` (an integer tensor or a sequence of ints; the argument ``name``) as a 1-D integer tensor
+    [0, ..., total]: at least one entry, starting at 0, never decreasing."""
+    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device.type == "meta":
+        raise ValueError(f"{caller}: {name} is a meta tensor, whose values are not there to read; pass it on the "
+                         f"CPU or the GPU")
     if not isinstance(cu_seqlens, torch.Tensor):
         if not (isinstance(cu_seqlens, Sequence) and not isinstance(cu_seqlens, str)
                 and all(_is_int(x) for x in cu_seqlens)):
-            raise TypeError(f"{caller}: cu_seqlens must be an int32 tensor [0, L0, L0 + L1, ...] (or a list of ints); "
+            raise TypeError(f"{caller}: {name} must be an int32 tensor [0, L0, L0 + L1, ...] (or a list of ints); "
                             f"got {type(cu_seqlens).__name__} {cu_seqlens!r}")
         cu_seqlens = torch.tensor(list(cu_seqlens), dtype=torch.int32)
     if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool:
-        raise TypeError(f"{caller}: cu_seqlens must be an integer (int32) tensor; got {cu_seqlens.dtype}")
+        raise TypeError(f"{caller}: {name} must be an integer (int32) tensor; got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() == 0:
-        raise ValueError(f"{caller}: cu_seqlens must be 1-D with batch + 1 entries [0, L0, L0 + L1, ...]; got shape "
+        raise ValueError(f"{caller}: {name} must be 1-D with batch + 1 entries [0, L0, L0 + L1, ...]; got shape "
                          f"{tuple(cu_seqlens.shape)}")
     starts = cu_seqlens.tolist()
     if starts[0] != 0 or any(b < a for a, b in zip(starts, starts[1:])):
-        raise ValueError(f"{caller}: cu_seqlens must rise from 0 (start at 0, never decrease: [0, L0, L0 + L1, "
+        raise ValueError(f"{caller}: {name} must rise from 0 (start at 0, never decrease: [0, L0, L0 + L1, "
                          f"...]); got {starts[:16]}")
     return cu_seqlens
 
@@ -110,12 +112,12 @@ def varlen_block_mask(cu_seqlens: torch.Tensor, causal: bool = True, H=None, BLO
     if total == 0:
         raise ValueError(f"{caller}: cu_seqlens {cu_seqlens.tolist()} has no tokens (total length 0); "
                          f"there is nothing to attend to")
-    device = cu_seqlens.device if device is None else check_device_arg(caller, device)
+    device = cu_seqlens.device if device is None else check_device(caller, device)  # (create_block_mask's rules)
     if cu_seqlens_k is None:
         inner = causal_mask if causal else noop_mask
         mask_mod = generate_doc_mask_mod(inner, offsets=cu_seqlens.to(device))
         return create_block_mask(mask_mod, None, H, total, total, device=device, BLOCK_SIZE=BLOCK_SIZE)
-    cu_seqlens_k = _cu_seqlens(caller, cu_seqlens_k)
+    cu_seqlens_k = _cu_seqlens(caller, cu_seqlens_k, "cu_seqlens_k")
     if cu_seqlens_k.numel() != cu_seqlens.numel():
         raise ValueError(f"{caller}: cu_seqlens_k must have one entry per sample as cu_seqlens ({cu_seqlens.numel()} "
                          f"entries); got {cu_seqlens_k.numel()}")

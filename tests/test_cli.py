@@ -80,6 +80,12 @@ def test_unknown_mask_lists_valid_names(capsys):
     (["prefix_lm", "--seq", "64", "--prefix", "100"], "prefix=100 is longer than seq=64"),
     # refused before the printout, not after it
     (["causal", "--seq", "20000", "--png", "x.png"], "--png: 20000 x 20000 positions is too many to draw"),
+    (["causal", "--seq", "64", "--png", "mask.jpg"], "--png: path 'mask.jpg' ends in '.jpg'"),
+    (["causal", "--seq", "64", "--png", "no/such/folder/mask.png"], "--png: the folder of path"),
+    # a length whose evaluation would take hours (mask_mod runs at every position on the CPU)
+    (["causal", "--seq", "3000000", "--block-size", "1024"], "--seq: 3000000 x 3000000 positions is too many to "
+                                                             "evaluate"),
+    (["causal_bottom_right", "--seq", "1024", "--kv-seq", str(2 ** 24 + 1)], "positions is too many to evaluate"),
 ])
 def test_bad_options(capsys, args, message):
     with pytest.raises(SystemExit) as e:
@@ -96,9 +102,18 @@ def test_help_lists_masks(capsys):
     assert all(name in out for name in NAMED_MASKS) and "--png" in out
 
 
-def test_unknown_command():
-    with pytest.raises(SystemExit, match="demo | show"):
+def test_unknown_command(capsys):
+    with pytest.raises(SystemExit) as e:
         main(["shwo"])
+    assert e.value.code == 2 and "unknown command 'shwo'" in capsys.readouterr().err
+
+
+def test_demo_refuses_arguments_before_it_runs(capsys, monkeypatch):
+    import flexlite.__main__ as cli
+    monkeypatch.setattr(cli, "demo", lambda: pytest.fail("the demo ran"))
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "extra", "args"])
+    assert e.value.code == 2 and "unrecognized arguments: extra args" in capsys.readouterr().err
 
 
 def test_show_subprocess():

@@ -82,3 +82,26 @@ def test_bad_inputs():
         unpack(torch.zeros(1, 1, 10, 4), torch.tensor([0, 4, 3, 10]), 8)
     with pytest.raises(ValueError, match="longer than max_len"):
         unpack(torch.zeros(1, 1, 10, 4), torch.tensor([0, 10]), 8)
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    ([0, 5.0], TypeError, "cu_seqlens_k must be an int32 tensor"),
+    (torch.tensor([0.0, 5.0]), TypeError, "cu_seqlens_k must be an integer"),
+    (torch.tensor([[0, 5]]), ValueError, "cu_seqlens_k must be 1-D"),
+    (torch.tensor([0, 9, 5]), ValueError, "cu_seqlens_k must rise from 0"),
+    (torch.tensor([0, 5], device="meta"), ValueError, "cu_seqlens_k is a meta tensor"),
+])
+def test_a_bad_cu_seqlens_k_is_named_as_such(bad, error, match):
+    with pytest.raises(error, match=match):
+        varlen_block_mask(torch.tensor([0, 5], dtype=torch.int32), cu_seqlens_k=bad, BLOCK_SIZE=16)
+
+
+@pytest.mark.parametrize("keys", [None, [0, 40, 90]])
+def test_a_meta_device_or_cu_seqlens_gets_flexlites_error(keys):
+    """A block mask is built from the lengths' values: a meta device (or meta lengths) has none, and is refused up
+    front with the argument's name, as create_block_mask refuses a meta device (not torch's copy error)."""
+    cu_seqlens = torch.tensor([0, 30, 70], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="varlen_block_mask: device is meta.*use 'cuda' or 'cpu'"):
+        varlen_block_mask(cu_seqlens, device="meta", cu_seqlens_k=keys, BLOCK_SIZE=16)
+    with pytest.raises(ValueError, match="varlen_block_mask: cu_seqlens is a meta tensor"):
+        varlen_block_mask(cu_seqlens.to("meta"), cu_seqlens_k=keys, BLOCK_SIZE=16)
