@@ -972,6 +972,8 @@ def create_block_mask(
         if not isinstance(flag, bool):
             raise TypeError(f"{caller}: {name} must be a bool (True or False); got {type(flag).__name__} {flag!r}")
     device = check_device(caller, device)
+    from .api import check_captured  # (api imports this module)
+    check_captured(traced.captured.values(), device, caller, "mask_mod")  # (every path: the kernel's and torch's)
 
     any_blocks, all_blocks = _block_flags(mask_mod, B, H, Q_LEN, KV_LEN, device, block_size)
     if separate_full_blocks:

@@ -234,6 +234,15 @@ def test_captured_tensor_on_wrong_device_is_named(monkeypatch):
         flex_attention(*qkv(), score_mod=mod)
 
 
+def test_a_tensor_captured_by_a_mask_mod_on_another_device_is_named():
+    """create_block_mask on CPU (mask_mod vmapped in torch ops) checks its captures as the CUDA mask kernel does, not
+    torch's "Tensor on device meta is not on the expected device" from inside vmap."""
+    lengths = torch.tensor([100, 200], device="meta")
+    with pytest.raises(ValueError, match="create_block_mask: a tensor captured by mask_mod is on meta but the kernel "
+                                         "runs on cpu"):
+        create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx < lengths[b], 2, None, 128, 128, device="cpu")
+
+
 def test_in_slice_offsets_past_32_bits_are_refused():
     # meta tensors: the strides of a huge (L, D) slice without allocating it
     q = torch.empty_strided((1, 1, 3, 16), (48, 48, 2**30, 1), device="meta")
