@@ -83,8 +83,9 @@ def show(argv) -> None:
                     "--png also draws the dense mask.",
         epilog=f"masks:\n{names}\n\nexample: python -m flexlite show sliding_window --seq 4096 --window 512")
     p.add_argument("mask", choices=list(NAMED_MASKS), metavar="mask", help="one of the masks listed below")
-    p.add_argument("--seq", type=int, default=1024, help="query (and key) length (default 1024; query x key lengths at most "
-                                                      f"{MAX_SHOW_POSITIONS}, as 131072 x 131072)")
+    p.add_argument("--seq", type=int, default=1024,
+                   help=f"query (and key) length (default 1024; query x key lengths at most {MAX_SHOW_POSITIONS}, "
+                        f"as 131072 x 131072)")
     p.add_argument("--kv-seq", type=int, help="key length for causal_bottom_right")
     p.add_argument("--window", type=int, help="window size (default seq // 8; sasa: 3)")
     p.add_argument("--dilation", type=int, help="dilated_sliding_window: every n-th key (default 2)")

@@ -14,6 +14,7 @@ import torch
 
 from .block_mask import BlockMask, _is_int, check_device, create_block_mask, noop_mask
 from .masks.causal import causal_mask
+from .masks._checks import check_device_arg
 from .masks.document import generate_doc_mask_mod
 
 
@@ -112,7 +113,7 @@ def varlen_block_mask(cu_seqlens: torch.Tensor, causal: bool = True, H=None, BLO
     if total == 0:
         raise ValueError(f"{caller}: cu_seqlens {cu_seqlens.tolist()} has no tokens (total length 0); "
                          f"there is nothing to attend to")
-    device = cu_seqlens.device if device is None else check_device(caller, device)  # (create_block_mask's rules)
+    device = cu_seqlens.device if device is None else check_device(caller, check_device_arg(caller, device))
     if cu_seqlens_k is None:
         inner = causal_mask if causal else noop_mask
         mask_mod = generate_doc_mask_mod(inner, offsets=cu_seqlens.to(device))
