@@ -47,7 +47,7 @@ from torch import Tensor
 from ._vmap import index_vectors, vmap_bhqkv
 from .codegen.trace import UntraceableModError, arguments_read, check_arity, positional_arity, trace_mod
 from .runtime.guards import on_device, opaque_to_compile
-from .runtime.launch import cdiv
+from .runtime.launch import cdiv, is_host_scalar
 from .runtime.launch_mask import launch_block_mask
 
 __all__ = ["BlockMask", "create_block_mask", "create_mask", "and_masks", "or_masks", "noop_mask"]
@@ -187,6 +187,16 @@ def check_device(caller: str, device, name: str = "device", available: bool = Tr
 
 
 _HOST_METHODS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+def check_captured_device(traced, device: torch.device, caller: str, kind: str) -> None:
+    """A mod evaluated in torch ops on ``device`` (create_mask, the pictures) reads its captured tensors there: one
+    elsewhere (but a host scalar, which torch moves) is a ValueError naming the fix, not torch's error from inside
+    vmap."""
+    for t in traced.captured.values():
+        if t.device != device and not is_host_scalar(t):
+            raise ValueError(f"{caller}: a tensor captured by {kind} is on {t.device} but {kind} is evaluated on "
+                             f"{device}; create it on {device} (tensor.to({device.type!r})) before defining the mod")
 
 
 def check_mod_output(fn, kind: str, caller: str, allow_constant: bool = True, check_shape: bool = False):
@@ -1080,8 +1090,9 @@ def create_mask(
     KV_LEN = _check_positive_int(caller, "KV_LEN", KV_LEN)
     device = check_device(caller, device)
     # untraceable code or a wrong result type: a clear error, not vmap's
-    check_mod_output(mod_fn, "mask_mod" if n_args == 4 else "score_mod", caller, allow_constant=False,
-                     check_shape=True)
+    kind = "mask_mod" if n_args == 4 else "score_mod"
+    check_captured_device(check_mod_output(mod_fn, kind, caller, allow_constant=False, check_shape=True), device,
+                          caller, kind)
     indices = index_vectors(B, H, Q_LEN, KV_LEN, device)
     if n_args == 4:
         return vmap_bhqkv(mod_fn)(*indices)

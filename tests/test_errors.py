@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import flexlite.api as api
-from flexlite import AuxRequest, attention_reference, create_block_mask, flex_attention
+from flexlite import AuxRequest, attention_reference, create_block_mask, create_mask, flex_attention
+from flexlite.viz import attention_scores, visualize_attention_scores
 from flexlite.runtime import launch
 from helpers import DEVICE, assert_close, rand_qkv
 
@@ -234,13 +235,37 @@ def test_captured_tensor_on_wrong_device_is_named(monkeypatch):
         flex_attention(*qkv(), score_mod=mod)
 
 
-def test_a_tensor_captured_by_a_mask_mod_on_another_device_is_named():
-    """create_block_mask on CPU (mask_mod vmapped in torch ops) checks its captures as the CUDA mask kernel does, not
-    torch's "Tensor on device meta is not on the expected device" from inside vmap."""
-    lengths = torch.tensor([100, 200], device="meta")
-    with pytest.raises(ValueError, match="create_block_mask: a tensor captured by mask_mod is on meta but the kernel "
-                                         "runs on cpu"):
-        create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx < lengths[b], 2, None, 128, 128, device="cpu")
+_META_LENGTHS = torch.tensor([100, 200], device="meta")
+_META_BIAS = torch.zeros(2, device="meta")
+
+
+def _meta_mask(b, h, q_idx, kv_idx):
+    return kv_idx < _META_LENGTHS[b]
+
+
+def _meta_score(score, b, h, q_idx, kv_idx):
+    return score + _META_BIAS[h]
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: create_block_mask(_meta_mask, 2, None, 128, 128, device="cpu"),
+     "create_block_mask: a tensor captured by mask_mod is on meta but the kernel runs on cpu"),
+    (lambda: create_mask(_meta_mask, 2, 1, 64, 64, device="cpu"),
+     "create_mask: a tensor captured by mask_mod is on meta but mask_mod is evaluated on cpu"),
+    (lambda: create_mask(_meta_score, 1, 2, 64, 64, device="cpu"),
+     "create_mask: a tensor captured by score_mod is on meta but score_mod is evaluated on cpu"),
+    (lambda: visualize_attention_scores(torch.randn(2, 1, 64, 16), torch.randn(2, 1, 64, 16), mask_mod=_meta_mask,
+                                        path="unwritten.png"),
+     "visualize_attention_scores: a tensor captured by mask_mod is on meta but mask_mod is evaluated on cpu"),
+    (lambda: attention_scores(torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16), score_mod=_meta_score),
+     "a tensor captured by score_mod is on meta but score_mod is evaluated on cpu"),
+])
+def test_a_tensor_captured_on_another_device_is_named_where_a_mod_runs_in_torch_ops(call, match):
+    """create_block_mask on CPU, create_mask and the pictures evaluate the mods in torch ops: a capture on another
+    device gets flexlite's error naming it (as the kernels' launches give), not torch's "Tensor on device meta is not
+    on the expected device" from inside vmap."""
+    with pytest.raises(ValueError, match=match):
+        call()
 
 
 def test_in_slice_offsets_past_32_bits_are_refused():
