@@ -5,8 +5,8 @@ import torch
 
 import flexlite.api as api
 from flexlite import AuxRequest, attention_reference, create_block_mask, create_mask, flex_attention
-from flexlite.viz import attention_scores, visualize_attention_scores
 from flexlite.runtime import launch
+from flexlite.viz import attention_scores, visualize_attention_scores
 from helpers import DEVICE, assert_close, rand_qkv
 
 
