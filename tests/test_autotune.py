@@ -72,7 +72,7 @@ def test_unwritable_cache_path_keeps_the_choice_in_memory(fresh_cache, capsys, m
     assert "could not save" in capsys.readouterr().err
 
 
-def test_concurrent_writers_leave_valid_json(fresh_cache):
+def test_concurrent_writers_leave_valid_json_and_keep_each_others_entries(fresh_cache):
     code = ("import sys; from flexlite.runtime import autotune\n"
             "for i in range(30):\n"
             "    autotune._write(autotune._cache_file('H200'), f'{sys.argv[1]}-{i}', {'BLOCK_M': i})\n")
@@ -80,6 +80,22 @@ def test_concurrent_writers_leave_valid_json(fresh_cache):
     assert all(p.wait(timeout=120) == 0 for p in procs)
     data = json.loads((fresh_cache / "autotune" / "H200.json").read_text())
     assert data and all(isinstance(v, dict) for v in data.values())
+    assert sorted(data) == sorted(f"{p}-{i}" for p in range(3) for i in range(30))  # no read-merge-write lost one
+
+
+@pytest.mark.parametrize("entry", [{"BLOCK_M": 64}, {"BLOCK_M": "64", "BLOCK_N": 64}, {},
+                                   {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4},
+                                   {"BLOCK_M": 256, "BLOCK_N": 256}],
+                         ids=["missing_key", "string_value", "empty", "extra_key", "not_a_candidate"])
+def test_a_remembered_choice_that_is_no_candidate_is_tuned_anew(fresh_cache, entry):
+    """A file of another flexlite version's format (or edited by hand) is not taken as it is: its entry would
+    crash TileConfig(**choice) or run tiles that do not fit the block mask."""
+    path = fresh_cache / "autotune" / "H200.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"k1": entry}))
+    calls = []
+    assert autotune.tune("H200", "k1", CANDIDATES, measure_counting(calls)) == {"BLOCK_M": 64, "BLOCK_N": 64}
+    assert len(calls) == 3 and json.loads(path.read_text())["k1"] == {"BLOCK_M": 64, "BLOCK_N": 64}
 
 
 def test_no_config_runs_is_an_error():

@@ -3,12 +3,14 @@
 Opt-in (``kernel_options={"AUTOTUNE": True}`` or ``FLEXLITE_AUTOTUNE=1``): the heuristic defaults of
 :mod:`flexlite.runtime.launch` are good, tuning finds the last few percent per mod. A choice is keyed
 by the kernel's source hash, its compile-time constants, a bucket of the sequence lengths, and the
-GPU; it is stored in ``<cache dir>/autotune/<gpu>.json`` (atomic replace; a corrupt or unwritable file
-is ignored, never fatal), so a later process pays nothing.
+GPU; it is stored in ``<cache dir>/autotune/<gpu>.json`` (atomic replace, the read-merge-write under a lock
+file so that processes tuning at once keep each other's entries; a corrupt or unwritable file, or an entry that is
+none of the candidates, is ignored, never fatal), so a later process pays nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -48,16 +50,31 @@ def _read(path: Path) -> dict:
         return {}
 
 
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """An exclusive lock between processes on ``path`` (created), where the OS has ``fcntl`` (else none)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
 def _write(path: Path, key: str, value: dict) -> None:
-    """Merge one entry into the file: read, update, write a temp file, rename over (atomic)."""
+    """Merge one entry into the file: read, update, write a temp file, rename over (atomic); the three under a
+    lock, so that another process's entry written meanwhile is not lost."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = _read(path)
-        data[key] = value
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=0, sort_keys=True)
-        os.replace(tmp, path)
+        with _file_lock(path.with_suffix(".lock")):
+            data = _read(path)
+            data[key] = value
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=0, sort_keys=True)
+            os.replace(tmp, path)
     except OSError as e:  # read-only cache dir etc.: keep the choice in memory only
         print(f"[flexlite] autotune: could not save to {path}: {e}", file=sys.stderr)
 
@@ -72,11 +89,12 @@ def lookup(gpu: str, key: str) -> Optional[dict]:
 
 
 def tune(gpu: str, key: str, candidates: Iterable[dict], measure: Callable[[dict], float], label: str = "") -> dict:
-    """The candidate with the smallest ``measure`` (ms; ``inf`` = does not run), remembered for ``key``."""
-    cached = lookup(gpu, key)
-    if cached is not None:
-        return cached
+    """The candidate with the smallest ``measure`` (ms; ``inf`` = does not run), remembered for ``key``. A
+    remembered choice that is none of ``candidates`` (a file of another version, edited by hand) is tuned anew."""
     candidates = list(candidates)
+    cached = lookup(gpu, key)
+    if cached is not None and cached in candidates:
+        return cached
     print(f"[flexlite] autotuning {label} over {len(candidates)} configs ...", file=sys.stderr, flush=True)
     best, best_ms = None, math.inf
     for i, cfg in enumerate(candidates):
