@@ -7,7 +7,6 @@ import copy
 import functools
 import math
 import numbers
-import os
 from typing import Callable, Literal, NamedTuple, Optional, TypedDict
 
 import torch
@@ -20,7 +19,7 @@ from .block_mask import (BlockMask, check_block_tensors, check_device, check_mod
 from .codegen.kernel import GeneratedKernel, generate, generate_backward
 from .codegen.lower import FLOAT32_EXACT_INT
 from .codegen.trace import check_arity, trace_mod
-from .runtime.compile import load_module, write_source
+from .runtime.compile import env_flag, load_module, write_source
 from .runtime import launch as _launch
 from .runtime.guards import autocast_on, opaque_to_compile, work_scope
 from .runtime.autotune import autotune_enabled
@@ -815,8 +814,7 @@ def _deterministic_captured_grads(kernel_options: dict) -> bool:
     ``torch.use_deterministic_algorithms(True)``."""
     if "DETERMINISTIC_CAPTURED_GRADS" in kernel_options:
         return bool(kernel_options["DETERMINISTIC_CAPTURED_GRADS"])
-    flag = os.environ.get("FLEXLITE_DETERMINISTIC_CAPTURED_GRADS", "")
-    return flag not in ("", "0") or torch.are_deterministic_algorithms_enabled()
+    return env_flag("FLEXLITE_DETERMINISTIC_CAPTURED_GRADS") or torch.are_deterministic_algorithms_enabled()
 
 
 @contextlib.contextmanager

@@ -204,3 +204,50 @@ def test_the_dense_walks_forward_names_its_own_llvm_levels(monkeypatch):
                                                                                        kernel="forward_ws")
     monkeypatch.setattr(launch, "WS_FWD_DENSE_LLVM_OPT_LEVELS", {64: "O1"})
     assert "\nLLVM_OPT_LEVELS = {64: 'O1'}\n" in kernel_source(None, None, device="cuda", kernel="forward_ws")
+
+
+def _prewarm_off():
+    from flexlite.runtime.compile import prewarm_triton_key
+    return prewarm_triton_key() is None
+
+
+def _autotune_on():
+    from flexlite.runtime.autotune import autotune_enabled
+    return autotune_enabled({})
+
+
+def _deterministic_on():
+    from flexlite.api import _deterministic_captured_grads
+    return _deterministic_captured_grads({})
+
+
+def _show_kernels_on():
+    return compile_module.env_flag("FLEXLITE_SHOW_KERNELS")
+
+
+@pytest.mark.parametrize("name, reader, default", [
+    ("FLEXLITE_AUTOTUNE", _autotune_on, False),
+    ("FLEXLITE_DETERMINISTIC_CAPTURED_GRADS", _deterministic_on, False),
+    ("FLEXLITE_SHOW_KERNELS", _show_kernels_on, False),
+    ("FLEXLITE_PREWARM", _prewarm_off, False),  # read as "prewarm off": off by default
+])
+def test_environment_switches_read_their_values_or_name_a_bad_one(monkeypatch, name, reader, default):
+    """flexlite's on / off environment variables: 1 / true / yes / on and 0 / false / no / off (any case) as they say,
+    unset or empty the default; "false" is not on (it was, as every value but "0"), and "abc" or "2" is a ValueError
+    naming the variable rather than a guess."""
+    import triton.runtime.cache
+
+    monkeypatch.setattr(triton.runtime.cache, "triton_key", lambda: None)  # (the prewarm's thread: nothing to hash)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(compile_module, "_PREWARM", [])
+    monkeypatch.delenv(name, raising=False)
+    assert reader() is default
+    flip = name == "FLEXLITE_PREWARM"  # its variable says "on", the reader "off"
+    for value, on in [("1", True), ("true", True), ("YES", True), ("on", True), ("0", False), ("false", False),
+                      ("No", False), ("off", False), ("", False)]:
+        monkeypatch.setenv(name, value)
+        assert reader() is ((not on if value else default) if flip else (on if value else default)), value
+    for value in ["abc", "2", "-1"]:
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=f"{name}='{value}' is not an on / off switch: set it to 1"):
+            reader()

@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
-from .compile import cache_dir
+from .compile import cache_dir, env_flag
 
 _LOCK = threading.Lock()
 _MEMORY: dict = {}  # (gpu, key) -> config dict
@@ -29,7 +29,7 @@ _MEMORY: dict = {}  # (gpu, key) -> config dict
 def autotune_enabled(kernel_options: dict) -> bool:
     if "AUTOTUNE" in kernel_options:
         return bool(kernel_options["AUTOTUNE"])
-    return os.environ.get("FLEXLITE_AUTOTUNE", "0") not in ("", "0")
+    return env_flag("FLEXLITE_AUTOTUNE")
 
 
 def length_bucket(n: int) -> int:

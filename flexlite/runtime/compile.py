@@ -27,6 +27,23 @@ _MODULES: dict = {}
 _BY_SOURCE: dict = {}  # (source text, interpret) -> module: the same modules as _MODULES
 
 
+_ENV_TRUE = ("1", "true", "yes", "on")
+_ENV_FALSE = ("0", "false", "no", "off")
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    """The on / off environment variable ``name``: unset or empty is ``default``; ``1``/``true``/``yes``/``on`` and
+    ``0``/``false``/``no``/``off`` (any case) as they say; another value is a ValueError that names it (so that
+    ``=false`` does not read as on)."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in _ENV_TRUE or value in _ENV_FALSE:
+        return value in _ENV_TRUE
+    raise ValueError(f"flexlite: environment variable {name}={os.environ[name]!r} is not an on / off switch: set it "
+                     f"to 1 (or true, yes, on) or 0 (or false, no, off), or unset it")
+
+
 def prewarm_triton_key() -> "threading.Thread | None":
     """Start computing Triton's own cache key in a background thread; returns the thread (None where there is
     nothing to do).
@@ -38,7 +55,7 @@ def prewarm_triton_key() -> "threading.Thread | None":
     instead of hashing again: the first call took 0.38-0.44 s instead of 0.58 s (benchmarks/NOTES.md 21; the
     hash needs the GIL between its chunks, so a busy main thread slows it). Only with a CUDA build of torch (the
     interpreter does not compile), and not with ``FLEXLITE_PREWARM=0``."""
-    if os.environ.get("FLEXLITE_PREWARM", "1") == "0":
+    if not env_flag("FLEXLITE_PREWARM", True):
         return None
     try:
         from triton.runtime.cache import triton_key
@@ -189,6 +206,6 @@ def load_module(source: str, interpret: bool) -> ModuleType:
             _import_gluon()
         module = _MODULES[key] = _BY_SOURCE[(source, interpret)] = import_kernel_file(
             path, f"flexlite_kernels.{path.stem}", interpret)
-        if os.environ.get("FLEXLITE_SHOW_KERNELS", "0") not in ("", "0"):
+        if env_flag("FLEXLITE_SHOW_KERNELS"):
             print(f"[flexlite] kernel {path}\n{source}", file=sys.stderr)
         return module
