@@ -168,24 +168,24 @@ def _pass_options(kernel_options: Optional[dict], prefix: str) -> Optional[dict]
 
 def _check_option_values(kernel_options: dict) -> None:
     """A clear error for a bad value of a kernel_options key flexlite uses (before anything compiles or runs; a
-    string "False" would otherwise read as True, a DECODE_SPLITS of 0 as no keys at all)."""
-    for name in _FLAG_OPTIONS:
-        if name in kernel_options:
-            _check_flag(f"kernel_options {name}", kernel_options[name])
-    for name in _HINT_FLAGS:
-        if name in kernel_options and kernel_options[name] not in (True, False):  # (0 and 1 are equal to them)
-            _fail(f"kernel_options {name} must be a bool (or 0 / 1, as torch's kernels take it); got "
-                  f"{type(kernel_options[name]).__name__} {kernel_options[name]!r}", TypeError)
-    for name, value in kernel_options.items():
+    string "False" would otherwise read as True, a DECODE_SPLITS of 0 as no keys at all). A key prefixed fwd_ or
+    bwd_ is checked as the option it names, and the message names the key as given."""
+    for key, value in kernel_options.items():
+        name = key[4:] if key[:4] in _PASS_PREFIXES else key
+        if name in _FLAG_OPTIONS:
+            _check_flag(f"kernel_options {key}", value)
+        if name in _HINT_FLAGS and value not in (True, False):  # (0 and 1 are equal to them)
+            _fail(f"kernel_options {key} must be a bool (or 0 / 1, as torch's kernels take it); got "
+                  f"{type(value).__name__} {value!r}", TypeError)
         is_int = isinstance(value, int) and not isinstance(value, bool)
         if name in _INT_OPTIONS and not (is_int and value >= _INT_OPTIONS[name]):
-            _fail(f"kernel_options {name} must be an int >= {_INT_OPTIONS[name]}; got {type(value).__name__} "
+            _fail(f"kernel_options {key} must be an int >= {_INT_OPTIONS[name]}; got {type(value).__name__} "
                   f"{value!r}", ValueError if is_int else TypeError)
         if name == "num_warps" and not (is_int and 1 <= value <= 32 and value & (value - 1) == 0):
-            _fail(f"kernel_options num_warps must be a power of two from 1 to 32 (4 or 8 usually); got "
+            _fail(f"kernel_options {key} must be a power of two from 1 to 32 (4 or 8 usually); got "
                   f"{type(value).__name__} {value!r}", ValueError if is_int else TypeError)
         if name in _TILE_OPTIONS and not (is_int and value >= 16 and value & (value - 1) == 0):
-            _fail(f"kernel_options {name} must be a power of two >= 16 (that divides the block mask's BLOCK_SIZE); "
+            _fail(f"kernel_options {key} must be a power of two >= 16 (that divides the block mask's BLOCK_SIZE); "
                   f"got {type(value).__name__} {value!r}", ValueError if is_int else TypeError)
 
 
@@ -221,7 +221,7 @@ def _resolve_backend(kernel_options):
         if prefix + "BACKEND" not in kernel_options:
             continue
         backend = kernel_options[prefix + "BACKEND"]
-        if backend not in _launch.BACKENDS:
+        if not isinstance(backend, str) or backend not in _launch.BACKENDS:  # (a list would not hash)
             _fail(f"kernel_options {prefix}BACKEND must be one of {list(_launch.BACKENDS)}; got {backend!r}")
         both = [prefix + k for k in ("DECODE", "FORCE_USE_FLEX_ATTENTION") if prefix + k in kernel_options]
         if both:
@@ -321,9 +321,8 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
             name = backward_only[0]
             _fail(f"kernel_options {name}: {name[4:]} chooses the forward's decoding kernel, which the backward does "
                   f"not have; drop the bwd_ prefix (or the option)")
+        _check_option_values(kernel_options)
         forward_options = _pass_options(kernel_options, "fwd_")
-        for options in (forward_options, _pass_options(kernel_options, "bwd_")):
-            _check_option_values(options)
         if forward_options.get("WARP_SPECIALIZE") and (
                 forward_options.get("DECODE") or forward_options.get("AUTOTUNE")
                 or any(k in forward_options for k in CONFIG_KEYS)):

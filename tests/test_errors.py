@@ -193,6 +193,14 @@ def test_bad_tile_options_are_rejected(monkeypatch):
     ({1: 2}, TypeError, "kernel_options keys must be str .* got 1"),
     ({"bwd_DECODE": True}, ValueError, "bwd_DECODE: DECODE chooses the forward's decoding kernel.* drop the bwd_"),
     ({"bwd_DECODE_SPLITS": 2}, ValueError, "bwd_DECODE_SPLITS: DECODE_SPLITS chooses the forward's decoding"),
+    # a value that is not even hashable (was the `in` test's own TypeError: unhashable type 'list')
+    ({"BACKEND": ["TRITON"]}, ValueError, r"kernel_options BACKEND must be one of .*; got \['TRITON'\]"),
+    ({"fwd_BACKEND": {}}, ValueError, r"kernel_options fwd_BACKEND must be one of .*; got \{\}"),
+    # a prefixed key's bad value is named as given (the message named the unprefixed option)
+    ({"fwd_BLOCK_M": 24}, ValueError, "kernel_options fwd_BLOCK_M must be a power of two >= 16"),
+    ({"bwd_num_warps": 3}, ValueError, "kernel_options bwd_num_warps must be a power of two from 1 to 32"),
+    ({"fwd_num_stages": 0}, ValueError, "kernel_options fwd_num_stages must be an int >= 1"),
+    ({"bwd_USE_TMA": "no"}, TypeError, "kernel_options bwd_USE_TMA must be a bool"),
 ], ids=lambda x: repr(x) if isinstance(x, dict) else "")
 def test_bad_kernel_option_values_are_named_before_anything_runs(opts, exc, match):
     # (each of these ran before: DECODE_SPLITS 0 gave every row as fully masked, num_stages 0 a TypeError from
