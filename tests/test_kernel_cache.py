@@ -38,6 +38,35 @@ def test_unusable_cache_dir_falls_back_to_temp(cache, monkeypatch):
     assert path.read_text() == SOURCE and not str(path).startswith(str(blocker))
 
 
+@pytest.mark.parametrize("planted", ["others_may_write", "symlink"])
+def test_the_temp_fallback_refuses_a_folder_others_can_write(cache, monkeypatch, tmp_path, planted):
+    """The fallback under the temp dir holds kernel files that are imported: a flexlite-<uid> folder made beforehand
+    that others may write to (or a link to one) is refused, with the fix named, instead of importing from it; one
+    flexlite makes is private (0o700)."""
+    import tempfile
+
+    blocker = cache / "not_a_dir"
+    blocker.write_text("")
+    monkeypatch.setenv("FLEXLITE_CACHE_DIR", str(blocker))
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    path = compile_module.write_source(SOURCE)  # made here: private
+    private = temp / f"flexlite-{os.getuid()}"
+    assert path.parent.parent == private and (private.stat().st_mode & 0o777) == 0o700
+    path.unlink()
+    path.parent.rmdir()
+    path.parent.parent.rmdir()
+    if planted == "symlink":
+        (temp / "elsewhere").mkdir()
+        (temp / f"flexlite-{os.getuid()}").symlink_to(temp / "elsewhere")
+    else:
+        (temp / f"flexlite-{os.getuid()}").mkdir()
+        (temp / f"flexlite-{os.getuid()}").chmod(0o777)
+    with pytest.raises(OSError, match="no writable kernel cache directory; set FLEXLITE_CACHE_DIR"):
+        compile_module.write_source(SOURCE)
+
+
 def test_concurrent_writers_leave_an_intact_file(cache):
     code = ("import sys; from flexlite.runtime import compile as c\n"
             "for _ in range(50):\n    p = c.write_source(sys.argv[1])\n"

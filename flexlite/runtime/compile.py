@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import importlib.util
 import os
+import stat
 import sys
 import tempfile
 import threading
@@ -82,9 +83,21 @@ def cache_dir() -> Path:
     return Path(base) / "flexlite"
 
 
+def _private_temp_dir() -> Path:
+    """``<temp dir>/flexlite-<uid>``, made ``0o700``: the kernel files there are imported, so a folder of that name
+    made beforehand by another user, or that others may write to, is refused (OSError)."""
+    d = Path(tempfile.gettempdir()) / f"flexlite-{os.getuid()}"
+    d.mkdir(mode=0o700, exist_ok=True)
+    st = os.lstat(d)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise PermissionError(f"flexlite: {d} is not a folder of this user's that only it can write to")
+    return d
+
+
 def _writable_kernel_dir() -> Path:
-    for d in (cache_dir() / "kernels", Path(tempfile.gettempdir()) / f"flexlite-{os.getuid()}" / "kernels"):
+    for where in (lambda: cache_dir() / "kernels", lambda: _private_temp_dir() / "kernels"):
         try:
+            d = where()
             d.mkdir(parents=True, exist_ok=True)
             if os.access(d, os.W_OK):
                 return d
