@@ -38,6 +38,18 @@ def test_unusable_cache_dir_falls_back_to_temp(cache, monkeypatch):
     assert path.read_text() == SOURCE and not str(path).startswith(str(blocker))
 
 
+@pytest.mark.parametrize("variable, value, expected", [
+    ("FLEXLITE_CACHE_DIR", "~/mine", "mine"), ("XDG_CACHE_HOME", "~/xdg", "xdg/flexlite"),
+    ("FLEXLITE_CACHE_DIR", "{home}/abs", "abs")])
+def test_a_cache_dir_variable_may_start_with_a_tilde(monkeypatch, tmp_path, variable, value, expected):
+    """A "~" the shell did not expand (a quoted value, a Dockerfile's ENV) is the home folder, not a folder named ~
+    under the working directory."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("FLEXLITE_CACHE_DIR", raising=False)
+    monkeypatch.setenv(variable, value.format(home=tmp_path))
+    assert compile_module.cache_dir() == tmp_path / expected
+
+
 @pytest.mark.parametrize("planted", ["others_may_write", "symlink"])
 def test_the_temp_fallback_refuses_a_folder_others_can_write(cache, monkeypatch, tmp_path, planted):
     """The fallback under the temp dir holds kernel files that are imported: a flexlite-<uid> folder made beforehand

@@ -75,12 +75,13 @@ _PREWARM: list = []  # the running prewarm thread: the first CUDA kernel load wa
 
 
 def cache_dir() -> Path:
-    """``$FLEXLITE_CACHE_DIR``, else ``$XDG_CACHE_HOME/flexlite``, else ``~/.cache/flexlite``."""
+    """``$FLEXLITE_CACHE_DIR``, else ``$XDG_CACHE_HOME/flexlite``, else ``~/.cache/flexlite`` (a leading ``~`` of
+    either variable is the home folder, as a shell would expand it: a Dockerfile's ENV or a quoted value is not)."""
     root = os.environ.get("FLEXLITE_CACHE_DIR")
     if root:
-        return Path(root)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "flexlite"
+        return Path(os.path.expanduser(root))
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
+    return Path(os.path.expanduser(base)) / "flexlite"
 
 
 def _private_temp_dir() -> Path:
