@@ -4,6 +4,7 @@ mask's BlockMask (``--png``: draw it); ``python -m flexlite bench ...`` — GPU 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 
 import torch
@@ -51,8 +52,10 @@ def demo() -> None:
         print("No GPU: skipping the timing table (python -m flexlite bench runs the full benchmark on a GPU).")
 
 
-# the most positions `show` evaluates: create_block_mask runs mask_mod at every position on the CPU (~1e9 a second
-# here; 131072 x 131072 takes ~20 s, a length of 3M would take hours)
+# the most positions `show` evaluates: create_block_mask runs mask_mod at every position on the CPU, and the printout
+# (sparsity, the grid) needs every block's flags, so there is no coarse shortcut for an arbitrary mask_mod. The time
+# grows with query x key: causal at 65536 x 65536 took 5 s and at 262144 x 262144 71 s on 2 CPU cores (~1e9 positions
+# a second), so the cap, 131072 x 131072, takes ~20 s there (longer on a busy machine); a length of 3M would take hours
 MAX_SHOW_POSITIONS = 2 ** 34
 
 
@@ -84,8 +87,9 @@ def show(argv) -> None:
         epilog=f"masks:\n{names}\n\nexample: python -m flexlite show sliding_window --seq 4096 --window 512")
     p.add_argument("mask", choices=list(NAMED_MASKS), metavar="mask", help="one of the masks listed below")
     p.add_argument("--seq", type=int, default=1024,
-                   help=f"query (and key) length (default 1024; query x key lengths at most {MAX_SHOW_POSITIONS}, "
-                        f"as 131072 x 131072)")
+                   help=f"query (and key) length (default 1024). The mask is evaluated at every position on the CPU, "
+                        f"so query x key lengths are at most {MAX_SHOW_POSITIONS} (2^34, as 131072 x 131072: ~20 s "
+                        f"on 2 cores)")
     p.add_argument("--kv-seq", type=int, help="key length for causal_bottom_right")
     p.add_argument("--window", type=int, help="window size (default seq // 8; sasa: 3)")
     p.add_argument("--dilation", type=int, help="dilated_sliding_window: every n-th key (default 2)")
@@ -128,6 +132,8 @@ def show(argv) -> None:
             _check_path(args.png)
         except (ValueError, TypeError) as e:
             p.error(f"--png: {str(e).removeprefix('visualize_attention_scores: ')}")
+        if importlib.util.find_spec("matplotlib") is None:
+            p.error('--png needs matplotlib; install it with: pip install "flexlite[viz]" (or leave out --png)')
     try:
         block_mask = create_block_mask(mask_mod, None, None, q_len, kv_len, device="cpu", BLOCK_SIZE=args.block_size)
         picture = block_mask.to_string(grid_size=args.grid).rstrip("\n")

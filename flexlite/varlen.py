@@ -113,7 +113,13 @@ def varlen_block_mask(cu_seqlens: torch.Tensor, causal: bool = True, H=None, BLO
     if total == 0:
         raise ValueError(f"{caller}: cu_seqlens {cu_seqlens.tolist()} has no tokens (total length 0); "
                          f"there is nothing to attend to")
-    device = cu_seqlens.device if device is None else check_device(caller, check_device_arg(caller, device))
+    if device is not None:
+        device = check_device_arg(caller, device)  # (an int: GPU N; "meta" passes here, as torch's factories take it)
+        if device.type == "meta":
+            raise ValueError(f"{caller}: device is meta, but a meta device cannot hold a block mask built from lengths "
+                             f"(its block lists are computed from cu_seqlens' values); use a real device such as "
+                             f"'cpu' or 'cuda'")
+    device = cu_seqlens.device if device is None else check_device(caller, device)  # (create_block_mask's rules)
     if cu_seqlens_k is None:
         inner = causal_mask if causal else noop_mask
         mask_mod = generate_doc_mask_mod(inner, offsets=cu_seqlens.to(device))

@@ -50,7 +50,8 @@ def _check_index(name: str, value, size: int, dim: str) -> int:
 
 
 def _check_path(path) -> Path:
-    """``path`` as a Path to a .png file (or one without a suffix) in an existing folder."""
+    """``path`` as a Path to a .png file (or one without a suffix) in an existing, writable folder (a file already
+    there: writable too)."""
     if not isinstance(path, (str, os.PathLike)):
         _fail(f"path must be a str or os.PathLike naming a .png file; got {type(path).__name__} {path!r}", TypeError)
     path = Path(path)
@@ -61,6 +62,10 @@ def _check_path(path) -> Path:
     if not path.parent.is_dir():
         _fail(f"the folder of path {str(path)!r} does not exist; create it first "
               f"(Path({str(path.parent)!r}).mkdir(parents=True))")
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        _fail(f"the folder of path {str(path)!r} is not writable; give a path in a folder you can write to")
+    if path.exists() and not os.access(path, os.W_OK):
+        _fail(f"path {str(path)!r} exists and is not writable; give another path or make the file writable")
     return path
 
 

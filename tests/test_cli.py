@@ -94,6 +94,38 @@ def test_bad_options(capsys, args, message):
     assert e.value.code == 2 and message in captured.err and captured.out == ""
 
 
+@pytest.mark.parametrize("where", ["folder", "file"])
+def test_png_path_that_cannot_be_written_fails_before_the_printout(capsys, tmp_path, monkeypatch, where):
+    """--png into a folder that takes no files (or over a file that cannot be written): exit 2 naming --png before
+    any work, not an error from matplotlib after the printout. (os.access is what reports it; faked here, as a
+    read-only folder is writable to root.)"""
+    import os
+    folder = tmp_path / "read_only"
+    folder.mkdir()
+    path = folder / "mask.png"
+    if where == "file":
+        path.write_bytes(b"")
+    unwritable = folder if where == "folder" else path
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if str(p) == str(unwritable) else access(p, mode,
+                                                                                                          **kw))
+    with pytest.raises(SystemExit) as e:
+        main(["show", "causal", "--seq", "64", "--png", str(path)])
+    captured = capsys.readouterr()
+    assert e.value.code == 2 and captured.out == ""
+    assert ("--png: the folder of path" if where == "folder" else "--png: path") in captured.err
+    assert "is not writable" in captured.err
+
+
+def test_png_without_matplotlib_fails_before_the_printout(capsys, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # (importlib.util.find_spec: None, as when not installed)
+    with pytest.raises(SystemExit) as e:
+        main(["show", "causal", "--seq", "64", "--png", str(tmp_path / "mask.png")])
+    captured = capsys.readouterr()
+    assert e.value.code == 2 and captured.out == ""
+    assert '--png needs matplotlib; install it with: pip install "flexlite[viz]"' in captured.err
+
+
 def test_help_lists_masks(capsys):
     with pytest.raises(SystemExit) as e:
         main(["show", "--help"])

@@ -97,11 +97,16 @@ def test_a_bad_cu_seqlens_k_is_named_as_such(bad, error, match):
 
 
 @pytest.mark.parametrize("keys", [None, [0, 40, 90]])
-def test_a_meta_device_or_cu_seqlens_gets_flexlites_error(keys):
+@pytest.mark.parametrize("device", ["meta", torch.device("meta")])
+def test_a_meta_device_or_cu_seqlens_gets_flexlites_error(keys, device):
     """A block mask is built from the lengths' values: a meta device (or meta lengths) has none, and is refused up
-    front with the argument's name, as create_block_mask refuses a meta device (not torch's copy error)."""
+    front with the argument's name (a ValueError, not torch's copy error); a device flexlite does not run on is
+    refused as create_block_mask refuses it."""
     cu_seqlens = torch.tensor([0, 30, 70], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="varlen_block_mask: device is meta.*use 'cuda' or 'cpu'"):
-        varlen_block_mask(cu_seqlens, device="meta", cu_seqlens_k=keys, BLOCK_SIZE=16)
+    with pytest.raises(ValueError, match="varlen_block_mask: device is meta, but a meta device cannot hold a block "
+                                         "mask built from lengths.*use a real device such as 'cpu' or 'cuda'"):
+        varlen_block_mask(cu_seqlens, device=device, cu_seqlens_k=keys, BLOCK_SIZE=16)
     with pytest.raises(ValueError, match="varlen_block_mask: cu_seqlens is a meta tensor"):
         varlen_block_mask(cu_seqlens.to("meta"), cu_seqlens_k=keys, BLOCK_SIZE=16)
+    with pytest.raises(NotImplementedError, match="varlen_block_mask: device is mps; .*use 'cuda' or 'cpu'"):
+        varlen_block_mask(cu_seqlens, device="mps", cu_seqlens_k=keys, BLOCK_SIZE=16)
