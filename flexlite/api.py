@@ -14,8 +14,9 @@ from torch.autograd import forward_ad
 
 from . import eager as _eager
 from . import first_calls
-from .block_mask import (BlockMask, check_block_tensors, check_device, check_mod_output, from_torch_block_mask,
-                         is_torch_block_mask, item_lists, kept_on, lists_key, q_sides, tensors_key)
+from .block_mask import (BlockMask, check_block_tensors, check_captured_device, check_device, check_mod_output,
+                         from_torch_block_mask, is_torch_block_mask, item_lists, kept_on, lists_key, q_sides,
+                         tensors_key)
 from .codegen.kernel import GeneratedKernel, generate, generate_backward
 from .codegen.lower import FLOAT32_EXACT_INT
 from .codegen.trace import check_arity, trace_mod
@@ -24,7 +25,7 @@ from .runtime import launch as _launch
 from .runtime.guards import autocast_on, opaque_to_compile, work_scope
 from .runtime.autotune import autotune_enabled
 from .runtime.launch import (BACKWARD_CONFIG_KEYS, CONFIG_KEYS, FLEXLITE_OPTIONS, TORCH_PERF_HINTS,
-                             backward_config, cdiv, decode_rows, forward_config, head_dim_pad, is_host_scalar,
+                             backward_config, cdiv, decode_rows, forward_config, head_dim_pad,
                              launch_backward, launch_decode, launch_forward, launch_forward_ws, ws_backward_unmet,
                              ws_forward_unmet, WS_BWD_DEFAULT_HEAD_DIMS, WS_DEFAULT_HEAD_DIMS, WS_DEVICE_DESC_HEAD_DIMS,
                              WS_MIN_WALK_KEYS, is_compile_error, ws_host_descriptors)
@@ -406,9 +407,7 @@ def check_captured(captured, device: torch.device, caller: str, what: str = "a m
             raise ValueError(f"{caller}: a tensor captured by {what} (shape {tuple(t.shape)}, strides {t.stride()}) "
                              f"reaches offset {reach}; flexlite's kernels gather from captured tensors of fewer than "
                              f"2**31 elements with 32-bit offsets: capture tensor.contiguous() instead")
-        if t.device != device and not is_host_scalar(t):
-            raise ValueError(f"{caller}: a tensor captured by {what} is on {t.device} but the kernel runs on {device}; "
-                             f"create it on {device} (tensor.to(query.device)) before defining the mod")
+    check_captured_device(captured, device, caller, what, "the kernel runs on")
 
 
 @functools.lru_cache(maxsize=64)

@@ -189,14 +189,15 @@ def check_device(caller: str, device, name: str = "device", available: bool = Tr
 _HOST_METHODS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__")
 
 
-def check_captured_device(traced, device: torch.device, caller: str, kind: str) -> None:
-    """A mod evaluated in torch ops on ``device`` (create_mask, the pictures) reads its captured tensors there: one
-    elsewhere (but a host scalar, which torch moves) is a ValueError naming the fix, not torch's error from inside
-    vmap."""
-    for t in traced.captured.values():
+def check_captured_device(captured, device: torch.device, caller: str, what: str, runs: str = "") -> None:
+    """The tensors ``captured`` by ``what`` (a mod) on ``device``, where it runs (``runs``: "the kernel runs on"
+    for a kernel, else "<what> is evaluated on": create_mask and the pictures, in torch ops), or host scalars, which
+    the launchers and torch move: one elsewhere is a ValueError naming the fix, not torch's error from inside vmap."""
+    for t in captured:
         if t.device != device and not is_host_scalar(t):
-            raise ValueError(f"{caller}: a tensor captured by {kind} is on {t.device} but {kind} is evaluated on "
-                             f"{device}; create it on {device} (tensor.to({device.type!r})) before defining the mod")
+            raise ValueError(f"{caller}: a tensor captured by {what} is on {t.device} but "
+                             f"{runs or what + ' is evaluated on'} {device}; create it on {device} "
+                             f"(tensor.to({device.type!r})) before defining the mod")
 
 
 def check_mod_output(fn, kind: str, caller: str, allow_constant: bool = True, check_shape: bool = False):
@@ -1091,8 +1092,8 @@ def create_mask(
     device = check_device(caller, device)
     # untraceable code or a wrong result type: a clear error, not vmap's
     kind = "mask_mod" if n_args == 4 else "score_mod"
-    check_captured_device(check_mod_output(mod_fn, kind, caller, allow_constant=False, check_shape=True), device,
-                          caller, kind)
+    check_captured_device(check_mod_output(mod_fn, kind, caller, allow_constant=False, check_shape=True
+                                           ).captured.values(), device, caller, kind)
     indices = index_vectors(B, H, Q_LEN, KV_LEN, device)
     if n_args == 4:
         return vmap_bhqkv(mod_fn)(*indices)

@@ -91,12 +91,13 @@ def _validate(query, key, score_mod, mask_mod, batch_idx, head_idx, scale):
     # traced first: untraceable code or a wrong result type gets flexlite's error, not vmap's
     if score_mod is not None:
         check_arity(score_mod, "score_mod", caller="visualize_attention_scores")
-        check_captured_device(check_mod_output(score_mod, "score_mod", "visualize_attention_scores", check_shape=True),
+        check_captured_device(check_mod_output(score_mod, "score_mod", "visualize_attention_scores",
+                                               check_shape=True).captured.values(),
                               query.device, "visualize_attention_scores", "score_mod")
     if mask_mod is not None:
         check_arity(mask_mod, "mask_mod", caller="visualize_attention_scores")
         check_captured_device(check_mod_output(mask_mod, "mask_mod", "visualize_attention_scores",
-                                               allow_constant=False, check_shape=True),
+                                               allow_constant=False, check_shape=True).captured.values(),
                               query.device, "visualize_attention_scores", "mask_mod")
     check_scale(scale, _fail)
 
