@@ -554,6 +554,13 @@ def _run_eager(first: _FirstCall, run: Callable, *args):
     return result
 
 
+def _mask_forms() -> dict:
+    """generate's and generate_backward's settings of the forms mask_mod's terms take (launch.DECIDE_MASK_TERMS,
+    DECIDE_REWRITE_TERMS, REWRITE_MASK_TERMS)."""
+    return dict(decide_mask_terms=_launch.DECIDE_MASK_TERMS, decide_rewrite=_launch.DECIDE_REWRITE_TERMS,
+                rewrite_mask=_launch.REWRITE_MASK_TERMS)
+
+
 def _generate(score_mod, block_mask, device: torch.device, template: str = "fwd.py.jinja",
               float_index: bool = False, dtype: Optional[torch.dtype] = None,
               max_scores: bool = False, traced: tuple = (None, None)) -> GeneratedKernel:
@@ -568,8 +575,7 @@ def _generate(score_mod, block_mask, device: torch.device, template: str = "fwd.
                     key_values=_launch.WS_FWD_KEY_VALUES,
                     separate=_launch.SEPARATE_SCORE_BIAS, affine_keys=_launch.AFFINE_KEY_BIAS,
                     compact_bias_dims=_launch.WS_FWD_COMPACT_BIAS_HEAD_DIMS,
-                    affine_bias_dims=_launch.WS_FWD_AFFINE_BIAS_HEAD_DIMS, decide_mask_terms=_launch.DECIDE_MASK_TERMS,
-                    decide_rewrite=_launch.DECIDE_REWRITE_TERMS,
+                    affine_bias_dims=_launch.WS_FWD_AFFINE_BIAS_HEAD_DIMS, **_mask_forms(),
                     bounded=_launch.WS_FWD_BOUNDED_SOFTMAX and dtype == torch.bfloat16 and not max_scores,
                     llvm_opt_levels=(_launch.WS_FWD_DENSE_LLVM_OPT_LEVELS if block_mask is None
                                      else _launch.WS_FWD_LLVM_OPT_LEVELS),
@@ -620,8 +626,7 @@ def kernel_source(score_mod: Optional[Callable] = None, block_mask=None, *, devi
         return generate_backward(score_mod, mask_mod, interpret=device.type != "cuda", template=_PASSES[kernel],
                                  query_values=_launch.WS_BWD_QUERY_VALUES,
                                  llvm_opt_levels=_launch.WS_BWD_LLVM_OPT_LEVELS,
-                                 decide_mask_terms=_launch.DECIDE_MASK_TERMS,
-                                 decide_rewrite=_launch.DECIDE_REWRITE_TERMS).source
+                                 **_mask_forms()).source
     lengths = block_mask.seq_lengths if block_mask is not None else (0, 0)
     return _generate(score_mod, block_mask, device, _PASSES[kernel], _float_index(_PASSES[kernel], *lengths),
                      dtype=dtype).source
@@ -964,16 +969,12 @@ def _backward_kernels(traced, query, key, value, sparse, options: dict, interpre
                       deterministic: bool = False) -> tuple:
     """(the Triton kernels, the warp-specialized dK / dV kernel or None) that :func:`_backward` runs for these traced
     mods (``scatter``: the captured tensors whose gradients the kernels add up)."""
-    kernel = generate_backward(*traced, interpret=interpret, grad_captured=scatter,
-                               decide_mask_terms=_launch.DECIDE_MASK_TERMS,
-                               decide_rewrite=_launch.DECIDE_REWRITE_TERMS)
+    kernel = generate_backward(*traced, interpret=interpret, grad_captured=scatter, **_mask_forms())
     ws_kernel = None
     if not (scatter or deterministic) and _warp_specialize_backward(query, key, value, sparse, options):
         ws_kernel = generate_backward(*traced, interpret=interpret, template="bwd_ws.py.jinja",
                                       query_values=_launch.WS_BWD_QUERY_VALUES,
-                                      llvm_opt_levels=_launch.WS_BWD_LLVM_OPT_LEVELS,
-                                      decide_mask_terms=_launch.DECIDE_MASK_TERMS,
-                                      decide_rewrite=_launch.DECIDE_REWRITE_TERMS)
+                                      llvm_opt_levels=_launch.WS_BWD_LLVM_OPT_LEVELS, **_mask_forms())
         if ws_kernel.source in _WS_UNCOMPILABLE:
             ws_kernel = None
     return kernel, ws_kernel
