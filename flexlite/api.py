@@ -167,10 +167,11 @@ def _pass_options(kernel_options: Optional[dict], prefix: str) -> Optional[dict]
     return options
 
 
-def _check_option_values(kernel_options: dict) -> None:
+def _check_option_values(kernel_options: dict, blocks: Optional[tuple]) -> None:
     """A clear error for a bad value of a kernel_options key flexlite uses (before anything compiles or runs; a
     string "False" would otherwise read as True, a DECODE_SPLITS of 0 as no keys at all). A key prefixed fwd_ or
-    bwd_ is checked as the option it names, and the message names the key as given."""
+    bwd_ is checked as the option it names, and the message names the key as given. ``blocks``: the block mask's
+    BLOCK_SIZE (query side, key side), which each tile size must divide (None: not checked here)."""
     for key, value in kernel_options.items():
         name = key[4:] if key[:4] in _PASS_PREFIXES else key
         if name in _FLAG_OPTIONS:
@@ -188,6 +189,10 @@ def _check_option_values(kernel_options: dict) -> None:
         if name in _TILE_OPTIONS and not (is_int and value >= 16 and value & (value - 1) == 0):
             _fail(f"kernel_options {key} must be a power of two >= 16 (that divides the block mask's BLOCK_SIZE); "
                   f"got {type(value).__name__} {value!r}", ValueError if is_int else TypeError)
+        kv_side = "_N" in name  # (BLOCK_N, BLOCK_N1, BLOCK_N2: tiles of keys)
+        if name in _TILE_OPTIONS and blocks and blocks[kv_side] % value:
+            _fail(f"kernel_options {key} must be a power of two >= 16 that divides the block mask's BLOCK_SIZE on "
+                  f"the {'key' if kv_side else 'query'} side ({blocks[kv_side]}); got {value}")
 
 
 def _check_device_type(query):
@@ -322,7 +327,9 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
             name = backward_only[0]
             _fail(f"kernel_options {name}: {name[4:]} chooses the forward's decoding kernel, which the backward does "
                   f"not have; drop the bwd_ prefix (or the option)")
-        _check_option_values(kernel_options)
+        # (a block_mask that is not a BlockMask is refused below)
+        _check_option_values(kernel_options, (DEFAULT_SPARSE_BLOCK,) * 2 if block_mask is None
+                             else tuple(block_mask.BLOCK_SIZE) if isinstance(block_mask, BlockMask) else None)
         forward_options = _pass_options(kernel_options, "fwd_")
         if forward_options.get("WARP_SPECIALIZE") and (
                 forward_options.get("DECODE") or forward_options.get("AUTOTUNE")

@@ -164,6 +164,23 @@ def test_bad_tile_options_are_rejected(monkeypatch):
             flex_attention(q, k, v, kernel_options=opts)
 
 
+@pytest.mark.parametrize("opts, blocks, match", [
+    ({"fwd_BLOCK_M": 256}, None, r"kernel_options fwd_BLOCK_M must be .* divides the block mask's BLOCK_SIZE on the "
+                                 r"query side \(128\); got 256"),
+    ({"BLOCK_M": 64, "fwd_BLOCK_N": 64}, (64, 32), r"kernel_options fwd_BLOCK_N must .* on the key side \(32\)"),
+    ({"bwd_BLOCK_N1": 256}, None, r"kernel_options bwd_BLOCK_N1 must .* on the key side \(128\)"),
+    ({"bwd_BLOCK_M2": 128}, (64, 64), r"kernel_options bwd_BLOCK_M2 must .* on the query side \(64\)"),
+    ({"BLOCK_N2": 64}, (64, 32), r"kernel_options BLOCK_N2 must .* on the key side \(32\); got 64"),
+], ids=lambda x: repr(x) if isinstance(x, dict) else "")
+def test_a_pinned_tile_that_does_not_divide_the_block_size_is_named_as_written(opts, blocks, match):
+    # (was kernel_options['BLOCK_M'] for fwd_BLOCK_M, from the forward's tile choice; a backward tile's only once the
+    # backward ran)
+    q, k, v = (t.requires_grad_() for t in qkv())
+    bm = None if blocks is None else create_block_mask(causal, None, None, 32, 48, device=DEVICE, BLOCK_SIZE=blocks)
+    with pytest.raises(ValueError, match=match):
+        flex_attention(q, k, v, block_mask=bm, kernel_options=opts)
+
+
 @pytest.mark.parametrize("opts, exc, match", [
     ({"DECODE_SPLITS": 0}, ValueError, "DECODE_SPLITS must be an int >= 1; got int 0"),
     ({"DECODE_SPLITS": 2.5}, TypeError, "DECODE_SPLITS must be an int >= 1; got float 2.5"),

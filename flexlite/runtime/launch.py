@@ -126,7 +126,9 @@ def forward_config(q: torch.Tensor, v: torch.Tensor, sparse_block: tuple, kernel
 
 def _pin(cfg: dict, kernel_options: dict, keys: tuple, sides: dict) -> dict:
     """``cfg`` with the ``keys`` that ``kernel_options`` pins; each tile size in ``sides`` (key -> the block
-    mask's BLOCK_SIZE on its side) must then be a power of two >= 16 that divides it."""
+    mask's BLOCK_SIZE on its side) must then be a power of two >= 16 that divides it. (flex_attention checks that
+    first, in api._check_option_values, where a key prefixed fwd_ / bwd_ is named as written: here, one pass's
+    options, it is not.)"""
     cfg.update({key: kernel_options[key] for key in keys if key in kernel_options})
     for key, sparse in sides.items():
         value = cfg[key]
