@@ -83,6 +83,30 @@ def test_torch_backend_option_picks_the_kernel(monkeypatch, backend, decodes):
             flex_attention(q, k, v, enable_gqa=True, kernel_options={"BACKEND": backend, other: True})
 
 
+def test_decode_and_force_use_flex_attention_together_are_refused(monkeypatch):
+    """DECODE=True insists on the decode kernel, FORCE_USE_FLEX_ATTENTION=True forbids it: both in the forward's
+    options is a ValueError naming the two keys as written (DECODE won, silently); a FORCE_USE_FLEX_ATTENTION that the
+    forward does not see (bwd_, or overridden by fwd_ ... False) is no conflict, and the decode kernel runs."""
+    import flexlite.api as api
+    q, k, v = rand_qkv(1, 4, 2, 3, 300, 32)
+    for options, decode, force in (({"DECODE": True, "FORCE_USE_FLEX_ATTENTION": True}, "DECODE",
+                                     "FORCE_USE_FLEX_ATTENTION"),
+                                    ({"fwd_DECODE": True, "FORCE_USE_FLEX_ATTENTION": True}, "fwd_DECODE",
+                                     "FORCE_USE_FLEX_ATTENTION"),
+                                    ({"DECODE": True, "fwd_FORCE_USE_FLEX_ATTENTION": True}, "DECODE",
+                                     "fwd_FORCE_USE_FLEX_ATTENTION")):
+        with pytest.raises(ValueError, match=f"kernel_options {decode}=True .*cannot be combined with {force}=True: "
+                                             f".*pass one of them"):
+            flex_attention(q, k, v, enable_gqa=True, kernel_options=options)
+    ran = []
+    real = api.launch_decode
+    monkeypatch.setattr(api, "launch_decode", lambda *a, **kw: ran.append(True) or real(*a, **kw))
+    for options in ({"DECODE": True, "bwd_FORCE_USE_FLEX_ATTENTION": True},
+                    {"DECODE": True, "FORCE_USE_FLEX_ATTENTION": True, "fwd_FORCE_USE_FLEX_ATTENTION": False}):
+        flex_attention(q, k, v, enable_gqa=True, kernel_options=options)
+    assert ran == [True, True]
+
+
 def test_decode_refuses_long_queries():
     q, k, v = rand_qkv(1, 1, 1, 100, 100, 16)
     for options in ({"DECODE": True}, {"BACKEND": "TRITON_DECODE"}):
