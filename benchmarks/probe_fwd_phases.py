@@ -12,11 +12,12 @@ the warpgroups' largest offset from the first, and per q block the clocks of its
 beyond its tiles (span - tiles x the median tile) in clocks and in tiles, and its tile count. Two consumer warpgroups
 everywhere: D64 without its wide items of three (launch.WS_FWD_WIDE_TILES off); with --wide D64 in the wide items
 wherever their lists can be made (whatever the kernel spills with its stamps, and however many tiles they walk:
-launch.WS_FWD_WIDE_MAX_LOCAL and WS_FWD_WIDE_MAX_WORK lifted), three warpgroups' stamps. --written: mask_mod as
-written (launch.REWRITE_MASK_TERMS off); --save=DIR: each case's stamps (int64 [NPROG, warpgroups, NSLOT, FIELDS])
-saved to DIR/fwd_phases_<mask>_D<D>.pt, for tables the summary does not print (per tile of an item, per warpgroup).
+launch.WS_FWD_WIDE_MAX_LOCAL and WS_FWD_WIDE_MAX_WORK lifted), three warpgroups' stamps. --save=DIR: each case's
+stamps (int64 [NPROG, warpgroups, NSLOT, FIELDS]) saved to DIR/fwd_phases_<mask>_D<D>.pt, for tables the summary does
+not print (per tile of an item, per warpgroup). The stamps cost registers: a kernel near its limit may run its loops
+differently stamped (NOTES 97: sliding window's wide items, whose full tiles' softmax doubled stamped).
 
-Usage: python benchmarks/probe_fwd_phases.py [mask,mask,...] [D,D,...] [--wide] [--written] [--save=DIR]"""
+Usage: python benchmarks/probe_fwd_phases.py [mask,mask,...] [D,D,...] [--wide] [--save=DIR]"""
 
 import sys
 import unittest.mock
@@ -114,8 +115,6 @@ def main():
     nwg = 3 if wide else 2
     items = (dict(WS_FWD_WIDE_MAX_LOCAL=1 << 30, WS_FWD_WIDE_MAX_WORK=float("inf")) if wide else
              dict(WS_FWD_WIDE_TILES={}))
-    if "--written" in sys.argv:
-        items["REWRITE_MASK_TERMS"] = False
     save = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--save=")), None)
     rows = []
     for D, q, k, v, case, bm in probe_cases(masks, dims, requires_grad=False):

@@ -8,9 +8,7 @@ kernel caches are per process), B16 H16 S8192 D64 bf16, forward only, and prints
 - ``wide``: the wide items forced (WS_FWD_WIDE_MAX_WORK 2.0, WS_FWD_WIDE_MAX_LOCAL 400);
 - ``causalcmp`` / ``true``: the wide items on the same block lists with the partial tiles' mask_mod swapped for
   ``q_idx >= kv_idx`` / always True (timing only: the outputs are not the window's);
-- ``twotrue``: the defaults with the mask_mod swapped for always True;
-- ``widewritten`` / ``twowritten``: ``wide`` / ``two`` with mask_mod as written (launch.REWRITE_MASK_TERMS off: the
-  band's subtract, abs and compare beside causality's compare, where the rewrite has a row side and two compares).
+- ``twotrue``: the defaults with the mask_mod swapped for always True.
 
 Usage: python benchmarks/probe_wide_sliding.py VARIANT [S] [WINDOW]"""
 
@@ -35,8 +33,6 @@ def main(argv):
     W = int(argv[2]) if len(argv) > 2 else 1024
     if not variant.startswith("two"):
         launch.WS_FWD_WIDE_MAX_WORK, launch.WS_FWD_WIDE_MAX_LOCAL = 2.0, 400
-    if variant.endswith("written"):
-        launch.REWRITE_MASK_TERMS = False
     bm = create_block_mask(generate_sliding_window(W), None, None, S, S, device="cuda")
     if variant in SWAPS:  # the same lists, taken as create_block_mask's (item_lists needs that) with the new mask_mod
         bm.mask_mod = SWAPS[variant]

@@ -568,9 +568,8 @@ def _run_eager(first: _FirstCall, run: Callable, *args):
 
 def _mask_forms() -> dict:
     """generate's and generate_backward's settings of the forms mask_mod's terms take (launch.DECIDE_MASK_TERMS,
-    DECIDE_REWRITE_TERMS, REWRITE_MASK_TERMS)."""
-    return dict(decide_mask_terms=_launch.DECIDE_MASK_TERMS, decide_rewrite=_launch.DECIDE_REWRITE_TERMS,
-                rewrite_mask=_launch.REWRITE_MASK_TERMS)
+    DECIDE_REWRITE_TERMS)."""
+    return dict(decide_mask_terms=_launch.DECIDE_MASK_TERMS, decide_rewrite=_launch.DECIDE_REWRITE_TERMS)
 
 
 def _generate(score_mod, block_mask, device: torch.device, template: str = "fwd.py.jinja",

@@ -11,8 +11,7 @@ import torch.fx as fx
 
 import flexlite
 from flexlite import create_block_mask, flex_attention
-from flexlite.codegen.decide import MAX_TERMS, mask_variants, rewritten_mask
-from flexlite.codegen.lower import lower_mod
+from flexlite.codegen.decide import MAX_TERMS, mask_variants
 from flexlite.codegen.trace import trace_mod
 from flexlite.masks import causal_mask, generate_prefix_lm_mask, generate_sliding_window
 from flexlite.runtime import launch
@@ -238,74 +237,3 @@ def test_the_kernels_take_the_rewritten_terms_where_the_setting_says(monkeypatch
     source = flexlite.kernel_source(None, bm, device="cuda", kernel="forward_ws")
     variant = source.split("def mask_mod_d2(")[1].split("\n\n")[0]
     assert ("t_le_1 = (t_sub_1 <= kv_idx)" in variant) == rewrite and ("tl.abs(" in variant) == (not rewrite)
-
-
-# masks whose whole-mask rewrite (decide.rewritten_mask) leans on a term of an | or on terms that would lean on each
-# other: (name, mask_mod, whether it is rewritten)
-WHOLE = {
-    "band_or_above": (lambda b, h, q, kv: ((kv - q).abs() >= 30) | (q < kv), True),
-    "two_bands": (lambda b, h, q, kv: ((q - kv).abs() <= 20) & ((kv - q).abs() >= 3), False),
-    "two_bands_and_causal": (lambda b, h, q, kv: ((q - kv).abs() <= 20) & ((kv - q).abs() >= 3) & (kv <= q), True),
-    "one_linear_compare": (lambda b, h, q, kv: 2 * q - kv <= 7 + h, True),
-}
-# the masks of MASKS that rewritten_mask rewrites (an abs whose sign another term gives, or a compare that becomes a
-# query side against a key side); the others come back as they are
-REWRITTEN = {"sliding_window", "band_above", "band_on_the_right", "affine_pair",
-             "negative_factor_and_heads", "equal_and_or"}
-
-
-@pytest.mark.parametrize("name", sorted(MASKS) + sorted(WHOLE))
-def test_the_rewritten_whole_mask_is_the_mask_everywhere(name):
-    """rewritten_mask (every kernel's mask_mod, launch.REWRITE_MASK_TERMS): its lowered source, run on a grid of
-    queries x keys across the masks' edges for two heads, equals the mask's own values at every position; a term of
-    an & takes the facts of the others only where those need none (two bands lean on nothing)."""
-    mod = MASKS[name][0] if name in MASKS else WHOLE[name][0]
-    traced = trace_mod(mod, "mask_mod")
-    rewritten = rewritten_mask(traced)
-    assert (rewritten is not traced) == (WHOLE[name][1] if name in WHOLE else name in REWRITTEN), name
-    if rewritten is traced:
-        return
-    low = lower_mod(rewritten, "mask_mod", "mm_")
-    scope = {"tl": types.SimpleNamespace(abs=torch.abs, where=torch.where, int32=torch.int32), "py_mod": torch.remainder}
-    exec(low.source.split("\n", 1)[1], scope)  # (without @triton.jit)
-    q, kv = torch.arange(0, 160)[:, None], torch.arange(0, 160)[None, :]
-    for h in (0, 1):
-        want = torch.as_tensor(mod(torch.tensor(0), torch.tensor(h), q, kv)).expand(160, 160)
-        got = torch.as_tensor(scope["mask_mod"](torch.tensor(0), torch.tensor(h), q, kv)).expand(160, 160)
-        assert torch.equal(got, want), name
-        assert want.any() and not want.all(), name
-
-
-def test_sliding_windows_whole_mask_is_a_row_side_and_two_compares(monkeypatch):
-    """Sliding window's mask in every kernel (partial tiles where no term is decided: the wide items, the backward,
-    the Triton kernels): the band as ``q_idx - w <= kv_idx`` (causality, its other term, gives the abs's sign) beside
-    ``q_idx >= kv_idx``; as written with launch.REWRITE_MASK_TERMS off."""
-    bm = create_block_mask(generate_sliding_window(24), None, 2, 200, 200, device=DEVICE, BLOCK_SIZE=32)
-    for on in (True, False):
-        monkeypatch.setattr(launch, "REWRITE_MASK_TERMS", on)
-        for kernel, device in (("forward", DEVICE), ("backward", DEVICE), ("forward_ws", "cuda"),
-                               ("backward_ws", "cuda")):
-            source = flexlite.kernel_source(None, bm, device=device, kernel=kernel)
-            mask = source.split("def mask_mod(")[1].split("\n\n")[0]
-            assert ("t_le_1 = (t_sub_1 <= kv_idx)" in mask and "t_ge = (q_idx >= kv_idx)" in mask) == on, kernel
-            assert ("tl.abs(" in mask) == (not on), kernel
-
-
-@pytest.mark.parametrize("name", ["sliding_window", "band_above", "band_or_above"])
-def test_the_rewritten_whole_mask_leaves_forward_and_backward_bit_for_bit(monkeypatch, name):
-    """Outputs, LSE and dQ / dK / dV with the rewritten whole mask (the Triton kernels on the interpreter, the decided
-    terms off so that every partial tile runs it) are the same bits as with the mask as written."""
-    mod = MASKS[name][0] if name in MASKS else WHOLE[name][0]
-    monkeypatch.setattr(launch, "DECIDE_MASK_TERMS", frozenset())
-    bm = create_block_mask(mod, None, 2, 111, 111, device=DEVICE, BLOCK_SIZE=16)
-    q, k, v = [t.requires_grad_() for t in rand_qkv(1, 2, 2, 111, 111, 16, seed=13)]
-    grad_out = torch.randn(1, 2, 111, 16, generator=torch.Generator().manual_seed(4)).to(DEVICE)
-    results = {}
-    for on in (True, False):
-        monkeypatch.setattr(launch, "REWRITE_MASK_TERMS", on)
-        mask = flexlite.kernel_source(None, bm, device=DEVICE).split("def mask_mod(")[1].split("\n\n")[0]
-        assert ("abs(" in mask) == (not on)
-        out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True)
-        results[on] = [out, lse] + list(torch.autograd.grad(out, (q, k, v), grad_out))
-    for rewritten, written in zip(results[True], results[False]):
-        assert torch.equal(rewritten, written) and not rewritten.isnan().any()

@@ -305,20 +305,12 @@ def _lowered_without(traced: TracedMod, kept: list, join: str, fn_name: str,
                      dropped: Optional[list] = None) -> LoweredMod:
     """The mask with only the top-level terms ``kept`` (joined as before), lowered as ``fn_name``; with ``dropped``
     (the terms the variant's tiles decide) the kept ones rewritten where that makes them cheaper (:func:`_rewritten`)."""
-    facts = _facts(dropped, join) if dropped is not None else None
-    traced, _ = _with_terms(traced, kept, join, None if facts is None else lambda term: facts)
-    return lower_mod(traced, fn_name, "mm_")
-
-
-def _with_terms(traced: TracedMod, kept: list, join: str, facts_of=None) -> tuple:
-    """(the mask with only the top-level terms ``kept``, joined as before, whether a term changed); with
-    ``facts_of`` (term -> facts) each rewritten under its facts (:func:`_rewritten`)."""
     graph = fx.Graph()
     env = {}
     graph.graph_copy(traced.graph_module.graph, env)
     build = _Builder(graph, {n.target: env[n] for n in traced.graph_module.graph.nodes if n.op == "placeholder"})
-    values = [_rewritten(build, env, term, facts_of(term)) if facts_of is not None else env[term] for term in kept]
-    changed = any(v is not (env[t] if isinstance(t, fx.Node) else t) for v, t in zip(values, kept))
+    facts = _facts(dropped, join) if dropped is not None else None
+    values = [_rewritten(build, env, term, facts) if facts is not None else env[term] for term in kept]
     value = values[0]
     for term in values[1:]:
         value = build.call(operator.and_ if join == "and" else operator.or_, (value, term), torch.bool,
@@ -326,31 +318,7 @@ def _with_terms(traced: TracedMod, kept: list, join: str, facts_of=None) -> tupl
     graph.output(value)
     graph.eliminate_dead_code()
     gm = fx.GraphModule(traced.graph_module, graph)
-    return TracedMod(traced.kind, traced.name, gm, traced.captured), changed
-
-
-def rewritten_mask(traced: Optional[TracedMod]) -> Optional[TracedMod]:
-    """The whole mask with its top-level terms in the forms they compute most cheaply (:func:`_rewritten`), equal to
-    the mask at every position: a term of an ``&`` needs its value only where the other terms hold (elsewhere the mask
-    is False whatever it gives), of an ``|`` only where they fail, so it takes their facts, from the terms that need
-    none themselves (no ``|x|`` side: rewritten, they equal themselves everywhere), so that no two terms lean on each
-    other. Sliding window: ``(q_idx - w <= kv_idx) & (q_idx >= kv_idx)``, a row side and two compares per score
-    where the band took a subtract, an abs and a compare (launch.REWRITE_MASK_TERMS). ``traced`` itself where
-    nothing changes, or it reads captured tensors (as :func:`mask_variants`)."""
-    if traced is None or traced.kind != "mask_mod" or traced.captured:
-        return traced
-    out = next(n for n in traced.graph_module.graph.nodes if n.op == "output").args[0]
-    if not isinstance(out, fx.Node):
-        return traced
-    join = _join(out) or "and"
-    terms = _terms(out, join)
-    plain = [t for t in terms if not (isinstance(t, fx.Node) and any(
-        isinstance(a, fx.Node) and op_key(a) == "abs" for a in t.args))]
-
-    def facts_of(term) -> list:
-        return _facts([t for t in plain if t is not term and isinstance(t, fx.Node) and not t.kwargs], join)
-    rewritten, changed = _with_terms(traced, terms, join, facts_of)
-    return rewritten if changed else traced
+    return lower_mod(TracedMod(traced.kind, traced.name, gm, traced.captured), fn_name, "mm_")
 
 
 # a compare of a - b: the sign it gives d = a - b where it holds, and where it fails

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .decide import mask_variants, rewritten_mask
+from .decide import mask_variants
 from .grad import captured_grad_trace, score_grad_trace
 from .lower import LoweredMod, identity_score_mod, lower_mod, noop_mask_mod, op_key
 from .render import render
@@ -39,26 +39,19 @@ class GeneratedKernel:
 
 def _lowered(traced: Optional[TracedMod], fn_name: str, prefix: str, float_index: bool = False,
              query_values: bool = False, fold_scales: bool = False, key_values: bool = False,
-             separate: bool = False, rewrite: bool = False) -> LoweredMod:
+             separate: bool = False) -> LoweredMod:
     """``query_values`` (mask_mod): its values from b, h, q_idx and captured tensors alone computed apart
     (bwd_ws.py.jinja evaluates them on a compact query vector); ``key_values`` (mask_mod): from b, h, kv_idx
     (fwd_ws.py.jinja: a compact key vector), and where there are such values, index arithmetic in int only (the
     float forms of ``float_index`` are not carried across the split). ``fold_scales`` (score_mod): its constant
     input and output factors left to the kernel (lower_mod's ``fold_scales``); ``separate`` (score_mod): whether it
-    is the score plus a bias of a query side and a key side (lower_mod's ``separate``). ``rewrite`` (mask_mod):
-    lowered from :func:`~flexlite.codegen.decide.rewritten_mask`, its terms in their cheapest forms (the same values
-    everywhere)."""
+    is the score plus a bias of a query side and a key side (lower_mod's ``separate``)."""
     if traced is None:
         return identity_score_mod() if fn_name == "score_mod" else noop_mask_mod()
     key = (fn_name,) + tuple(name for name, on in (("float_index", float_index), ("query_values", query_values),
                                                     ("fold_scales", fold_scales), ("key_values", key_values),
-                                                    ("separate", separate), ("rewrite", rewrite)) if on)
-    cache = traced.lowered
-    if key not in cache:
-        if rewrite:
-            if "rewritten" not in cache:
-                cache["rewritten"] = rewritten_mask(traced)
-            traced = cache["rewritten"]
+                                                    ("separate", separate)) if on)
+    if key not in traced.lowered:
         # score_mod's loop-invariant loads are hoisted out of the kernels' loops (lower_mod's ``hoist``)
         hoist = ("b", "h") if fn_name == "score_mod" else ("b", "h", "q_idx") if query_values else \
             ("b", "h", "kv_idx") if key_values else ()
@@ -66,8 +59,8 @@ def _lowered(traced: Optional[TracedMod], fn_name: str, prefix: str, float_index
                         separate=separate)
         if hoist[2:] and not low.hoisted and float_index:  # nothing to split off: keep the float forms
             low = lower_mod(traced, fn_name, prefix, float_index, fold_scales=fold_scales)
-        cache[key] = low
-    return cache[key]
+        traced.lowered[key] = low
+    return traced.lowered[key]
 
 
 def _mask_variants(traced: Optional[TracedMod], rewrite: bool):
@@ -157,8 +150,7 @@ def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Ca
              key_values: bool = False, separate: bool = False, affine_keys=(),
              compact_bias_dims: tuple = (), affine_bias_dims: tuple = (), decide_mask_terms=(), decide_rewrite=True,
              bounded: bool = False, llvm_opt_levels: Optional[dict] = None,
-             poly_exp2: Optional[dict] = None, bounded_poly_exp2: Optional[dict] = None,
-             rewrite_mask: bool = True) -> GeneratedKernel:
+             poly_exp2: Optional[dict] = None, bounded_poly_exp2: Optional[dict] = None) -> GeneratedKernel:
     """Kernel source for ``template`` with ``score_mod`` / ``mask_mod`` (None: identity / keep all).
     ``float_index``: lower index arithmetic that ends in float32 from float index vectors (the caller guarantees
     lengths below 2**24; :class:`~flexlite.codegen.lower._Lowerer`). ``fold_scales`` (the forward templates):
@@ -181,9 +173,8 @@ def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Ca
     dim -> the LLVM optimization level its launcher compiles it at (others: Triton's own;
     :class:`flexlite.runtime.llvm_level.llvm_opt_level`). ``poly_exp2`` (fwd_ws.py.jinja): head dim -> N, one of every N
     of P's exponentials computed by a polynomial on the FMA pipes (:mod:`flexlite.codegen.exp2`); ``bounded_poly_exp2``
-    the same, over it, where the kernel runs a bounded score_mod against its bound. ``rewrite_mask``: mask_mod's
-    terms in their cheapest forms (:func:`~flexlite.codegen.decide.rewritten_mask`). A mod may come as its
-    :class:`TracedMod` where the caller has traced it already.
+    the same, over it, where the kernel runs a bounded score_mod against its bound. A mod may come as
+    its :class:`TracedMod` where the caller has traced it already.
     """
     sm = trace_mod(score_mod, "score_mod") if score_mod is not None else None
     mm = trace_mod(mask_mod, "mask_mod") if mask_mod is not None else None
@@ -191,8 +182,7 @@ def generate(template: str, score_mod: Optional[Callable], mask_mod: Optional[Ca
         _refuse_bfloat16_arithmetic(sm, mm)
     low_sm = _lowered(sm, "score_mod", "sm_", float_index, fold_scales=fold_scales,
                       separate=separate and template in ("fwd.py.jinja", "fwd_ws.py.jinja"))
-    low_mm = _lowered(mm, "mask_mod", "mm_", float_index, key_values=key_values and template == "fwd_ws.py.jinja",
-                      rewrite=rewrite_mask)
+    low_mm = _lowered(mm, "mask_mod", "mm_", float_index, key_values=key_values and template == "fwd_ws.py.jinja")
     ws = template == "fwd_ws.py.jinja"
     score_bound = _score_bound(low_sm) if bounded and ws else None
     source = _render(template, low_sm.source, low_mm.source, tuple(low_sm.params), tuple(low_mm.params),
@@ -257,7 +247,7 @@ def _captured_grad(traced: TracedMod, grad_captured: tuple) -> tuple:
 def generate_backward(score_mod: Optional[Callable], mask_mod: Optional[Callable], *, interpret: bool,
                       grad_captured: tuple = (), template: str = "bwd.py.jinja",
                       query_values: bool = False, llvm_opt_levels: Optional[dict] = None,
-                      decide_mask_terms=(), decide_rewrite=True, rewrite_mask: bool = True) -> BackwardKernel:
+                      decide_mask_terms=(), decide_rewrite=True) -> BackwardKernel:
     """Backward kernel source for these mods. ``grad_captured``: tensors captured by ``score_mod``
     whose gradients the dK/dV kernel scatters (atomically) into buffers; () for none. ``template``:
     ``"bwd.py.jinja"`` (preprocess, dK/dV and dQ kernels) or ``"bwd_ws.py.jinja"`` (the warp-specialized dK/dV
@@ -265,15 +255,13 @@ def generate_backward(score_mod: Optional[Callable], mask_mod: Optional[Callable
     and captured tensors alone (its gathers along the queries) computed apart, on a compact query vector.
     ``llvm_opt_levels`` (bwd_ws.py.jinja): as :func:`generate`'s. ``decide_mask_terms``, ``decide_rewrite``: as
     :func:`generate`'s, for the backward templates (their partial tiles' P and dS; not where mask_mod's values along
-    the queries are computed apart, whose parameters the variants lack), ``rewrite_mask``: as :func:`generate`'s.
-    The mods may come as their traces, as there."""
+    the queries are computed apart, whose parameters the variants lack). The mods may come as their traces, as there."""
     sm = trace_mod(score_mod, "score_mod") if score_mod is not None else None
     mm = trace_mod(mask_mod, "mask_mod") if mask_mod is not None else None
     if interpret:
         _refuse_bfloat16_arithmetic(sm, mm)
     low_sm = _lowered(sm, "score_mod", "sm_")
-    low_mm = _lowered(mm, "mask_mod", "mm_", query_values=query_values and template == "bwd_ws.py.jinja",
-                      rewrite=rewrite_mask)
+    low_mm = _lowered(mm, "mask_mod", "mm_", query_values=query_values and template == "bwd_ws.py.jinja")
     score_grad = _score_grad(sm) if sm is not None else None
     captured_grad, slots = _captured_grad(sm, tuple(grad_captured)) if sm is not None and grad_captured \
         else (None, ())

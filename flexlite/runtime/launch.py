@@ -615,12 +615,6 @@ DECIDE_MASK_TERMS = frozenset({"fwd_ws.py.jinja"})
 # edge tile: one compare per score where it took a subtract, an abs and a compare). H200, warp-specialized forward:
 # sliding window 1.1 % faster at D64 (two runs), even at D128 (NOTES 94)
 DECIDE_REWRITE_TERMS = True
-# every kernel's mask_mod (the whole mask, where no term is decided) with its terms in their cheapest forms, each term
-# of an & taking the facts of the others that need none (codegen.decide.rewritten_mask): sliding window's band
-# q_idx - w <= kv_idx beside its causality, a row side and two compares per score instead of a subtract, an abs and
-# two compares. The same values everywhere; what it gives where a kernel runs the whole mask (the wide items, the
-# backward, the Triton kernels): NOTES 97
-REWRITE_MASK_TERMS = True
 # the warp-specialized forward runs a bounded score_mod (softcap's cap * tanh, cap * log2(e) up to kernel.MAX_BOUND)
 # against that bound instead of the running row max, with bf16 inputs and without max_scores: no row max, no rescale
 # of O, P's row sums from the tensor cores (P times ones), so that l sums the bf16 weights P V multiplies (NOTES 64)
