@@ -2,7 +2,9 @@
 
 For each mask and shape: check flexlite against the fp64 reference on a reduced shape and against
 torch's flex at the full shape, then time with ``triton.testing.do_bench`` medians. Writes
-``benchmarks/results/<gpu>-<date>.json`` and a markdown table. ``python -m flexlite bench --help``.
+``benchmarks/results/<gpu>-<date>.json`` and a markdown table. By default every mask, the forward and the backward,
+at B4 H16 S8192 D128 and B16 H16 S8192 D64 (``--masks``, ``--passes``, ``--shapes`` pick fewer);
+``python -m flexlite bench --help``.
 
 FLOPs are density-aware: 4·B·H·S²·D·density for the forward (two matmuls of 2·S²·D each), 2.5× that
 for the backward (five matmuls, the dS·K / dSᵀ·Q pair counted with the recompute); density is the
@@ -470,10 +472,11 @@ def markdown_table(result: dict, columns: list = ATTENTION_COLUMNS) -> str:
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m flexlite bench", description=__doc__.splitlines()[0])
-    p.add_argument("--masks", default="all", help="comma-separated names or 'all': " +
-                   ", ".join(mask_cases(8192, 16, "cpu")))
-    p.add_argument("--shapes", default="4x16x8192x128,16x16x8192x64", help="BxHxSxD list")
-    p.add_argument("--passes", default="fwd")
+    names = list(mask_cases(8192, 16, "cpu"))
+    p.add_argument("--masks", default="all", help="comma-separated names or 'all': " + ", ".join(names))
+    p.add_argument("--shapes", default="4x16x8192x128,16x16x8192x64", help="comma-separated BxHxSxD (the attention "
+                   "suite's shapes; default the issue's two)")
+    p.add_argument("--passes", default="fwd,bwd", help="comma-separated: fwd, bwd (default both)")
     p.add_argument("--out", default=str(RESULTS_DIR))
     p.add_argument("--no-torch-flex", action="store_true")
     p.add_argument("--autotune", action="store_true", help="also time flexlite with kernel_options AUTOTUNE")
@@ -483,16 +486,26 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1; got {args.rounds}")
-    if not torch.cuda.is_available():
-        raise SystemExit("python -m flexlite bench needs a CUDA GPU (timings on the interpreter mean nothing)")
+    masks = names if args.masks == "all" else args.masks.split(",")
+    if set(masks) - set(names):
+        p.error(f"unknown --masks {sorted(set(masks) - set(names))}; choose from {', '.join(names)} or 'all'")
+    passes = tuple(args.passes.split(","))
+    if not passes or set(passes) - {"fwd", "bwd"}:
+        p.error(f"--passes takes fwd, bwd or fwd,bwd; got {args.passes!r}")
+    shapes = []
+    for text in args.shapes.split(","):
+        parts = text.split("x")
+        if len(parts) != 4 or not all(x.isdigit() and int(x) > 0 for x in parts):
+            p.error(f"--shapes takes comma-separated BxHxSxD of positive integers (e.g. 4x16x8192x128); got {text!r}")
+        shapes.append(tuple(int(x) for x in parts))
     suites = args.suites.split(",")
     unknown = set(suites) - {"attention", "decode", "block_mask"}
     if unknown:
-        raise SystemExit(f"unknown --suites {sorted(unknown)}; choose from attention, decode, block_mask")
+        p.error(f"unknown --suites {sorted(unknown)}; choose from attention, decode, block_mask")
+    if not torch.cuda.is_available():
+        raise SystemExit("python -m flexlite bench needs a CUDA GPU (timings on the interpreter mean nothing)")
     if "attention" in suites:
-        masks = list(mask_cases(8192, 16, "cpu")) if args.masks == "all" else args.masks.split(",")
-        shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-        run(masks, shapes, tuple(args.passes.split(",")), out_dir=Path(args.out), torch_flex=not args.no_torch_flex,
+        run(masks, shapes, passes, out_dir=Path(args.out), torch_flex=not args.no_torch_flex,
             autotune=args.autotune, rounds=args.rounds)
     if "decode" in suites:
         run_decode(out_dir=Path(args.out), rounds=args.rounds)

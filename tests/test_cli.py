@@ -273,3 +273,30 @@ def test_bench_refuses_fewer_than_one_round(capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "--rounds", "0"])
     assert e.value.code == 2 and "--rounds must be at least 1; got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--passes", "forward"], "--passes takes fwd, bwd or fwd,bwd; got 'forward'"),
+    (["--passes", ""], "--passes takes fwd, bwd or fwd,bwd; got ''"),
+    (["--shapes", "4x16x8192"], "--shapes takes comma-separated BxHxSxD of positive integers"),
+    (["--shapes", "4x16x8192x128,4x16x0x64"], "got '4x16x0x64'"),
+    (["--masks", "causal,sliding_window"], "unknown --masks ['sliding_window']; choose from full, causal"),
+    (["--suites", "attention,decoding"], "unknown --suites ['decoding']"),
+])
+def test_bench_refuses_bad_arguments_before_anything_runs(capsys, args, message):
+    """Exit 2 naming the argument (on a CPU machine too: before the GPU check), instead of a traceback from inside
+    the run or, for an unknown pass, a run that times nothing."""
+    with pytest.raises(SystemExit) as e:
+        main(["bench", *args])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bench_times_both_passes_by_default(monkeypatch):
+    """The harness's default is the forward and the backward of every mask at both of the issue's shapes."""
+    import flexlite.bench as bench
+    calls = []
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "run", lambda masks, shapes, passes, **kw: calls.append((masks, shapes, passes)))
+    main(["bench"])
+    assert calls == [(list(bench.mask_cases(8192, 16, "cpu")), [(4, 16, 8192, 128), (16, 16, 8192, 64)],
+                      ("fwd", "bwd"))]
