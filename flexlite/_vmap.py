@@ -22,7 +22,13 @@ def vmap_bhqkv(fn: Callable, prefix: tuple = ()) -> Callable:
     ``prefix`` gives the in_dims of leading arguments (for score_mod: ``(0,)``, a [B, H, Q, KV]
     score tensor peeled one dimension per vmap level).
     """
-    batched = fn
+    def tensor_valued(*args):  # a mod may return a Python constant (the kernels take one); vmap takes only tensors
+        out = fn(*args)
+        if isinstance(out, (bool, int, float)):
+            out = torch.tensor(out, dtype=torch.float64 if isinstance(out, float) else None, device=args[-1].device)
+        return out
+
+    batched = tensor_valued
     for dims in _BHQKV_DIMS:
         batched = torch.vmap(batched, in_dims=prefix + dims, out_dims=0)
     kind = "score_mod" if prefix else "mask_mod"

@@ -303,7 +303,10 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
         if heads is not None and heads != Hq:
             _fail(f"score_mod {getattr(score_mod, '__name__', '')!r} is made for {heads} heads (one table entry per "
                   f"head) but query has {Hq}; make it for {Hq} heads (its generator's head count, or table rows)")
-        traced_score_mod = check_mod_output(score_mod, "score_mod", "flex_attention")
+        # (float64 runs the mods in torch ops, vmapped: one value per score, checked here; the kernels' lowering names
+        # a value of another shape itself)
+        traced_score_mod = check_mod_output(score_mod, "score_mod", "flex_attention",
+                                            check_shape=query.dtype == torch.float64)
         for target, t in traced_score_mod.captured.items():
             if torch._C._functorch.is_functorch_wrapped_tensor(t):
                 _fail(f"score_mod captures {target!r} from a torch.func transform (vmap, grad, ...), which "
@@ -406,7 +409,8 @@ def _validate_block_mask(block_mask, query, key):
     if block_mask.mask_mod is None:
         return None
     check_arity(block_mask.mask_mod, "mask_mod", "block_mask.mask_mod")
-    return check_mod_output(block_mask.mask_mod, "mask_mod", "flex_attention")
+    return check_mod_output(block_mask.mask_mod, "mask_mod", "flex_attention",
+                            check_shape=query.dtype == torch.float64)  # (as score_mod's: _validate)
 
 
 def check_captured(captured, device: torch.device, caller: str, what: str = "a mod"):

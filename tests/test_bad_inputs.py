@@ -343,6 +343,19 @@ def float_mask_block_mask():
                                     mask_mod=float_mask)
 
 
+TABLE = torch.zeros(32, 3)  # a row per query: a mod reading it with one index makes a vector per score
+
+
+def vector_mask(b, h, q_idx, kv_idx):
+    return TABLE[q_idx] >= 0
+
+
+def vector_mask_block_mask():
+    bm = create_block_mask(causal, None, None, 32, 32, device=DEVICE, BLOCK_SIZE=16)
+    bm.mask_mod = vector_mask
+    return bm
+
+
 def fa(*tensors, **kw):
     return lambda: flex_attention(*(tensors or qkv()), **kw)
 
@@ -399,6 +412,14 @@ FLEX_ATTENTION = {
                               r"torch\.where"),
     "score_mod_wrong_arity": (fa(score_mod=lambda s, b: s), TypeError, "got a function of 2 arguments"),
     "scale_str": (fa(scale="0.1"), TypeError, "scale must be a Python float"),
+    # float64 runs the mods vmapped in torch ops (no lowering to name it): was torch's broadcast RuntimeError
+    "score_mod_vector_valued_float64": (
+        lambda: flex_attention(*(t.double() for t in qkv()),
+                               score_mod=lambda s, b, h, q_idx, kv_idx: s + TABLE[q_idx]), ValueError,
+        r"score_mod '<lambda>' must return one value per \(b, h, q_idx, kv_idx\), a 0-d tensor; .* shape \(3,\)"),
+    "mask_mod_vector_valued_float64": (
+        lambda: flex_attention(*(t.double() for t in qkv()), block_mask=vector_mask_block_mask()),
+        ValueError, r"mask_mod 'vector_mask' must return one value per .* shape \(3,\)"),
     "score_mod_numpy_array": (fa(score_mod=lambda s, b, h, q_idx, kv_idx: s * np.ones(3, np.float32)),
                               UntraceableModError, r"uses a numpy array \(<class 'numpy.ndarray'>\).*torch.as_tensor"),
     "scale_1d_tensor": (fa(scale=torch.ones(1)), TypeError, r"scale must be .* got a tensor of shape \(1,\)"),
@@ -456,6 +477,22 @@ def test_right_result_transposed_half_precision():
     q, k, v = (torch.randn(2, 24, 2, 16, generator=g).to(DEVICE, torch.float16).transpose(1, 2) for _ in range(3))
     assert_matches_reference(flex_attention(q, k, v, block_mask=create_block_mask(causal, None, None, 24, 24, DEVICE)),
                              q, k, v, block_mask=create_block_mask(causal, None, None, 24, 24, DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["kernel", "torch-ops"])
+def test_right_result_mods_returning_a_python_constant(dtype):
+    # the kernels take a mod returning a number (check_mod_output allows it); float64's torch ops and the reference
+    # vmap the mods, and vmap took only tensors: "must only return Tensors, got type <class 'int'>"
+    q, k, v = (t.to(dtype).requires_grad_(True) for t in qkv(Lq=20, Lkv=24))
+    bm = BlockMask.from_kv_blocks(*on(DEVICE, kv([[[1, 1]]], [[[[1, 0], [0, 1]]]])), BLOCK_SIZE=16,
+                                  mask_mod=lambda b, h, q_idx, kv_idx: True, seq_lengths=(20, 24))
+    for score_mod in (lambda s, b, h, q_idx, kv_idx: 3, lambda s, b, h, q_idx, kv_idx: 0.1):
+        out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, return_lse=True)
+        ref, ref_lse = attention_reference(q, k, v, score_mod=score_mod, block_mask=bm)
+        assert_close(out, ref, *TOLERANCES[torch.float32])
+        assert_close(lse, ref_lse, *TOLERANCES[torch.float32], name="lse")
+        for g, w in zip(torch.autograd.grad(out.sum(), (q, k, v)), torch.autograd.grad(ref.sum(), (q, k, v), materialize_grads=True)):
+            assert_close(g, w, *TOLERANCES[torch.float32], name="grad")
 
 
 def test_right_result_zero_length_and_zero_batch():
