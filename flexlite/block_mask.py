@@ -373,11 +373,39 @@ def _check_kv_values(prefix: str, num_blocks: Tensor, indices: Tensor, caller: s
         raise ValueError(f"{caller}: {prefix}{side}_indices{list(where)} = {int(indices[where])} is not a "
                          f"{side} block index in [0, {n_cols}) (only the first {prefix}{side}_num_blocks entries of a "
                          f"row are read, and those must be)")
+    # a block named twice in a row's counted entries is computed twice: its keys counted twice in the row's softmax
+    # (the LSE off by log 2 where it is the row's only block, the output of other rows skewed), the q side (made from
+    # the blocks, once each) then disagreeing with the forward's walk
+    listed = _ordered_to_dense(num_blocks, indices, n_cols)
+    twice = listed.sum(-1, dtype=torch.int32) != num_blocks
+    if bool(twice.any()):
+        where = tuple(twice.nonzero()[0].tolist())
+        row = indices[where][:int(num_blocks[where])].tolist()
+        raise ValueError(f"{caller}: {prefix}{side}_indices{list(where)} names a {side} block more than once among "
+                         f"the row's first {prefix}{side}_num_blocks{list(where)} = {int(num_blocks[where])} entries "
+                         f"{row}; the kernels would compute it once for each: list every block once")
+
+
+def _check_partial_full_disjoint(num_blocks: Tensor, indices: Tensor, full_num_blocks: Tensor, full_indices: Tensor,
+                                 caller: str = "BlockMask.from_kv_blocks", side: str = "kv") -> None:
+    """No block both partial (``side``_*) and full (full_``side``_*): the kernels walk both lists, so such a block
+    would be computed twice (once with mask_mod, once without). Reads the tensors on the host; the values must have
+    passed :func:`_check_kv_values`."""
+    if num_blocks.numel() == 0 or num_blocks.device.type == "meta" or indices.shape != full_indices.shape:
+        return
+    both = (_ordered_to_dense(num_blocks, indices, indices.shape[-1])
+            & _ordered_to_dense(full_num_blocks, full_indices, full_indices.shape[-1]))
+    if bool(both.any()):
+        where = tuple(both.nonzero()[0].tolist())
+        raise ValueError(f"{caller}: {side} block {where[-1]} of row {list(where[:-1])} is listed both in "
+                         f"{side}_indices (partial) and in full_{side}_indices (full); the kernels would compute it "
+                         f"twice: list it in one of them (full where mask_mod keeps all of it)")
 
 
 def check_block_tensors(block_mask: "BlockMask", caller: str, values: bool) -> None:
     """Every block-list pair of ``block_mask`` (kv and q sides, partial and full) as :meth:`BlockMask.from_kv_blocks`
-    checks its arguments: dtypes and shapes, and with ``values`` (a host read) the counts and indices in range."""
+    checks its arguments: dtypes and shapes, and with ``values`` (a host read) the counts and indices in range, each
+    block listed once (not twice in a row, nor both partial and full) and the q side the kv side's transpose."""
     for side in ("kv", "q"):
         for prefix in ("", "full_"):
             num_blocks = getattr(block_mask, f"{prefix}{side}_num_blocks")
@@ -387,6 +415,10 @@ def check_block_tensors(block_mask: "BlockMask", caller: str, values: bool) -> N
             _check_kv_pair(prefix, num_blocks, indices, caller, side)
             if values:
                 _check_kv_values(prefix, num_blocks, indices, caller, side)
+        lists = [getattr(block_mask, f"{prefix}{side}_{what}") for prefix in ("", "full_")
+                 for what in ("num_blocks", "indices")]
+        if values and None not in lists:
+            _check_partial_full_disjoint(*lists, caller, side)
     if values:
         _check_q_side_transposes_kv_side(block_mask, caller)
 
@@ -541,6 +573,7 @@ class BlockMask:
         _check_kv_values("", kv_num_blocks, kv_indices)
         if full_kv_num_blocks is not None:
             _check_kv_values("full_", full_kv_num_blocks, full_kv_indices)
+            _check_partial_full_disjoint(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
         block_size = _normalize_block_size(caller, BLOCK_SIZE)
         if mask_mod is not None:
             _check_mask_mod(caller, mask_mod)

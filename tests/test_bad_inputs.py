@@ -283,6 +283,19 @@ BLOCK_MASK = {
     "full_index_past_columns": (lambda: BlockMask.from_kv_blocks(*kv([[[0, 0]]], [[[[0, 1], [0, 1]]]]),
                                                                  *kv([[[1, 0]]], [[[[2, 0], [0, 1]]]]), BLOCK_SIZE=16),
                                 ValueError, r"full_kv_indices\[0, 0, 0, 0\] = 2"),
+    # a block listed twice, or both partial and full, is computed twice by the kernels (before: accepted, the row's
+    # LSE off by log 2, its output skewed, and the q side, made from the blocks once each, disagreeing with it)
+    "index_repeated_in_a_row": (lambda: BlockMask.from_kv_blocks(*kv([[[2, 1]]], [[[[1, 1], [1, 0]]]]), BLOCK_SIZE=16),
+                                ValueError, r"kv_indices\[0, 0, 0\] names a kv block more than once among the row's "
+                                            r"first kv_num_blocks\[0, 0, 0\] = 2 entries \[1, 1\]"),
+    "full_index_repeated_in_a_row": (lambda: BlockMask.from_kv_blocks(*kv([[[0, 0]]], [[[[0, 1], [0, 1]]]]),
+                                                                      *kv([[[0, 2]]], [[[[0, 1], [0, 0]]]]),
+                                                                      BLOCK_SIZE=16),
+                                     ValueError, r"full_kv_indices\[0, 0, 1\] names a kv block more than once"),
+    "block_partial_and_full": (lambda: BlockMask.from_kv_blocks(*kv([[[1, 1]]], [[[[0, 1], [1, 0]]]]),
+                                                                *kv([[[0, 1]]], [[[[0, 1], [1, 0]]]]), BLOCK_SIZE=16),
+                               ValueError, r"kv block 1 of row \[0, 0, 1\] is listed both in kv_indices \(partial\) "
+                                           r"and in full_kv_indices \(full\)"),
 }
 
 
@@ -382,6 +395,10 @@ FLEX_ATTENTION = {
     "query_nested": (lambda: flex_attention(*(torch.nested.nested_tensor([t[0], t[0, :, :20]], layout=torch.jagged)
                                               for t in qkv())), NotImplementedError,
                      r"query is a nested \(jagged\) tensor, which .* do not run: pad it .*varlen\.pack"),
+    "key_sparse": (lambda: flex_attention(qkv()[0], qkv()[1].to_sparse(), qkv()[2]), NotImplementedError,
+                   r"key is a sparse_coo tensor, which flex_attention's kernels do not read; .*key\.to_dense\(\)"),
+    "query_sparse_csr": (lambda: flex_attention(qkv()[0].to_sparse_csr(), *qkv()[1:]),
+                         NotImplementedError, r"query is a sparse_csr tensor"),
     "value_not_tensor": (lambda: flex_attention(*qkv()[:2], np.zeros((1, 2, 32, 16))), TypeError,
                          "value must be a torch.Tensor, got ndarray"),
     "value_on_other_device": (lambda: flex_attention(*qkv()[:2], qkv()[2].to("meta")), ValueError,
@@ -436,6 +453,8 @@ FLEX_ATTENTION = {
                                  r"full_kv_indices\[0, 0, 1, 0\] = -5 is not a kv block index in \[0, 2\)"),
     "q_num_blocks_negative": (tampered_mask("q_num_blocks", lambda t: t - 3), ValueError,
                               r"block_mask: q_num_blocks must be in \[0, 2\]"),
+    "kv_block_made_partial_and_full_in_place": (tampered_mask("kv_indices", ((0, 0, 1, 0), 0)), ValueError,
+                                                r"block_mask: kv block 0 of row \[0, 0, 1\] is listed both"),
     "kv_indices_float": (tampered_mask("kv_indices", lambda t: t.float()), TypeError,
                          "block_mask: kv_indices must be int32; got torch.float32"),
     "kv_indices_3d": (tampered_mask("kv_indices", lambda t: t[0]), ValueError,

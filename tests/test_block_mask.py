@@ -718,6 +718,34 @@ def test_a_block_mask_whose_q_side_is_not_its_kv_sides_transpose_is_refused():
     assert flex_attention(q, k, v, block_mask=good).isfinite().all()
 
 
+def test_a_block_listed_twice_is_refused():
+    """A block named twice in a row's counted entries (or both partial and full) is computed twice by the kernels: its
+    keys counted twice in the row's softmax (the LSE off by log 2 where it is the row's only block). Before, accepted
+    without a word, and the transpose check (over the blocks, each once) passed a q side with a repeat. Refused where
+    the values are read (CPU), on either side; the mask without the repeat runs."""
+    from flexlite import flex_attention
+
+    kv_num = torch.tensor([[[1, 2, 3, 4]]], dtype=torch.int32, device=DEVICE)
+    kv_idx = torch.tensor([[[[0, 1, 2, 3]] * 4]], dtype=torch.int32, device=DEVICE)
+    good = BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=16)
+    q_num, q_idx = good.q_num_blocks.clone(), good.q_indices.clone()
+    assert q_num[0, 0, 3] == 1 and q_idx[0, 0, 3, 0] == 3
+    q_num[0, 0, 3], q_idx[0, 0, 3, 1] = 2, 3  # kv block 3: q block 3 twice
+    repeated = BlockMask((64, 64), good.kv_num_blocks, good.kv_indices, None, None, q_num, q_idx, None, None,
+                         BLOCK_SIZE=(16, 16))
+    q, k, v = (torch.randn(1, 1, 64, 16, device=DEVICE) for _ in range(3))
+    if DEVICE == "cpu":
+        with pytest.raises(ValueError, match=r"flex_attention: block_mask: q_indices\[0, 0, 3\] names a q block more "
+                                             r"than once among the row's first q_num_blocks\[0, 0, 3\] = 2 entries "
+                                             r"\[3, 3\]"):
+            flex_attention(q, k, v, block_mask=repeated)
+        kv_twice = kv_idx.clone()
+        kv_twice[0, 0, 1, 1] = 0  # q block 1: kv block 0 twice
+        with pytest.raises(ValueError, match=r"kv_indices\[0, 0, 1\] names a kv block more than once"):
+            BlockMask.from_kv_blocks(kv_num, kv_twice, BLOCK_SIZE=16)
+    assert flex_attention(q, k, v, block_mask=good).isfinite().all()
+
+
 def test_a_block_mask_constructed_with_an_int_block_size_runs():
     """As from_kv_blocks takes it: BlockMask(..., BLOCK_SIZE=16) is (16, 16)."""
     from flexlite import attention_reference, flex_attention
