@@ -252,6 +252,9 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
                   f"(x.to_padded_tensor(0.0)), or pad and then pack the sequences into one (flexlite.varlen.pack, "
                   f"with varlen_block_mask)",
                   NotImplementedError)
+        if t.layout != torch.strided:  # (sparse COO / CSR / ...: no strides or storage for the kernels to read)
+            _fail(f"{name} is a {str(t.layout).replace('torch.', '')} tensor, which flex_attention's kernels do not "
+                  f"read; pass a dense one ({name}.to_dense())", NotImplementedError)
         if torch._C._functorch.is_functorch_wrapped_tensor(t):
             _fail(f"{name} comes from a torch.func transform (vmap, grad, vjp, jacrev, ...), which flex_attention's "
                   f"kernels do not run under: fold a vmapped dimension into the batch (B), and take gradients with "
