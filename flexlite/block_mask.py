@@ -690,8 +690,9 @@ class BlockMask:
 
     def __getitem__(self, index) -> "BlockMask":
         """Slice over batch, head (and q block) like torch: ints keep their dimension, so the
-        result stays [B', H', nQ', ...]. The q side is recomputed and ``mask_mod`` is reset to one
-        that raises (as torch): assign a mask_mod derived from the original's."""
+        result stays [B', H', nQ', ...]. The q side is recomputed (where this mask has one: a mask built without it,
+        ``compute_q_blocks=False``, slices to one without it, as torch) and ``mask_mod`` is reset to one that raises
+        (as torch): assign a mask_mod derived from the original's."""
         index = self._check_index(index)
         padded = (*index, slice(None), slice(None), slice(None))[:3]
         sizes = self.kv_num_blocks.shape[:3]
@@ -700,7 +701,8 @@ class BlockMask:
                 if self.full_kv_num_blocks is not None else (None, None))
         # slices of valid blocks are valid: no value checks (no host sync when slicing per decode step)
         return BlockMask._from_kv_side(self.kv_num_blocks[index], self.kv_indices[index], *full,
-                                       tuple(self.BLOCK_SIZE), _sliced_mask_mod_error, tuple(self.seq_lengths))
+                                       tuple(self.BLOCK_SIZE), _sliced_mask_mod_error, tuple(self.seq_lengths),
+                                       self.q_indices is not None)
 
     @staticmethod
     def _check_index(index) -> tuple:

@@ -369,6 +369,35 @@ def test_getitem(index, monkeypatch):
         sub.mask_mod(*(torch.tensor(0),) * 4)
 
 
+@pytest.mark.parametrize("index", [0, (slice(None), 1), (0, 0, slice(1, 3))], ids=repr)
+def test_getitem_of_a_mask_without_its_q_side_has_none(index):
+    """As torch's: a mask built without its q side (compute_q_blocks=False) slices to one without it (before: the q
+    side was computed for every slice, a transpose per slice of a decode loop torch does not do); with one, the slice
+    has its own. The slice without it still runs forward and backward (the kv side transposed when it runs)."""
+    from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
+    bm = create_block_mask(causal, 2, 2, 64, 64, device=DEVICE, BLOCK_SIZE=16)
+    lists = (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices)
+    for q_side in (False, True):
+        ours = BlockMask.from_kv_blocks(*lists, BLOCK_SIZE=16, mask_mod=causal, compute_q_blocks=q_side)[index]
+        theirs = TorchBlockMask.from_kv_blocks(*(t.cpu() for t in lists), BLOCK_SIZE=16, mask_mod=causal,
+                                               compute_q_blocks=q_side)[index]
+        for name in BlockMask._TENSOR_ATTRS:
+            mine, want = getattr(ours, name), getattr(theirs, name)
+            assert (mine is None) == (want is None) == (name.startswith(("q_", "full_q_")) and not q_side), name
+            assert mine is None or torch.equal(mine.cpu(), want), name
+    from flexlite import attention_reference, flex_attention
+    ours.mask_mod = causal
+    q, k, v = (torch.randn(*ours.kv_num_blocks.shape[:2], 64, 16, device=DEVICE, requires_grad=True)
+               for _ in range(3))
+    sliced = BlockMask.from_kv_blocks(*lists, BLOCK_SIZE=16, mask_mod=causal, compute_q_blocks=False)[index]
+    if sliced.kv_num_blocks.shape[2] == 4:  # (whole q side: it runs at these lengths)
+        sliced.mask_mod = causal
+        flex_attention(q, k, v, block_mask=sliced).sum().backward()
+        ref = attention_reference(q.detach(), k.detach(), v.detach(), block_mask=ours)[0]
+        assert (flex_attention(q, k, v, block_mask=sliced).double() - ref).abs().max() < 1e-5
+        assert q.grad.isfinite().all() and k.grad.isfinite().all()
+
+
 def test_getitem_out_of_range():
     bm = create_block_mask(causal, 2, 1, 64, 64, device=DEVICE, BLOCK_SIZE=16)
     with pytest.raises(IndexError, match="out of range"):
