@@ -282,6 +282,20 @@ def test_captured_tensors_on_requested_device():
                for t in trace_mod(generate_doc_mask_mod(causal_mask, ids), "mask_mod").captured.values())
 
 
+def test_factories_take_a_meta_device():
+    """device="meta" is taken as torch's factories take it (check_device_arg lets it through): the captured tensors
+    go there, built from the lengths' values on the CPU first (before: torch's "cannot repeat_interleave a meta tensor
+    without output_size" from the document, shared-prefix and Flamingo factories)."""
+    for mask in (generate_causal_document_mask([3, 0, 4], device="meta"),
+                 generate_doc_mask_mod(causal_mask, torch.tensor([0, 0, 1]), device="meta"),
+                 generate_shared_prefix_mask(4, [2, 2], device="meta"),
+                 generate_vision_cross_attention_mask_mod([[0, 2], [1, 3]], [3, 2], device="meta"),
+                 generate_vision_cross_attention_from_ranges([[0, 1], [0, 2]], 3, device="meta")):
+        captured = list(trace_mod(mask, "mask_mod").captured.values())
+        assert captured and all(t.device.type == "meta" for t in captured), mask.__name__
+    assert masks.document_ids_from_lengths([2, 3], device="meta").shape == (5,)
+
+
 @pytest.mark.parametrize("name", sorted(masks.NAMED_MASKS))
 def test_named_masks_build(name):
     seq = 64 if "natten" in name or name == "sasa" else 96
@@ -346,6 +360,21 @@ BAD_ARGS = [
     (generate_vision_cross_attention_from_ranges, ([[0, 1, 1]], 2), ValueError, "image_ranges"),
     (generate_block_causal_mask, (0,), ValueError, "block_size"),
     (generate_block_diffusion_mask, ("8", 4), TypeError, "seq_len"),
+    # a negative GPU index (before: torch's "Device index must not be negative") and meta tensors whose values the
+    # factory reads (before: torch's errors from .item() / .tolist() on them)
+    (lambda: generate_causal_document_mask([2, 3], device=-1), (), ValueError,
+     r"generate_doc_mask_mod: device=-1 is no GPU index"),
+    (lambda: generate_vision_cross_attention_mask_mod([[0, 2]], 3, device=-2), (), ValueError, "device=-2"),
+    (lambda: generate_doc_mask_mod(causal_mask, torch.tensor([0, 0, 1], device="meta")), (), ValueError,
+     "generate_doc_mask_mod: document_id is a meta tensor, which holds no values"),
+    (lambda: generate_doc_mask_mod(causal_mask, offsets=torch.tensor([0, 2, 3], device="meta")), (), ValueError,
+     "offsets is a meta tensor"),
+    (lambda: generate_causal_document_mask(torch.tensor([2, 3], device="meta")), (), ValueError,
+     "lengths is a meta tensor"),
+    (lambda: generate_vision_cross_attention_mask_mod(torch.tensor([[0, 2]], device="meta"), 3), (), ValueError,
+     "intervals is a meta tensor"),
+    (lambda: generate_vision_cross_attention_from_ranges(torch.tensor([[0, 1]], device="meta"), 3), (), ValueError,
+     "image_ranges is a meta tensor"),
 ]
 
 

@@ -32,6 +32,8 @@ def check_device_arg(caller: str, device):
     if device is None:
         return None
     if isinstance(device, int) and not isinstance(device, bool):  # (as torch takes it: GPU N)
+        if device < 0:
+            raise ValueError(f"{caller}: device={device} is no GPU index; use 0, 1, ... (GPU N), 'cuda:N' or 'cpu'")
         device = torch.device("cuda", device)
     from ..block_mask import check_device
     return check_device(caller, device, any_type=True)  # ("meta" too, as torch's factories)
@@ -42,13 +44,22 @@ def check_callable(caller: str, name: str, fn) -> None:
     check_arity(fn, "mask_mod", argname=name, caller=caller)
 
 
+def check_has_values(caller: str, name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t``, whose values the factory reads: a meta tensor (which has none) is a ValueError naming ``name``, not
+    torch's error from the read."""
+    if t.device.type == "meta":
+        raise ValueError(f"{caller}: {name} is a meta tensor, which holds no values, and the mask is computed from "
+                         f"them; pass it on a real device such as 'cpu'")
+    return t
+
+
 def check_lengths(caller: str, name: str, lengths, minimum: int = 1) -> list[int]:
     """A 1-D sequence (or tensor) of ints >= ``minimum``, as a Python list."""
     if isinstance(lengths, torch.Tensor):
         if lengths.dim() != 1 or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
             raise TypeError(f"{caller}: {name} must be a 1-D integer tensor or a sequence of ints; got "
                             f"a {lengths.dtype} tensor of shape {tuple(lengths.shape)}")
-        lengths = lengths.tolist()
+        lengths = check_has_values(caller, name, lengths).tolist()
     if not isinstance(lengths, Sequence) or isinstance(lengths, str):
         raise TypeError(f"{caller}: {name} must be a sequence of ints; got {type(lengths).__name__}")
     if not lengths:
@@ -63,7 +74,7 @@ def check_index_tensor(caller: str, name: str, t, dim: int) -> torch.Tensor:
         raise TypeError(f"{caller}: {name} must be an integer tensor; got {t.dtype}")
     if t.dim() != dim:
         raise ValueError(f"{caller}: {name} must be {dim}-D; got shape {tuple(t.shape)}")
-    return t
+    return check_has_values(caller, name, t)
 
 
 def pairs_tensor(caller: str, name: str, pairs) -> torch.Tensor:

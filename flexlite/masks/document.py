@@ -28,7 +28,8 @@ def document_ids_from_lengths(lengths: Lengths, device=None) -> torch.Tensor:
         device = lengths.device
     lengths = check_lengths("document_ids_from_lengths", "lengths", lengths, minimum=0)
     counts = torch.tensor(lengths, device=device)
-    return torch.repeat_interleave(torch.arange(len(lengths), device=device, dtype=torch.int32), counts)
+    return torch.repeat_interleave(torch.arange(len(lengths), device=device, dtype=torch.int32), counts,
+                                   output_size=sum(lengths))  # (the size known: a "meta" device takes it too)
 
 
 def length_to_offsets(lengths: Lengths, device=None) -> torch.Tensor:
@@ -68,7 +69,9 @@ def _check_document_id(caller: str, document_id) -> torch.Tensor:
     return document_id
 
 
-def _document_ids(caller: str, document_id, offsets, lengths, device) -> torch.Tensor:
+def _document_ids(caller: str, document_id, offsets, lengths, device) -> tuple:
+    """(the document ids, on a device that holds values: ``device`` but for "meta", where they are on the CPU; the
+    device they go to: ``device``, None for theirs)."""
     given = [name for name, v in (("document_id", document_id), ("offsets", offsets), ("lengths", lengths))
              if v is not None]
     if len(given) != 1:
@@ -76,14 +79,15 @@ def _document_ids(caller: str, document_id, offsets, lengths, device) -> torch.T
                         f"{', '.join(given) or 'none'}")
     device = check_device_arg(caller, device)
     if lengths is not None:
-        ids = document_ids_from_lengths(lengths, device=device)
+        ids = document_ids_from_lengths(lengths, device=None if device is not None and device.type == "meta"
+                                        else device)
     elif offsets is not None:
         ids = offsets_to_document_ids(offsets)
     else:
         ids = _check_document_id(caller, document_id)
     if ids.numel() == 0:
         raise ValueError(f"{caller}: the documents have no tokens (total length 0); there is nothing to mask")
-    return ids if device is None else ids.to(device)
+    return (ids if device is None or device.type == "meta" else ids.to(device)), device
 
 
 def generate_doc_mask_mod(mask_mod: Callable, document_id: Optional[torch.Tensor] = None, *,
@@ -104,9 +108,11 @@ def generate_doc_mask_mod(mask_mod: Callable, document_id: Optional[torch.Tensor
     """
     caller = "generate_doc_mask_mod"
     check_callable(caller, "mask_mod", mask_mod)
-    document_id = _document_ids(caller, document_id, offsets, lengths, device)
+    document_id, device = _document_ids(caller, document_id, offsets, lengths, device)
     counts = torch.bincount(document_id.long())
     starts = (counts.cumsum(0) - counts).to(torch.int32)
+    if device is not None:  # (the ids are there but on "meta", which holds no values to compute the starts from)
+        document_id, starts = document_id.to(device), starts.to(device)
 
     def doc_mask(b, h, q_idx, kv_idx):
         same_doc = document_id[q_idx] == document_id[kv_idx]

@@ -79,7 +79,7 @@ def generate_vision_cross_attention_mask_mod(intervals: Union[torch.Tensor, Sequ
     device = intervals.device if device is None else check_device_arg(caller, device)
     intervals = intervals.to(device)
     image_of = torch.repeat_interleave(torch.arange(num_images, device=device, dtype=torch.int32),
-                                       torch.tensor(counts, device=device))
+                                       torch.tensor(counts, device=device), output_size=sum(counts))  # (meta too)
 
     def vision_cross_attention(b, h, q_idx, kv_idx):
         return (intervals[image_of[kv_idx]][0] <= q_idx) & (q_idx < intervals[image_of[kv_idx]][1])
@@ -118,7 +118,7 @@ def generate_vision_cross_attention_from_ranges(image_ranges: Union[torch.Tensor
     device = image_ranges.device if device is None else check_device_arg(caller, device)
     image_ranges = image_ranges.to(device)
     image_of = torch.repeat_interleave(torch.arange(len(counts), device=device, dtype=torch.int32),
-                                       torch.tensor(counts, device=device))
+                                       torch.tensor(counts, device=device), output_size=sum(counts))  # (meta too)
 
     def vision_cross_attention_ranges(b, h, q_idx, kv_idx):
         image = image_of[kv_idx]
