@@ -26,6 +26,7 @@ from .codegen.trace import check_arity, mod_name
 # a dense Lq x Lkv picture beyond this many positions is more memory than insight
 MAX_POSITIONS = 2 ** 26
 _MASKED_COLOR = "#d0d0d0"
+_POSINF_COLOR = "#d62728"  # a +inf score (the row's whole weight), past the top of the scale
 
 
 def _require_matplotlib():
@@ -131,6 +132,26 @@ def attention_scores(query: torch.Tensor, key: torch.Tensor, score_mod: Optional
     return scores, keep
 
 
+def _score_image(scores: torch.Tensor, keep: Optional[torch.Tensor]):
+    """(the scores as a numpy masked array, masked where mask_mod removes a position or the score is -inf or NaN;
+    the colour scale's (vmin, vmax), over the other finite scores; whether a score is +inf). A +inf score is drawn
+    past the scale's top (the colormap's "over" colour): matplotlib takes an infinite value for a missing one, which
+    drew it in the masked grey, as if that position took no weight, where it takes all of its row's."""
+    import numpy as np
+
+    masked = torch.isneginf(scores) | torch.isnan(scores)
+    if keep is not None:
+        masked |= ~keep
+    posinf = torch.isposinf(scores) & ~masked
+    finite = scores[~masked & ~posinf]
+    vmin, vmax = (float(finite.min()), float(finite.max())) if finite.numel() else (0.0, 1.0)
+    if vmin == vmax:  # (one value: a scale around it)
+        vmin, vmax = vmin - 0.5, vmax + 0.5
+    over = vmax + max(1.0, vmax - vmin)  # (finite, past the top: "over")
+    values = scores.masked_fill(posinf, over if math.isfinite(over) else torch.finfo(torch.float64).max)
+    return np.ma.masked_array(values.cpu().numpy(), mask=masked.cpu().numpy()), (vmin, vmax), bool(posinf.any())
+
+
 def _default_title(score_mod, mask_mod, batch_idx, head_idx) -> str:
     mods = " + ".join(mod_name(m) for m in (score_mod, mask_mod) if m is not None) or "q @ k^T * scale"
     return f"{mods}\nbatch {batch_idx}, head {head_idx}"
@@ -148,7 +169,8 @@ def visualize_attention_scores(
     scale: Optional[float] = None,
 ) -> Path:
     """Write a PNG of the scores of one (batch, head): ``score_mod`` applied to ``q @ k^T * scale``, no
-    softmax; positions ``mask_mod`` removes (and scores of -inf) in grey. Without a score_mod the picture
+    softmax; positions ``mask_mod`` removes (and scores of -inf or NaN) in grey, scores of +inf in red past the
+    colour scale's top (the scale spans the finite scores). Without a score_mod the picture
     is the mask itself (attended dark, masked light).
 
     Args:
@@ -183,13 +205,12 @@ def visualize_attention_scores(
         bar = fig.colorbar(im, ax=ax, ticks=[0.25, 0.75])
         bar.ax.set_yticklabels(["masked", "attended"])
     else:
-        masked = torch.isneginf(scores) | torch.isnan(scores)
-        if keep is not None:
-            masked |= ~keep
-        image = np.ma.masked_array(scores.cpu().numpy(), mask=masked.cpu().numpy())
-        cmap = matplotlib.colormaps["viridis"].with_extremes(bad=_MASKED_COLOR)
-        im = ax.imshow(image, cmap=cmap, interpolation="nearest", aspect="auto")
-        fig.colorbar(im, ax=ax, label="score" + (" (grey: masked)" if masked.any() else ""))
+        image, (vmin, vmax), posinf = _score_image(scores, keep)
+        cmap = matplotlib.colormaps["viridis"].with_extremes(bad=_MASKED_COLOR, over=_POSINF_COLOR)
+        im = ax.imshow(image, cmap=cmap, vmin=vmin, vmax=vmax, interpolation="nearest", aspect="auto")
+        notes = ["grey: masked"] * bool(image.mask.any()) + ["red: +inf"] * posinf
+        fig.colorbar(im, ax=ax, extend="max" if posinf else "neither",
+                     label="score" + (f" ({'; '.join(notes)})" if notes else ""))
     ax.set_title(title if title is not None else _default_title(score_mod, mask_mod, batch_idx, head_idx))
     ax.set_xlabel("key tokens (kv_idx)")
     ax.set_ylabel("query tokens (q_idx)")

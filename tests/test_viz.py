@@ -52,6 +52,29 @@ def test_png_is_a_valid_image(tmp_path, score_mod, mask_mod):
         assert im.format == "PNG" and im.size == (width, height)
 
 
+def test_a_posinf_score_is_drawn_past_the_top_not_as_masked(tmp_path):
+    """A +inf score takes its row's whole weight: drawn in the colormap's "over" colour (red, an arrow on the colour
+    bar), not in the masked grey that matplotlib gave it (an infinite value is a missing one there), as if that
+    position took no weight. -inf and mask_mod's positions stay grey; the scale spans the finite scores."""
+    from flexlite.viz import _score_image
+
+    def diagonal_inf(score, b, h, q_idx, kv_idx):
+        return torch.where(q_idx == kv_idx, float("inf"), torch.where(q_idx == kv_idx + 1, float("-inf"), score))
+    q, k = qk(B=1, Hq=1, Hkv=1, Lq=6, Lkv=6)
+    scores, keep = attention_scores(q, k, score_mod=diagonal_inf, mask_mod=causal_mask)
+    image, (vmin, vmax), posinf = _score_image(scores, keep)
+    eye = torch.eye(6, dtype=torch.bool)
+    assert posinf and not image.mask[eye.numpy()].any() and (image.data[eye.numpy()] > vmax).all()
+    assert image.mask[torch.ones(6, 6, dtype=torch.bool).triu(1).numpy()].all()  # (mask_mod's: grey)
+    assert image.mask[[i + 1 for i in range(5)], list(range(5))].all()  # (-inf: grey)
+    finite = scores[keep & scores.isfinite()]
+    assert (vmin, vmax) == (finite.min().item(), finite.max().item())
+    pixels = read_png(visualize_attention_scores(q, k, score_mod=diagonal_inf, mask_mod=causal_mask,
+                                                 path=tmp_path / "inf.png"))
+    red = torch.tensor([0xd6, 0x27, 0x28]) / 255
+    assert ((torch.from_numpy(pixels[..., :3].copy()) - red).abs().amax(-1) < 0.02).sum() > 1000
+
+
 def test_large_and_cross_length(tmp_path):
     q, k = qk(B=1, Hq=1, Hkv=1, Lq=300, Lkv=500)
     read_png(visualize_attention_scores(q, k, mask_mod=generate_sliding_window(40), path=tmp_path / "big.png",
