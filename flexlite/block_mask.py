@@ -298,8 +298,9 @@ def tensors_key(tensors) -> tuple:
     """(id, version) of each tensor (None for None): a key that changes where one is replaced or changed in place.
     An inference tensor (made under torch.inference_mode) keeps no version counter: its entry is new on every call,
     so what is kept for it is redone every call (create_block_mask makes its tensors outside inference mode)."""
-    return tuple(None if t is None else (id(t), next(_UNTRACKED) if t.is_inference() else t._version)
-                 for t in tensors)
+    return tuple(None if t is None else (id(t), next(_UNTRACKED) if not isinstance(t, Tensor) or t.is_inference()
+                                         else t._version)
+                 for t in tensors)  # (something other than a tensor: new every call too, for its checks to name it)
 
 
 def kept_on(owner, name: str, key: tuple, make: Callable):
@@ -441,12 +442,10 @@ def _check_q_side_transposes_kv_side(block_mask: "BlockMask", caller: str) -> No
                              f"its transposed lists")
 
 
-def _check_seq_lengths(seq_lengths) -> tuple[int, int]:
+def _check_seq_lengths(seq_lengths, caller: str = "BlockMask.from_kv_blocks") -> tuple[int, int]:
     if not (isinstance(seq_lengths, (tuple, list)) and len(seq_lengths) == 2):
-        raise TypeError(f"BlockMask.from_kv_blocks: seq_lengths must be a (Q_LEN, KV_LEN) tuple; "
-                        f"got {seq_lengths!r}")
-    return tuple(_check_positive_int("BlockMask.from_kv_blocks", f"seq_lengths[{i}]", n)
-                 for i, n in enumerate(seq_lengths))
+        raise TypeError(f"{caller}: seq_lengths must be a (Q_LEN, KV_LEN) tuple; got {seq_lengths!r}")
+    return tuple(_check_positive_int(caller, f"seq_lengths[{i}]", n) for i, n in enumerate(seq_lengths))
 
 
 class BlockMask:
@@ -498,11 +497,17 @@ class BlockMask:
                              "full_kv_indices are None; the full blocks need their kv side (pass both, or neither)")
         if not (isinstance(seq_lengths, (tuple, list, torch.Size)) and len(seq_lengths) == 2):
             raise TypeError(f"BlockMask: seq_lengths must be a (Q_LEN, KV_LEN) pair; got {seq_lengths!r}")
-        if _is_int(BLOCK_SIZE):  # (as from_kv_blocks takes it)
-            BLOCK_SIZE = (BLOCK_SIZE, BLOCK_SIZE)
-        if not (isinstance(BLOCK_SIZE, (tuple, list)) and len(BLOCK_SIZE) == 2):
-            raise TypeError(f"BlockMask: BLOCK_SIZE must be an int or a (Q_BLOCK_SIZE, KV_BLOCK_SIZE) pair; got "
-                            f"{BLOCK_SIZE!r}")
+        # an int as from_kv_blocks takes it; positive multiples of 16 as everywhere (a BLOCK_SIZE of 24 reached the
+        # kernels' launch, whose error named a kernel_options['BLOCK_N'] nobody passed)
+        BLOCK_SIZE = _normalize_block_size("BlockMask", BLOCK_SIZE)
+        for name, t in (("kv_num_blocks", kv_num_blocks), ("kv_indices", kv_indices),
+                        ("full_kv_num_blocks", full_kv_num_blocks), ("full_kv_indices", full_kv_indices),
+                        ("q_num_blocks", q_num_blocks), ("q_indices", q_indices),
+                        ("full_q_num_blocks", full_q_num_blocks), ("full_q_indices", full_q_indices)):
+            if not isinstance(t, Tensor) and (t is not None or name in ("kv_num_blocks", "kv_indices")):
+                maybe = "" if name.startswith("kv_") else " or None"
+                raise TypeError(f"BlockMask: {name} must be an int32 Tensor{maybe}; got {type(t).__name__} "
+                                f"(torch.tensor(..., dtype=torch.int32))")
         self.seq_lengths = tuple(seq_lengths)
         self.kv_num_blocks = kv_num_blocks
         self.kv_indices = kv_indices
@@ -955,13 +960,20 @@ def from_torch_block_mask(block_mask) -> BlockMask:
         for i in (0, 2) if lists[2] is not None else (0,):
             lists[i:i + 2] = _without_blocks_past_the_end(lists[i], lists[i + 1])
         try:
-            block_size = _normalize_block_size(caller, tuple(block_mask.BLOCK_SIZE))
+            block_size = _normalize_block_size(caller, block_mask.BLOCK_SIZE)  # (an int too, as torch's own stores it)
         except ValueError as e:
             raise ValueError(f"{e}: rebuild the mask with flexlite.create_block_mask (same arguments, BLOCK_SIZE a "
                              f"multiple of 16)") from None
-        return BlockMask(_check_seq_lengths(tuple(block_mask.seq_lengths)), *lists, BLOCK_SIZE=block_size,
+        for name, t in zip(BlockMask._TENSOR_ATTRS[4:], lists[4:]):  # (the q side, which the BlockMask checks)
+            if t is not None and not isinstance(t, Tensor):
+                raise TypeError(f"{caller}: {name} must be an int32 Tensor or None; got {type(t).__name__}")
+        return BlockMask(_check_seq_lengths(block_mask.seq_lengths, caller), *lists, BLOCK_SIZE=block_size,
                          mask_mod=block_mask.mask_mod if block_mask.mask_mod is not None else noop_mask)
-    key = (tensors_key(tensors), tuple(block_mask.seq_lengths), tuple(block_mask.BLOCK_SIZE), id(block_mask.mask_mod))
+
+    def as_key(value):  # (seq_lengths and BLOCK_SIZE as torch holds them: tuples, lists, an int)
+        return tuple(value) if isinstance(value, (tuple, list)) else value
+    key = (tensors_key(tensors), as_key(block_mask.seq_lengths), as_key(block_mask.BLOCK_SIZE),
+           id(block_mask.mask_mod))
     return kept_on(block_mask, "_flexlite_block_mask", key, convert)
 
 

@@ -268,6 +268,17 @@ BLOCK_MASK = {
     "constructor_block_size_str": (lambda: BlockMask((16, 16), *kv([[[1]]], [[[[0]]]]), None, None, None, None, None,
                                                      None, BLOCK_SIZE="16"), TypeError,
                                    "BlockMask: BLOCK_SIZE must be an int or a"),
+    # a BLOCK_SIZE no kernel takes (before: kernel_options['BLOCK_N']=8 refused at launch, an option nobody passed) and
+    # block lists that are no tensors (before: AttributeError from flex_attention)
+    "constructor_block_size_24": (lambda: BlockMask((32, 32), *kv([[[1, 2]]], [[[[0, 1], [0, 1]]]]), None, None, None,
+                                                    None, None, None, BLOCK_SIZE=(16, 24)), ValueError,
+                                  r"BlockMask: BLOCK_SIZE must be positive multiples of 16; got \(16, 24\)"),
+    "constructor_lists": (lambda: BlockMask((32, 32), [[[1, 2]]], [[[[0, 1], [0, 1]]]], None, None, None, None, None,
+                                            None, BLOCK_SIZE=16), TypeError,
+                          r"BlockMask: kv_num_blocks must be an int32 Tensor; got list"),
+    "constructor_q_side_list": (lambda: BlockMask((32, 32), *kv([[[1, 2]]], [[[[0, 1], [0, 1]]]]), None, None,
+                                                  [[[2, 1]]], [[[[0, 1], [1, 0]]]], None, None, BLOCK_SIZE=16), TypeError,
+                                r"BlockMask: q_num_blocks must be an int32 Tensor or None; got list"),
     "to_unknown_device": (lambda: small_mask().to("gpu"), ValueError, r"BlockMask\.to: device='gpu' is not a device"),
     "to_int": (lambda: small_mask().to(5), TypeError, r"BlockMask\.to: device must be a str or torch\.device"),
     "to_missing_gpu": (lambda: small_mask().to(NO_CUDA_DEVICE), ValueError, "cuda:99"),
@@ -373,6 +384,15 @@ def fa(*tensors, **kw):
     return lambda: flex_attention(*(tensors or qkv()), **kw)
 
 
+def torch_mask(**replaced):
+    """torch's BlockMask of qkv()'s causal mask, with attributes ``replaced`` (its constructor stores them as given)."""
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+    bm = torch_create_block_mask(causal, None, None, 32, 32, device=DEVICE, BLOCK_SIZE=16)
+    for name, value in replaced.items():
+        setattr(bm, name, value)
+    return bm
+
+
 def tampered_mask(name: str, value) -> Callable:
     """The causal BlockMask of qkv() with one of its block-list tensors replaced (``value(tensor)``), or changed in
     place (``value`` a (where, number) pair): its tensors are public, and torch's masks are taken as they are. On
@@ -459,6 +479,14 @@ FLEX_ATTENTION = {
                          "block_mask: kv_indices must be int32; got torch.float32"),
     "kv_indices_3d": (tampered_mask("kv_indices", lambda t: t[0]), ValueError,
                       "block_mask: kv_indices must have 4 dimensions"),
+    # torch's BlockMask stores what it is given: a list for a q-side tensor, an int for seq_lengths (before:
+    # AttributeError "'list' object has no attribute 'is_inference'", TypeError "'int' object is not iterable")
+    "torch_mask_q_side_list": (lambda: flex_attention(*qkv(), block_mask=torch_mask(q_num_blocks=[[[1, 2]]])),
+                               TypeError, r"flex_attention: block_mask \(torch's BlockMask\): q_num_blocks must be an "
+                                          r"int32 Tensor or None; got list"),
+    "torch_mask_seq_lengths_int": (lambda: flex_attention(*qkv(), block_mask=torch_mask(seq_lengths=32)), TypeError,
+                                   r"flex_attention: block_mask \(torch's BlockMask\): seq_lengths must be a "
+                                   r"\(Q_LEN, KV_LEN\) tuple; got 32"),
 }
 
 

@@ -786,6 +786,12 @@ def test_a_block_mask_constructed_with_an_int_block_size_runs():
     q, k, v = rand_qkv(1, 1, 1, 32, 32, 16)
     ref = attention_reference(q, k, v, block_mask=create_block_mask(causal, None, None, 32, 32, DEVICE, BLOCK_SIZE=16))
     assert_close(flex_attention(q, k, v, block_mask=bm), ref[0], *TOLERANCES[torch.float32])
+    # torch's BlockMask keeps an int as it is given: taken so too (before: "'int' object is not iterable")
+    from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
+    theirs = TorchBlockMask((32, 32), num.to(DEVICE), idx.to(DEVICE), None, None, None, None, None, None, BLOCK_SIZE=16,
+                            mask_mod=causal)
+    assert theirs.BLOCK_SIZE == 16
+    assert_close(flex_attention(q, k, v, block_mask=theirs), ref[0], *TOLERANCES[torch.float32])
 
 
 # ----------------------------------------------------------------------------------------------
