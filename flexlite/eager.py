@@ -217,7 +217,10 @@ def _start(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_ma
     if limit:
         chunks.check_size()
     dtype = compute_dtype(query.dtype)
-    return chunks, H // key.shape[1], _cast(key, dtype), _cast(value, dtype)
+    # detached: the backward takes score_mod's derivative by autograd from the scores it recomputes, and a key already
+    # in the compute dtype (float32's, float64's: no copy) would tie them to the key, so that a score_mod capturing
+    # the key itself got the attention's dK a second time through them
+    return chunks, H // key.shape[1], _cast(key.detach(), dtype), _cast(value.detach(), dtype)
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -268,7 +271,7 @@ def backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: t
     delta = (do * out.to(k.dtype)).sum(-1)  # [B, H, Lq]: rowsum(dO * O)
     any_nonfinite = _any_nonfinite(chunks, v)
     for q0, q1, k0, k1 in chunks:
-        q = query[:, :, q0:q1].to(k.dtype)
+        q = query[:, :, q0:q1].detach().to(k.dtype)  # (as key and value: _start)
         with torch.enable_grad():
             raw, s = scores(q, k[:, :, k0:k1], groups, scale, score_mod, q0, k0)
         keep = chunks.keep(q0, q1, k0, k1)

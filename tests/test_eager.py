@@ -244,6 +244,33 @@ def test_float64_gradients_reach_tensors_a_score_mod_captures():
                                     (q, k, v, bias, slopes), fast_mode=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_score_mod_capturing_the_key_itself_gets_its_gradient_once(dtype):
+    # the backward's scores are recomputed from the key, under grad mode for score_mod's derivative; a key already in
+    # the compute dtype (no copy) tied them to it, so that a score_mod capturing the key (or the query) added the
+    # attention's dK to the captured tensor's gradient a second time (float64: dk off by ~1)
+    q, k, v = (t.to(dtype).requires_grad_() for t in rand_qkv(1, 2, 2, 24, 40, 16, seed=9))
+
+    def mod_of(q, k):
+        return lambda score, b, h, q_idx, kv_idx: score + q[b, h, q_idx, 0] * k[b, h, kv_idx, 1]
+    bm = create_block_mask(causal_mask, None, None, 24, 40, device=DEVICE, BLOCK_SIZE=16)
+    out, lse, _ = eager.forward(q, k, v, mod_of(q, k), bm, 0.3)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
+    with torch.no_grad():  # (as autograd runs a backward)
+        dq, dk, dv, (dq_captured, dk_captured) = eager.backward(q, k, v, out, grad_out, None, mod_of(q, k), bm, 0.3,
+                                                                (q, k))
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref_out, _ = attention_reference(qd, kd, vd, score_mod=mod_of(qd, kd), block_mask=bm, scale=0.3)
+    want = torch.autograd.grad((ref_out * grad_out.double()).sum(), (qd, kd, vd))
+    for label, got, w in zip(("dq", "dk", "dv"), (dq + dq_captured, dk + dk_captured, dv), want):
+        assert_grad_close(got, w, dtype, label, tolerance_dtype=torch.float32)
+    if dtype == torch.float64:  # through flex_attention, whose float64 runs these torch ops
+        q.grad = k.grad = v.grad = None
+        (flex_attention(q, k, v, score_mod=mod_of(q, k), block_mask=bm, scale=0.3) * grad_out).sum().backward()
+        for label, got, w in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), want):
+            assert_grad_close(got, w, dtype, label, tolerance_dtype=torch.float32)
+
+
 def test_float64_without_keys_gives_a_float64_lse():
     q, k, v = (t.double() for t in rand_qkv(1, 2, 2, 8, 0, 8))
     out, lse = flex_attention(q, k, v, return_lse=True)
