@@ -22,16 +22,28 @@ def vmap_bhqkv(fn: Callable, prefix: tuple = ()) -> Callable:
     ``prefix`` gives the in_dims of leading arguments (for score_mod: ``(0,)``, a [B, H, Q, KV]
     score tensor peeled one dimension per vmap level).
     """
+    batched = _tensor_valued(fn)
+    for dims in _BHQKV_DIMS:
+        batched = torch.vmap(batched, in_dims=prefix + dims, out_dims=0)
+    return _with_clear_errors(batched, "score_mod" if prefix else "mask_mod", fn)
+
+
+def vmap_positions(fn: Callable) -> Callable:
+    """Return score_mod ``fn`` vectorised over a list of positions: score, b, h, q_idx and kv_idx each a 1-D tensor
+    with an entry per position -> a value per position. As under :func:`vmap_bhqkv`, ``fn`` sees 0-d values."""
+    return _with_clear_errors(torch.vmap(_tensor_valued(fn)), "score_mod", fn)
+
+
+def _tensor_valued(fn: Callable) -> Callable:
     def tensor_valued(*args):  # a mod may return a Python constant (the kernels take one); vmap takes only tensors
         out = fn(*args)
         if isinstance(out, (bool, int, float)):
             out = torch.tensor(out, dtype=torch.float64 if isinstance(out, float) else None, device=args[-1].device)
         return out
+    return tensor_valued
 
-    batched = tensor_valued
-    for dims in _BHQKV_DIMS:
-        batched = torch.vmap(batched, in_dims=prefix + dims, out_dims=0)
-    kind = "score_mod" if prefix else "mask_mod"
+
+def _with_clear_errors(batched: Callable, kind: str, fn: Callable) -> Callable:
     name = f"{kind} {getattr(fn, '__name__', type(fn).__name__)!r}"
 
     def evaluate(*args):

@@ -865,7 +865,8 @@ def _captured_grads_from_ds(score_mod, query, key, scale, ds, captured) -> list:
         for start in range(0, Lq, rows):
             q = query.detach()[:, :, start:start + rows].float()
             raw, out = _eager.scores(q, k, Hq // key.shape[1], scale, score_mod, start, 0)
-            _, grads = _eager.through_score_mod(raw, out, ds[:, :, start:start + rows].to(out.dtype), captured)
+            _, grads = _eager.through_score_mod(raw, out, ds[:, :, start:start + rows].to(out.dtype), captured,
+                                                score_mod, start, 0)
             total = [t + g.to(t.dtype) for t, g in zip(total, grads)]
     return total
 

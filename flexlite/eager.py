@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from ._vmap import index_vectors, vmap_bhqkv
+from ._vmap import index_vectors, vmap_bhqkv, vmap_positions
 
 # scores per chunk (batch x heads x query rows x keys walked): 2**26 float32 = 256 MB a temporary
 CHUNK_SCORES = 2 ** 26
@@ -288,7 +288,7 @@ def backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: t
             if grad_lse is not None:
                 ds = ds + p * grad_lse[:, :, q0:q1].to(k.dtype).unsqueeze(-1)
         if score_mod is not None:  # dS through score_mod's ops to the raw scores and the captured tensors
-            ds, grads = through_score_mod(raw, s, ds, captured)
+            ds, grads = through_score_mod(raw, s, ds, captured, score_mod, q0, k0)
             dcaptured = [total + g.to(total.dtype) for total, g in zip(dcaptured, grads)]
             if keep is not None:  # (a masked position's derivative may be NaN, its dS is 0)
                 ds = ds.masked_fill(~keep, 0.0)
@@ -301,14 +301,47 @@ def backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: t
             [g.to(t.dtype) for g, t in zip(dcaptured, captured)])
 
 
-def through_score_mod(raw: torch.Tensor, modded: torch.Tensor, ds: torch.Tensor, captured: tuple) -> tuple:
+# positions per step where captured tensors' gradients are summed over a list of positions (_grads_at_positions)
+POSITIONS_PER_STEP = 2 ** 20
+
+
+def through_score_mod(raw: torch.Tensor, modded: torch.Tensor, ds: torch.Tensor, captured: tuple,
+                      score_mod: Optional[Callable] = None, q0: int = 0, k0: int = 0) -> tuple:
     """(dS at score_mod's input, the gradients of ``captured``) from dS at its output ``modded``: autograd of
     sum(modded * dS) (not grad_outputs=dS: autograd.grad imports sympy for grad_outputs, 2 s on a GPU host the first
-    time: NOTES 78); zeros for what score_mod does not depend on."""
+    time: NOTES 78); zeros for what score_mod does not depend on. Where a captured tensor's gradient is not finite and
+    ``score_mod`` is given (the chunk's rows from ``q0``, keys from ``k0``), it is summed again over the positions dS
+    reaches (nonzero; a masked position's dS is 0), as the kernels sum it: a position left out whose derivative is
+    not finite (score_mod's sqrt(q_idx - kv_idx) above a causal mask's diagonal) gave 0 * inf = NaN there."""
     inputs = (raw, *captured)
     grads = [None] * len(inputs)
     if modded.requires_grad:
         with torch.enable_grad():  # (a backward runs with grad mode off)
             grads = torch.autograd.grad((modded * ds).sum(), inputs, allow_unused=True)
+    if score_mod is not None and not all(bool(torch.isfinite(g).all()) for g in grads[1:] if g is not None):
+        grads = _grads_at_positions(score_mod, raw, ds, captured, q0, k0)
     return (torch.zeros_like(raw) if grads[0] is None else grads[0],
             [torch.zeros_like(t) if g is None else g for g, t in zip(grads[1:], captured)])
+
+
+def _grads_at_positions(score_mod: Callable, raw: torch.Tensor, ds: torch.Tensor, captured: tuple, q0: int,
+                        k0: int) -> list:
+    """:func:`through_score_mod`'s gradients from score_mod evaluated at the positions where ``ds`` is nonzero (NaN
+    included) alone, :data:`POSITIONS_PER_STEP` at a time."""
+    positions = (ds != 0).nonzero()
+    totals = [torch.zeros_like(raw)] + [torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in captured]
+    for start in range(0, positions.shape[0], POSITIONS_PER_STEP):
+        b, h, r, c = positions[start:start + POSITIONS_PER_STEP].unbind(1)
+        with torch.enable_grad():
+            score = raw.detach()[b, h, r, c].requires_grad_(True)
+            modded = vmap_positions(score_mod)(score.clone(), *(i.to(torch.int32) for i in (b, h, r + q0, c + k0)))
+            if not modded.requires_grad:
+                continue
+            grads = torch.autograd.grad((modded.to(ds.dtype) * ds[b, h, r, c]).sum(), (score, *captured),
+                                        allow_unused=True)
+        if grads[0] is not None:
+            totals[0][b, h, r, c] = grads[0]
+        for total, g in zip(totals[1:], grads[1:]):
+            if g is not None:
+                total += g
+    return totals

@@ -271,6 +271,32 @@ def test_a_score_mod_capturing_the_key_itself_gets_its_gradient_once(dtype):
             assert_grad_close(got, w, dtype, label, tolerance_dtype=torch.float32)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # (the interpreter's sqrt, masked)
+@pytest.mark.parametrize("dtype, options", [(torch.float64, None),
+                                            (torch.float32, {"DETERMINISTIC_CAPTURED_GRADS": True}),
+                                            (torch.float32, None)], ids=["float64", "deterministic", "kernels"])
+def test_a_captured_tensors_gradient_leaves_out_masked_positions_whose_derivative_is_not_finite(dtype, options):
+    # sqrt(q_idx - kv_idx) is NaN above a causal mask's diagonal, where dS is 0: the torch ops' autograd summed
+    # 0 * NaN into the bias' gradient (every entry NaN, in float64 and in the deterministic captured gradients; the
+    # kernels' atomics skip masked positions), where torch's kernels leave masked positions out
+    q, k, v = (t.to(dtype).requires_grad_() for t in rand_qkv(1, 2, 2, 24, 40, 16, seed=10))
+    bias = torch.rand(40, dtype=dtype, device=DEVICE, requires_grad=True)
+
+    def mod_of(sqrt):
+        return lambda score, b, h, q_idx, kv_idx: score + sqrt((q_idx - kv_idx).to(score.dtype)) * bias[kv_idx]
+    bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx > kv_idx, None, None, 24, 40, device=DEVICE,
+                           BLOCK_SIZE=16)
+    out = flex_attention(q, k, v, score_mod=mod_of(torch.sqrt), block_mask=bm, kernel_options=options)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
+    got = torch.autograd.grad((out * grad_out).sum(), (q, k, v, bias))
+    # the reference's sqrt of a clamped difference: the same scores where kept, a finite derivative where masked
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, _ = attention_reference(qd, kd, vd, score_mod=mod_of(lambda x: torch.sqrt(x.clamp(min=0))), block_mask=bm)
+    want = torch.autograd.grad((ref * grad_out.double()).sum(), (qd, kd, vd, bias))
+    for label, g, w in zip(("dq", "dk", "dv", "dbias"), got, want):
+        assert_grad_close(g, w.to(dtype), dtype, label, tolerance_dtype=torch.float32)
+
+
 def test_float64_without_keys_gives_a_float64_lse():
     q, k, v = (t.double() for t in rand_qkv(1, 2, 2, 8, 0, 8))
     out, lse = flex_attention(q, k, v, return_lse=True)
