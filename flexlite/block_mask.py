@@ -158,16 +158,20 @@ def _normalize_block_size(caller: str, BLOCK_SIZE) -> tuple[int, int]:
 
 def check_device(caller: str, device, name: str = "device", available: bool = True,
                  any_type: bool = False) -> torch.device:
-    """``device`` (a str, torch.device or None) as a torch.device flexlite can run on, else a typed error
-    naming ``name``: TypeError for another kind of value, ValueError for a malformed string, a CUDA
-    device without CUDA or past the visible GPUs (unless ``available=False``: the device need not be
-    present), NotImplementedError for a device type other than cuda / cpu (unless ``any_type``). None ->
-    "cuda" if available, else "cpu"; "cuda" names the current GPU."""
+    """``device`` (a str, torch.device, an int N for GPU N as torch takes it, or None) as a torch.device flexlite
+    can run on, else a typed error naming ``name``: TypeError for another kind of value, ValueError for a malformed
+    string or a negative int, a CUDA device without CUDA or past the visible GPUs (unless ``available=False``: the
+    device need not be present), NotImplementedError for a device type other than cuda / cpu (unless ``any_type``).
+    None -> "cuda" if available, else "cpu"; "cuda" names the current GPU."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if isinstance(device, int) and not isinstance(device, bool):
+        if device < 0:
+            raise ValueError(f"{caller}: {name}={device} is no GPU index; use 0, 1, ... (GPU N), 'cuda:N' or 'cpu'")
+        device = torch.device("cuda", device)
     if not isinstance(device, (str, torch.device)):
-        raise TypeError(f"{caller}: {name} must be a str or torch.device such as 'cuda' or 'cpu' (or None); "
-                        f"got {type(device).__name__} {device!r}")
+        raise TypeError(f"{caller}: {name} must be a str, torch.device or GPU index such as 'cuda', 'cpu' or 0 (or "
+                        f"None); got {type(device).__name__} {device!r}")
     try:
         device = torch.device(device)
     except RuntimeError as e:

@@ -210,6 +210,23 @@ def test_default_device():
     assert bm.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def test_an_int_device_is_that_gpu_as_in_torch():
+    """device=N (torch's DeviceLikeType) is cuda:N in create_block_mask, BlockMask.to and kernel_source, as the mask
+    factories take it (was a TypeError there): on a machine without CUDA the error says so; on one with it, the mask is
+    built on that GPU."""
+    from flexlite import kernel_source
+    assert kernel_source(None, device=0) == kernel_source(None, device="cuda:0")  # (CUDA source needs no GPU)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="create_block_mask: device is cuda:0 but CUDA is not available"):
+            create_block_mask(causal, 1, 1, 64, 64, device=0, BLOCK_SIZE=16)
+        with pytest.raises(ValueError, match="BlockMask.to: device is cuda:0 but CUDA is not available"):
+            create_block_mask(causal, 1, 1, 64, 64, device="cpu", BLOCK_SIZE=16).to(0)
+        return
+    bm = create_block_mask(causal, 1, 1, 64, 64, device=0, BLOCK_SIZE=16)
+    assert bm.device == torch.device("cuda", 0)
+    assert create_block_mask(causal, 1, 1, 64, 64, device="cpu", BLOCK_SIZE=16).to(0).device == torch.device("cuda", 0)
+
+
 # ----------------------------------------------------------------------------------------------
 # chunked evaluation: the builder's vmap path, which runs off CUDA (on a GPU the block-mask kernel
 # evaluates the mask block by block), so these tests build on the CPU whatever DEVICE is

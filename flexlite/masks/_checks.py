@@ -31,10 +31,6 @@ def check_device_arg(caller: str, device):
     ``device`` else, not torch's from deep inside)."""
     if device is None:
         return None
-    if isinstance(device, int) and not isinstance(device, bool):  # (as torch takes it: GPU N)
-        if device < 0:
-            raise ValueError(f"{caller}: device={device} is no GPU index; use 0, 1, ... (GPU N), 'cuda:N' or 'cpu'")
-        device = torch.device("cuda", device)
     from ..block_mask import check_device
     return check_device(caller, device, any_type=True)  # ("meta" too, as torch's factories)
 
