@@ -105,9 +105,18 @@ def check_scale(scale, fail: Callable, name: str = "scale") -> None:
             fail(f"{name} must be a Python float, a real 0-d tensor that does not require grad (no gradient flows to "
                  f"it), or None; got a tensor of shape {tuple(scale.shape)}, {scale.dtype}"
                  f"{', requiring grad' if scale.requires_grad else ''}", TypeError)
+        if scale.device.type == "meta":
+            fail(f"{name} is a tensor on the meta device, which holds no value; pass a Python float (or a 0-d tensor "
+                 f"with its value)", ValueError)
     elif scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
         fail(f"{name} must be a Python float (or a real number: int, numpy float) or None, got "
              f"{type(scale).__name__}", TypeError)
+    elif scale is not None:
+        try:
+            float(scale)
+        except OverflowError:
+            text = repr(scale) if len(repr(scale)) <= 40 else f"{repr(scale)[:20]}... ({len(repr(scale))} digits)"
+            fail(f"{name}={text} does not fit a float; pass a float (float('inf') for an infinite one)", ValueError)
 
 
 def _max_offset(shape, strides) -> int:

@@ -465,6 +465,9 @@ FLEX_ATTENTION = {
     "scale_tensor_requiring_grad": (fa(scale=torch.tensor(0.5, requires_grad=True)), TypeError,
                                     "no gradient flows to it.* requiring grad"),
     "scale_complex": (fa(scale=1j), TypeError, "scale must be a Python float .* got complex"),
+    "scale_past_float": (fa(scale=10 ** 400), ValueError, r"scale=1000000.*\.\.\. \(401 digits\) does not fit a float"),
+    "scale_meta_tensor": (fa(scale=torch.tensor(0.5, device="meta")), ValueError,
+                          "scale is a tensor on the meta device, which holds no value"),
     # a block mask's tensors changed after it was built (before: a segfault in the interpreter, memory past the
     # lists or past the sequence read, a raw interpreter error)
     "kv_num_blocks_past_the_blocks": (tampered_mask("kv_num_blocks", lambda t: torch.full_like(t, 50)), ValueError,
