@@ -385,10 +385,14 @@ def _validate_block_mask(block_mask, query, key):
     bq, bkv = block_mask.BLOCK_SIZE
     nq, nkv = block_mask.kv_indices.shape[-2:]
     if nq != cdiv(Lq, bq) or nkv != cdiv(Lkv, bkv):
-        fix = (f"a mask whose tensors were made for longer sequences: crop it with block_mask._adjust({Lq}, {Lkv}) "
-               f"(keeps the upper-left corner)" if nq >= cdiv(Lq, bq) and nkv >= cdiv(Lkv, bkv) else
-               "a BlockMask sliced over q blocks keeps the original seq_lengths: set block_mask.seq_lengths to "
-               "the lengths its blocks cover")
+        if nq >= cdiv(Lq, bq) and nkv >= cdiv(Lkv, bkv):
+            fix = (f"a mask whose tensors were made for longer sequences: crop it with block_mask._adjust({Lq}, "
+                   f"{Lkv}) (keeps the upper-left corner)")
+        elif nkv == cdiv(Lkv, bkv):  # (fewer q blocks alone: what a slice over q blocks leaves)
+            fix = ("a BlockMask sliced over q blocks keeps the original seq_lengths: set block_mask.seq_lengths to "
+                   "the lengths its blocks cover")
+        else:
+            fix = f"its tensors cover only {nq * bq} x {nkv * bkv} positions (a mask made for other lengths)"
         _fail(f"block_mask has {nq} x {nkv} blocks of {bq} x {bkv} "
               f"(kv_num_blocks / kv_indices) but its seq_lengths ({mq}, {mkv}) need {cdiv(Lq, bq)} x "
               f"{cdiv(Lkv, bkv)}: {fix}; or rebuild it with create_block_mask")

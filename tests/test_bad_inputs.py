@@ -839,10 +839,11 @@ def test_flexlite_reexports_are_the_checked_functions():
     assert flexlite.flash_attention is flash_attention and flexlite.triton_matmul is triton_matmul
 
 
-@pytest.mark.parametrize("case", ["longer tensors", "sliced over q blocks"])
+@pytest.mark.parametrize("case", ["longer tensors", "sliced over q blocks", "fewer kv blocks"])
 def test_a_block_mask_whose_tensors_and_lengths_disagree_is_told_the_fix_that_fits(case):
     """Tensors made for longer sequences: _adjust; a mask sliced over q blocks: its seq_lengths (before: both got the
-    slice's advice, or _adjust's for a slice)."""
+    slice's advice, or _adjust's for a slice); tensors with fewer kv blocks than KV_LEN needs (no slice makes those):
+    neither (they got the slice's advice)."""
     base = create_block_mask(causal, None, None, 64, 64, DEVICE, BLOCK_SIZE=16)
     if case == "longer tensors":
         bm = BlockMask.from_kv_blocks(base.kv_num_blocks, base.kv_indices, BLOCK_SIZE=16, seq_lengths=(48, 48))
@@ -852,5 +853,12 @@ def test_a_block_mask_whose_tensors_and_lengths_disagree_is_told_the_fix_that_fi
         bm = base[:, :, 1:3]
         q, k = torch.randn(1, 1, 32, 16, device=DEVICE), torch.randn(1, 1, 64, 16, device=DEVICE)
         match = r"sliced over q blocks keeps the original seq_lengths.*set block_mask.seq_lengths = \(32, 64\)"
-    with pytest.raises(ValueError, match=match):
+    if case == "fewer kv blocks":
+        small = create_block_mask(causal, None, None, 64, 32, DEVICE, BLOCK_SIZE=16)
+        bm = BlockMask.from_kv_blocks(small.kv_num_blocks, small.kv_indices, BLOCK_SIZE=16, seq_lengths=(64, 64))
+        q = k = torch.randn(1, 1, 64, 16, device=DEVICE)
+        match = (r"block_mask has 4 x 2 blocks of 16 x 16 .* need 4 x 4: its tensors cover only 64 x 32 positions "
+                 r"\(a mask made for other lengths\); or rebuild it with create_block_mask$")
+    with pytest.raises(ValueError, match=match) as e:
         flex_attention(q, k, k, block_mask=bm)
+    assert ("sliced over q blocks" in str(e.value)) == (case == "sliced over q blocks")
