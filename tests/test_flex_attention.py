@@ -269,6 +269,38 @@ def test_inside_a_torch_compiled_model():
                        flex_attention(q, k, v, block_mask=bm))
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # Dynamo's import
+def test_a_compiled_models_steps_do_not_recompile_flexlites_entry_points():
+    """Dynamo compiled the frame of the wrapper that makes flexlite's entry points opaque (runtime.guards), one cache
+    entry per entry point, grad mode and autocast state: a compiled model calling create_block_mask and flex_attention
+    for training and evaluation steps with and without autocast hit its recompile limit (torch's warning naming
+    'opaque'). The wrapper's frame is skipped: at most the entry made before the first call marked it, and the
+    results are the eager model's."""
+    import torch._dynamo
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(16, 48)
+
+        def forward(self, x):
+            q, k, v = self.proj(x).chunk(3, dim=-1)
+            bm = create_block_mask(CATALOG["causal"](1, 2, 32, 32, DEVICE).mask_mod, None, None, 32, 32,
+                                   device=x.device, BLOCK_SIZE=16)
+            return flex_attention(q, k, v, block_mask=bm)
+
+    torch._dynamo.reset()  # (as a fresh process: the mark is made again)
+    model = Block().to(DEVICE)
+    compiled = torch.compile(model, backend="eager")
+    x = rand_qkv(1, 2, 2, 32, 32, 16, seed=11)[0]
+    for autocast in (False, True, False, True):
+        for grad in (True, False):
+            with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast), torch.set_grad_enabled(grad):
+                assert torch.equal(compiled(x), model(x))
+    assert len(_debug_get_cache_entry_list(flex_attention.__code__)) <= 1
+
+
 def test_import_does_not_load_dynamo():
     """Being opaque to torch.compile costs no import time: Dynamo (about 1 s to import) is not loaded by
     ``import flexlite``, nor by a first call."""
