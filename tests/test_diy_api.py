@@ -123,6 +123,21 @@ def test_flash_attention_gradients_guarded():
         assert_close(got, want, 1e-4, 1e-4, name=name)
 
 
+@pytest.mark.parametrize("shape", [(0, 2, 8, 16), (2, 0, 8, 16), (2, 2, 0, 16), (0, 8, 16)], ids=str)
+def test_empty_inputs_stay_differentiable(shape):
+    """An empty batch, head or sequence returned zeros_like(q), not tied to q, k, v: a loss over it had no
+    graph (backward: 'element 0 of tensors does not require grad'), where flex_attention's has one. Now the empty
+    output has flex_attention's (and the reference's) graph: empty gradients, causal and seq_lens too."""
+    for causal, seq_lens in ((False, None), (True, torch.zeros(shape[0], dtype=torch.int32))):
+        for fn in (flash_attention, reference_attention):
+            q, k, v = (t.requires_grad_() for t in qkv(*shape))
+            out = (fn(q, k, v, causal=causal, seq_lens=seq_lens) if fn is flash_attention else
+                   fn(q, k, v, causal=causal))
+            assert out.shape == q.shape and out.dtype == q.dtype
+            grads = torch.autograd.grad(out.sum(), (q, k, v))
+            assert all(g.shape == q.shape for g in grads)
+
+
 # ---------------------------------------------------------------------------------------------------
 # triton_matmul
 

@@ -137,12 +137,12 @@ def flash_attention(
         TypeError: not a tensor, unsupported dtype, dtypes differ, non-integer seq_lens, non-float sm_scale.
     """
     _validate("flash_attention", q, k, v, sm_scale, seq_lens, causal)
-    if q.numel() == 0:
-        return torch.zeros_like(q)
     q4, k4, v4 = _as_4d(q), _as_4d(k), _as_4d(v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if sm_scale is None else float(sm_scale)
-    out = flex_attention(q4, k4, v4, block_mask=block_mask_for(q4, causal, seq_lens), scale=scale,
-                         kernel_options=dict(KERNEL_OPTIONS))
+    # empty inputs (no batch, head or position): no block mask (create_block_mask takes no length 0) and nothing it
+    # would mask; flex_attention still returns its output differentiable in q, k, v (zeros_like(q) was not)
+    block_mask = block_mask_for(q4, causal, seq_lens) if q.numel() else None
+    out = flex_attention(q4, k4, v4, block_mask=block_mask, scale=scale, kernel_options=dict(KERNEL_OPTIONS))
     return out.reshape(q.shape)
 
 
@@ -151,9 +151,8 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     """Dense O(seq_len²) attention for checking :func:`flash_attention`: :func:`flexlite.attention_reference`
     in float64, rounded once to the input dtype. Same shapes, dtypes and errors as flash_attention."""
     _validate("reference_attention", q, k, v, sm_scale, causal=causal, kernels=False)
-    if q.numel() == 0:
-        return torch.zeros_like(q)
     q4 = _as_4d(q)
-    out, _ = attention_reference(q4, _as_4d(k), _as_4d(v), block_mask=block_mask_for(q4, causal, None),
+    block_mask = block_mask_for(q4, causal, None) if q.numel() else None  # (as flash_attention: differentiable)
+    out, _ = attention_reference(q4, _as_4d(k), _as_4d(v), block_mask=block_mask,
                                  scale=None if sm_scale is None else float(sm_scale))
     return out.to(q.dtype).reshape(q.shape)
