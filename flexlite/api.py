@@ -319,9 +319,11 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
         # a value of another shape itself)
         traced_score_mod = check_mod_output(score_mod, "score_mod", "flex_attention",
                                             check_shape=query.dtype == torch.float64)
-        for target, t in traced_score_mod.captured.items():
+        for t in traced_score_mod.captured.values():
             if torch._C._functorch.is_functorch_wrapped_tensor(t):
-                _fail(f"score_mod captures {target!r} from a torch.func transform (vmap, grad, ...), which "
+                # (described, not named: the trace's name for it is fx's '_tensor_constant0', not the user's)
+                _fail(f"score_mod captures a tensor (shape {tuple(t.shape)}, {t.dtype}) from a torch.func transform "
+                      f"(vmap, grad, functional_call under vmap, ...), which "
                       f"flex_attention's kernels do not run under: take gradients of captured tensors with "
                       f"torch.autograd (they are differentiable there)", NotImplementedError)
     check_scale(scale, _fail)
