@@ -262,3 +262,25 @@ def test_torch_paged_attention_runs_as_it_is():
             return bias(score, b, h, q_idx, kv_idx)
         ref = attention_reference(q[b:b + 1], k, v, score_mod=own_bias)[0]
         assert_close(out[b:b + 1], ref, *TOLERANCES[torch.float32], name=f"sequence {b}")
+
+
+def test_more_decode_splits_than_key_tiles_run_as_many_as_there_are_tiles():
+    """kernel_options DECODE_SPLITS past the key tiles: one split per tile runs (the others would walk nothing). 4097
+    splits at value head dim 256 made a combine tile past Triton's largest (an InterpreterError 'numel (2097152)
+    exceeds triton maximum tensor numel' from inside the call, after 4097 decode programs); a count the combine step
+    cannot merge where there are that many tiles is a ValueError naming DECODE_SPLITS."""
+    from flexlite.runtime import launch
+
+    q, k, v = rand_qkv(1, 1, 1, 1, 20, 256, seed=3)
+    out, lse = flex_attention(q, k, v, return_lse=True, kernel_options={"DECODE": True, "DECODE_SPLITS": 4097})
+    ref, ref_lse = attention_reference(q, k, v)
+    assert_close(out, ref, *TOLERANCES[torch.float32])
+    assert_close(lse, ref_lse, *LSE_TOLERANCES[torch.float32], name="lse")
+    tiles = tuple(launch._INTERPRETER_DECODE_TILES.items())
+    plan = launch._decode_plan(torch.device("cpu"), 1, 1, 1, 16, 1, 20, 256, (128, 128), 1, False, False, 4097,
+                               False, False, tiles)
+    assert plan.num_splits == 1
+    with pytest.raises(ValueError, match=r"kernel_options DECODE_SPLITS=5000 is more splits than the decode kernel's "
+                                         r"combine step merges at value head dim 256 \(at most 4096\); pin fewer"):
+        launch._decode_plan(torch.device("cpu"), 1, 1, 1, 16, 1, 2 ** 20, 256, (128, 128), 1, False, False, 5000,
+                            False, False, tiles)

@@ -13,6 +13,7 @@ from typing import NamedTuple, Optional
 
 import torch
 import triton
+import triton.language as tl
 
 try:  # Triton >= 3.4; CompiledLaunch launches directly only on 3.6
     from triton import knobs as _triton_knobs
@@ -942,6 +943,13 @@ def _decode_plan(device: torch.device, B: int, Hq: int, Lq: int, D: int, Hkv: in
     if num_splits is None:
         sms = _device_facts(device)[0] if cuda else 2
         num_splits = decode_splits(programs, cdiv(Lkv, block_n), sms, tiles["waves"])
+    else:  # (kernel_options DECODE_SPLITS) at most one split per key tile the block lists can name: the rest walk none
+        pinned = num_splits
+        num_splits = max(1, min(num_splits, cdiv(Lkv, sparse_block[1]) * (sparse_block[1] // block_n)))
+        most = tl.TRITON_MAX_TENSOR_NUMEL // head_dim_pad(Dv)  # the combine step merges them in one [splits, Dv] tile
+        if num_splits > most:
+            raise ValueError(f"flex_attention: kernel_options DECODE_SPLITS={pinned} is more splits than the decode "
+                             f"kernel's combine step merges at value head dim {Dv} (at most {most}); pin fewer")
     use_pdl = bool(tiles.get("use_pdl")) and cuda and _device_facts(device)[1] >= 9 and _has_gdc()
     constexprs = dict(
         ROWS=rows, SPARSE_KV_BLOCK=sparse_block[1], D=D, DV=Dv, D_PAD=head_dim_pad(D), DV_PAD=head_dim_pad(Dv),
