@@ -348,11 +348,19 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
         _check_option_values(kernel_options, (DEFAULT_SPARSE_BLOCK,) * 2 if block_mask is None
                              else tuple(block_mask.BLOCK_SIZE) if isinstance(block_mask, BlockMask) else None)
         forward_options = _pass_options(kernel_options, "fwd_")
+
+        def written(k):  # the forward's key as the user wrote it
+            return "fwd_" + k if "fwd_" + k in kernel_options else k
         if forward_options.get("DECODE") and forward_options.get("FORCE_USE_FLEX_ATTENTION"):
-            decode, force = ("fwd_" + k if "fwd_" + k in kernel_options else k
-                             for k in ("DECODE", "FORCE_USE_FLEX_ATTENTION"))  # (the forward's, as written)
-            _fail(f"kernel_options {decode}=True (or torch's BACKEND='TRITON_DECODE') cannot be combined with "
-                  f"{force}=True: one insists on the decoding kernel, the other forbids it; pass one of them")
+            _fail(f"kernel_options {written('DECODE')}=True (or torch's BACKEND='TRITON_DECODE') cannot be combined "
+                  f"with {written('FORCE_USE_FLEX_ATTENTION')}=True: one insists on the decoding kernel, the other "
+                  f"forbids it; pass one of them")
+        pinned = [written(k) for k in CONFIG_KEYS if k in forward_options]
+        if forward_options.get("DECODE") and pinned:
+            _fail(f"kernel_options {written('DECODE')}=True (or torch's BACKEND='TRITON_DECODE') picks the decoding "
+                  f"kernel, which takes no tile config, so the forward's pinned {pinned} would be ignored (pinned "
+                  f"tiles otherwise pick the regular kernel): drop one or the other, or prefix them bwd_ for the "
+                  f"backward alone")
         if forward_options.get("WARP_SPECIALIZE") and (
                 forward_options.get("DECODE") or forward_options.get("AUTOTUNE")
                 or any(k in forward_options for k in CONFIG_KEYS)):
@@ -1185,8 +1193,8 @@ def _decode_rows(query, key, num_blocks, sparse, options) -> int:
     """Query heads per decode program, or 0 for the regular forward kernel. Short queries (<= 64, all in
     the block mask's first q block) over any KV use split-KV decoding unless ``kernel_options`` says
     ``DECODE=False`` (or torch's ``FORCE_USE_FLEX_ATTENTION=True`` or ``BACKEND="TRITON"``, or pinned tiles);
-    ``DECODE=True`` (torch's ``BACKEND="TRITON_DECODE"``) insists (beside ``FORCE_USE_FLEX_ATTENTION=True``:
-    refused by :func:`_validate`)."""
+    ``DECODE=True`` (torch's ``BACKEND="TRITON_DECODE"``) insists (beside ``FORCE_USE_FLEX_ATTENTION=True`` or
+    pinned forward tiles: refused by :func:`_validate`)."""
     rows = decode_rows(query, key, sparse, num_blocks.shape[1])
     pinned_tiles = any(k in options for k in CONFIG_KEYS)  # a pinned tile config means the regular kernel
     wanted = options.get("DECODE", not (options.get("FORCE_USE_FLEX_ATTENTION", False) or pinned_tiles))

@@ -107,6 +107,26 @@ def test_decode_and_force_use_flex_attention_together_are_refused(monkeypatch):
     assert ran == [True, True]
 
 
+def test_decode_with_pinned_forward_tiles_is_refused(monkeypatch):
+    """DECODE=True picks the decoding kernel, which takes no tile config; pinned forward tiles pick the regular kernel
+    (without DECODE): both is a ValueError naming the keys as written (the pins were ignored, silently); tiles pinned
+    for the backward alone (bwd_) are no conflict, and the decode kernel runs."""
+    import flexlite.api as api
+    q, k, v = rand_qkv(1, 4, 2, 3, 300, 32)
+    for options, named in (({"DECODE": True, "BLOCK_M": 16}, r"\['BLOCK_M'\]"),
+                           ({"BACKEND": "TRITON_DECODE", "fwd_num_warps": 8, "BLOCK_N": 16},
+                            r"\['BLOCK_N', 'fwd_num_warps'\]")):
+        with pytest.raises(ValueError, match=r"DECODE=True \(or torch's BACKEND='TRITON_DECODE'\) picks the decoding "
+                                             rf"kernel, which takes no tile config, so the forward's pinned {named} "
+                                             r"would be ignored"):
+            flex_attention(q, k, v, enable_gqa=True, kernel_options=options)
+    ran = []
+    real = api.launch_decode
+    monkeypatch.setattr(api, "launch_decode", lambda *a, **kw: ran.append(True) or real(*a, **kw))
+    flex_attention(q, k, v, enable_gqa=True, kernel_options={"DECODE": True, "bwd_num_warps": 8, "bwd_BLOCK_M1": 16})
+    assert ran == [True]
+
+
 def test_decode_refuses_long_queries():
     q, k, v = rand_qkv(1, 1, 1, 100, 100, 16)
     for options in ({"DECODE": True}, {"BACKEND": "TRITON_DECODE"}):
