@@ -70,8 +70,8 @@ def pack(padded: torch.Tensor, lengths: Union[Sequence[int], torch.Tensor]) -> t
     B, H, L, D = padded.shape
     values = _lengths(lengths, B, L)
     cu_seqlens = torch.tensor([0] + values, dtype=torch.int32, device=padded.device).cumsum(0).to(torch.int32)
-    if B == 0:
-        return padded.new_zeros((1, H, 0, D)), cu_seqlens
+    if B == 0:  # (a view of padded, so that autograd reaches it as through the slices below)
+        return padded[:, :, :0].reshape(1, H, 0, D), cu_seqlens
     packed = torch.cat([padded[b:b + 1, :, :n] for b, n in enumerate(values)], dim=2)
     return packed, cu_seqlens
 

@@ -21,6 +21,18 @@ def test_pack_unpack_round_trip():
         assert torch.equal(back[b, :, :n], x[b, :, :n]) and (back[b, :, n:] == 0).all()
 
 
+@pytest.mark.parametrize("B, lengths", [(0, []), (2, [0, 0])], ids=["no_samples", "empty_samples"])
+def test_pack_of_nothing_stays_in_autograd(B, lengths):
+    """An empty packed batch (no samples, or samples of no tokens) is tied to the padded input as any other, so that a
+    loss over it back-propagates (empty gradients) instead of failing with 'does not require grad' (no samples: the
+    packed tensor was new zeros)."""
+    x = torch.randn(B, 2, 5, 8, device=DEVICE, requires_grad=True)
+    packed, cu = pack(x, lengths)
+    assert packed.shape == (1, 2, 0, 8) and cu.tolist() == [0] * (B + 1)
+    packed.sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape and not x.grad.any()
+
+
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 def test_packed_attention_equals_per_sample_attention(causal):
     q, k, v = rand_qkv(4, 2, 2, 100, 100, 16)
