@@ -238,23 +238,28 @@ def test_under_torch_autocast():
         assert_grad_close(g, w.float(), torch.float32, name, tolerance_dtype=torch.bfloat16)  # GPU atomics: no order
 
 
+class _AttentionBlock(torch.nn.Module):
+    """The model the torch.compile tests compile: a projection, then flexlite's causal block mask and attention over
+    length L (``score_mod``; ``mask_kwargs`` for create_block_mask)."""
+
+    def __init__(self, L: int, score_mod=None, **mask_kwargs):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 48)
+        self.L, self.score_mod, self.mask_kwargs = L, score_mod, mask_kwargs
+
+    def forward(self, x):
+        q, k, v = self.proj(x).chunk(3, dim=-1)
+        bm = create_block_mask(CATALOG["causal"](1, 2, self.L, self.L, DEVICE).mask_mod, None, None, self.L, self.L,
+                               device=x.device, **self.mask_kwargs)
+        return flex_attention(q, k, v, block_mask=bm, score_mod=self.score_mod)
+
+
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # Dynamo's import
 def test_inside_a_torch_compiled_model():
     """A model using flexlite under torch.compile (AOT autograd; no C++ compiler needed), and the two functions
     compiled themselves: create_block_mask and flex_attention run as they are; out and the parameter gradients are
     the eager model's."""
-    class Block(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.proj = torch.nn.Linear(16, 48)
-
-        def forward(self, x):
-            q, k, v = self.proj(x).chunk(3, dim=-1)
-            bm = create_block_mask(CATALOG["causal"](1, 2, 64, 64, DEVICE).mask_mod, None, None, 64, 64,
-                                   device=x.device)
-            return flex_attention(q, k, v, block_mask=bm, score_mod=lambda s, b, h, q_idx, kv_idx: s + 0.1 * h)
-
-    model = Block().to(DEVICE)
+    model = _AttentionBlock(64, score_mod=lambda s, b, h, q_idx, kv_idx: s + 0.1 * h).to(DEVICE)
     x = rand_qkv(1, 2, 2, 64, 64, 16, seed=9)[0]
     want = model(x)
     want_grad = torch.autograd.grad(want.square().sum(), model.proj.weight)[0]
@@ -279,19 +284,8 @@ def test_a_compiled_models_steps_do_not_recompile_flexlites_entry_points():
     import torch._dynamo
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    class Block(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.proj = torch.nn.Linear(16, 48)
-
-        def forward(self, x):
-            q, k, v = self.proj(x).chunk(3, dim=-1)
-            bm = create_block_mask(CATALOG["causal"](1, 2, 32, 32, DEVICE).mask_mod, None, None, 32, 32,
-                                   device=x.device, BLOCK_SIZE=16)
-            return flex_attention(q, k, v, block_mask=bm)
-
     torch._dynamo.reset()  # (as a fresh process: the mark is made again)
-    model = Block().to(DEVICE)
+    model = _AttentionBlock(32, BLOCK_SIZE=16).to(DEVICE)
     compiled = torch.compile(model, backend="eager")
     x = rand_qkv(1, 2, 2, 32, 32, 16, seed=11)[0]
     for autocast in (False, True, False, True):
