@@ -318,7 +318,8 @@ def through_score_mod(raw: torch.Tensor, modded: torch.Tensor, ds: torch.Tensor,
     if modded.requires_grad:
         with torch.enable_grad():  # (a backward runs with grad mode off)
             grads = torch.autograd.grad((modded * ds).sum(), inputs, allow_unused=True)
-    if score_mod is not None and not all(bool(torch.isfinite(g).all()) for g in grads[1:] if g is not None):
+    finite = [torch.isfinite(g).all() for g in grads[1:] if g is not None]
+    if score_mod is not None and finite and not bool(torch.stack(finite).all()):  # (one host read per chunk)
         grads = _grads_at_positions(score_mod, raw, ds, captured, q0, k0)
     return (torch.zeros_like(raw) if grads[0] is None else grads[0],
             [torch.zeros_like(t) if g is None else g for g, t in zip(grads[1:], captured)])

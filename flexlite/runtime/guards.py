@@ -48,17 +48,11 @@ def work_scope(tensor: torch.Tensor, autocast: bool):
     return scope
 
 
-_OPAQUE_CODE = [None]  # the code object every opaque_to_compile wrapper shares
-_SKIP_CODE = []  # torch's private torch._dynamo.eval_frame.skip_code, or a no-op where it is missing
-
-
-def _skip_opaque() -> None:
-    """Mark the wrappers' code object for Dynamo to skip (run eagerly, outside any trace): its frame then runs as it
-    is instead of being compiled (and recompiled) to a graph break. On every call (0.4 us), since
-    ``torch._dynamo.reset()`` clears the mark."""
-    if not _SKIP_CODE:
-        _SKIP_CODE.append(getattr(sys.modules["torch._dynamo"].eval_frame, "skip_code", None) or (lambda code: None))
-    _SKIP_CODE[0](_OPAQUE_CODE[0])
+@functools.cache
+def _dynamo_skip_code() -> Callable:
+    """torch's private ``torch._dynamo.eval_frame.skip_code`` (marks a code object for Dynamo to skip: its frame runs
+    as it is, not compiled), or a no-op where it is missing. Called once Dynamo is loaded."""
+    return getattr(sys.modules["torch._dynamo"].eval_frame, "skip_code", None) or (lambda code: None)
 
 
 def opaque_to_compile(fn: Callable) -> Callable:
@@ -71,14 +65,14 @@ def opaque_to_compile(fn: Callable) -> Callable:
     Dynamo also compiles the frame of ``opaque`` itself (run eagerly after the graph break, or handed to torch.compile):
     nothing, one cache entry per entry point, grad mode and autocast state, all entry points sharing its code object,
     so that a compiled model's train / eval steps with and without autocast hit its recompile limit (a warning naming
-    ``opaque``). Each run of a disabled function marks that code object for Dynamo to skip (:func:`_skip_opaque`): a
-    frame run as it is, not compiled; a call inside a compiled function still graph-breaks there (and fullgraph=True
-    still refuses it)."""
+    ``opaque``). Each run of a disabled function marks that code object for Dynamo to skip
+    (:func:`_dynamo_skip_code`): a frame run as it is, not compiled; a call inside a compiled function still
+    graph-breaks there (and fullgraph=True still refuses it). The mark is made on every call (0.4 us), since ``torch._dynamo.reset()`` clears it."""
     disabled = []
 
     @functools.wraps(fn)
     def skipping(*args, **kwargs):
-        _skip_opaque()
+        _dynamo_skip_code()(opaque.__code__)  # (one code object, shared by every entry point's wrapper)
         return fn(*args, **kwargs)
 
     @functools.wraps(fn)
@@ -88,6 +82,5 @@ def opaque_to_compile(fn: Callable) -> Callable:
         if not disabled:
             disabled.append(torch.compiler.disable(skipping))
         return disabled[0](*args, **kwargs)
-    _OPAQUE_CODE[0] = opaque.__code__
     opaque.flexlite_entry_point = True  # (a mod's fingerprint does not walk into it: codegen.trace)
     return opaque
