@@ -15,8 +15,8 @@ from torch.autograd import forward_ad
 from . import eager as _eager
 from . import first_calls
 from .block_mask import (BlockMask, check_block_tensors, check_captured_device, check_device, check_mod_output,
-                         from_torch_block_mask, is_torch_block_mask, item_lists, kept_on, lists_key, q_sides,
-                         tensors_key)
+                         from_torch_block_mask, is_bool, is_torch_block_mask, item_lists, kept_on, lists_key,
+                         q_sides, tensors_key)
 from .codegen.kernel import GeneratedKernel, generate, generate_backward
 from .codegen.lower import FLOAT32_EXACT_INT
 from .codegen.trace import check_arity, trace_mod
@@ -145,9 +145,11 @@ def _check_slice_offsets(query, key, value):
               f"split the query sequence")
 
 
-def _check_flag(name: str, value):
-    if not isinstance(value, bool):
+def _check_flag(name: str, value) -> bool:
+    """``value`` as a bool (Python's or numpy's); a TypeError naming the argument else."""
+    if not is_bool(value):
         _fail(f"{name} must be a bool (True or False); got {type(value).__name__} {value!r}", TypeError)
+    return bool(value)
 
 
 # kernel_options' values: flags, ints with their least value, and tile sizes (powers of two >= 16; whether they
@@ -306,8 +308,8 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
                   f"attention, or repeat the key/value heads")
     _check_slice_offsets(query, key, value)
     _check_device_type(query)  # after the offset checks: meta tensors show what those accept
-    _check_flag("enable_gqa", enable_gqa)
-    _check_flag("return_lse", return_lse)
+    enable_gqa = _check_flag("enable_gqa", enable_gqa)
+    return_lse = _check_flag("return_lse", return_lse)
     traced_score_mod = None
     if score_mod is not None:
         check_arity(score_mod, "score_mod")
@@ -347,6 +349,8 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
         # (a block_mask that is not a BlockMask is refused below)
         _check_option_values(kernel_options, (DEFAULT_SPARSE_BLOCK,) * 2 if block_mask is None
                              else tuple(block_mask.BLOCK_SIZE) if isinstance(block_mask, BlockMask) else None)
+        # (numpy bools as Python's: the options are constexprs and cache keys downstream)
+        kernel_options = {k: bool(v) if is_bool(v) else v for k, v in kernel_options.items()}
         forward_options = _pass_options(kernel_options, "fwd_")
 
         def written(k):  # the forward's key as the user wrote it

@@ -12,7 +12,7 @@ from typing import Sequence, Union
 
 import torch
 
-from .block_mask import BlockMask, _is_int, check_device, create_block_mask, noop_mask
+from .block_mask import BlockMask, _is_int, check_device, create_block_mask, is_bool, noop_mask
 from .masks.causal import causal_mask
 from .masks._checks import check_device_arg
 from .masks.document import generate_doc_mask_mod
@@ -40,17 +40,18 @@ def _lengths(lengths: Union[Sequence[int], torch.Tensor], batch: int, max_len: i
 
 
 def _cu_seqlens(caller: str, cu_seqlens, name: str = "cu_seqlens") -> torch.Tensor:
-    """``cu_seqlens`` (an integer tensor or a sequence of ints; the argument ``name``) as a 1-D integer tensor
-    [0, ..., total]: at least one entry, starting at 0, never decreasing."""
+    """``cu_seqlens`` (an integer tensor, a sequence of ints or an integer numpy array, as pack's lengths; the
+    argument ``name``) as a 1-D integer tensor [0, ..., total]: at least one entry, starting at 0, never
+    decreasing."""
     if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device.type == "meta":
         raise ValueError(f"{caller}: {name} is a meta tensor, whose values are not there to read; pass it on the "
                          f"CPU or the GPU")
     if not isinstance(cu_seqlens, torch.Tensor):
-        if not (isinstance(cu_seqlens, Sequence) and not isinstance(cu_seqlens, str)
-                and all(_is_int(x) for x in cu_seqlens)):
+        values = cu_seqlens.tolist() if hasattr(cu_seqlens, "tolist") else cu_seqlens  # (numpy arrays)
+        if not (isinstance(values, Sequence) and not isinstance(values, str) and all(_is_int(x) for x in values)):
             raise TypeError(f"{caller}: {name} must be an int32 tensor [0, L0, L0 + L1, ...] (or a list of ints); "
                             f"got {type(cu_seqlens).__name__} {cu_seqlens!r}")
-        cu_seqlens = torch.tensor(list(cu_seqlens), dtype=torch.int32)
+        cu_seqlens = torch.tensor(list(values), dtype=torch.int32)
     if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype.is_complex or cu_seqlens.dtype == torch.bool:
         raise TypeError(f"{caller}: {name} must be an integer (int32) tensor; got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() == 0:
@@ -107,8 +108,9 @@ def varlen_block_mask(cu_seqlens: torch.Tensor, causal: bool = True, H=None, BLO
     empty: out 0). None: the queries' packing."""
     caller = "varlen_block_mask"
     cu_seqlens = _cu_seqlens(caller, cu_seqlens)
-    if not isinstance(causal, bool):
+    if not is_bool(causal):
         raise TypeError(f"{caller}: causal must be a bool; got {type(causal).__name__} {causal!r}")
+    causal = bool(causal)
     total = int(cu_seqlens[-1])
     if total == 0:
         raise ValueError(f"{caller}: cu_seqlens {cu_seqlens.tolist()} has no tokens (total length 0); "

@@ -508,6 +508,33 @@ def assert_matches_reference(out, q, k, v, **kw):
     assert_close(out, ref, *TOLERANCES[q.dtype])
 
 
+@pytest.mark.parametrize("flag", [np.True_, np.False_], ids=["np.True_", "np.False_"])
+def test_right_result_numpy_bools_are_bools(flag):
+    """A numpy bool (np.True_, what numpy comparisons and configs read through numpy give) is taken wherever a flag
+    is, as the Python bool; numpy's other scalars are refused as Python's are."""
+    q, k, v = rand_qkv(1, 2, 1, 32, 32, 16, dtype=torch.float32)
+    want = bool(flag)
+    got = flex_attention(q, k, v, enable_gqa=np.True_, return_lse=flag, kernel_options={"USE_TMA": np.False_})
+    ref = flex_attention(q, k, v, enable_gqa=True, return_lse=want, kernel_options={"USE_TMA": False})
+    assert isinstance(got, tuple) == want
+    for a, b in zip(got if want else (got,), ref if want else (ref,)):
+        assert torch.equal(a, b)
+    assert torch.equal(flash_attention(q, q, q, causal=flag), flash_attention(q, q, q, causal=want))
+    made = create_block_mask(causal, 1, None, 64, 64, device=DEVICE, BLOCK_SIZE=16, separate_full_blocks=flag)
+    plain = create_block_mask(causal, 1, None, 64, 64, device=DEVICE, BLOCK_SIZE=16, separate_full_blocks=want)
+    assert (made.full_kv_num_blocks is None) == (plain.full_kv_num_blocks is None) == (not want)
+    again = BlockMask.from_kv_blocks(plain.kv_num_blocks, plain.kv_indices, plain.full_kv_num_blocks,
+                                     plain.full_kv_indices, BLOCK_SIZE=16, compute_q_blocks=flag)
+    assert (again.q_num_blocks is None) == (not want)
+    from flexlite.masks import generate_global_sliding_window, generate_sliding_window
+    assert generate_sliding_window(4, causal=flag).__name__ == generate_sliding_window(4, causal=want).__name__
+    assert (generate_global_sliding_window(4, 2, causal=flag).__name__ ==
+            generate_global_sliding_window(4, 2, causal=want).__name__)
+    assert torch.equal(triton_matmul(A, A, use_autotune=np.False_), triton_matmul(A, A, use_autotune=False))
+    with pytest.raises(TypeError, match=r"return_lse must be a bool \(True or False\); got int64"):
+        flex_attention(q, k, v, enable_gqa=True, return_lse=np.int64(1))
+
+
 @pytest.mark.parametrize("scale", [np.float32(0.3), np.float64(0.3), torch.tensor(0.3), torch.tensor(0.3).double(),
                                    3], ids=["numpy-float32", "numpy-float64", "0-d-tensor", "0-d-double", "int"])
 def test_right_result_scale_as_a_number_or_a_0d_tensor(scale):
@@ -718,6 +745,19 @@ def test_varlen_edge_inputs_that_work():
     packed, cu = pack(x[:0], [])  # no samples at all
     assert packed.shape == (1, 1, 0, 4) and cu.tolist() == [0] and unpack(packed, cu, 3).shape == (0, 1, 3, 4)
     assert varlen_block_mask([0, 3, 8], BLOCK_SIZE=16).to_dense().equal(varlen_block_mask(CU, BLOCK_SIZE=16).to_dense())
+
+
+def test_varlen_takes_numpy_offsets_and_bools():
+    x = torch.randn(2, 1, 8, 4)
+    packed, cu = pack(x, [3, 5])
+    assert unpack(packed, np.array([0, 3, 8]), 5).equal(unpack(packed, cu, 5))  # as pack takes numpy lengths
+    for causal_ in (True, False):
+        made = varlen_block_mask(np.array([0, 3, 8], dtype=np.int64), causal=np.bool_(causal_), BLOCK_SIZE=16)
+        assert made.to_dense().equal(varlen_block_mask(CU, causal=causal_, BLOCK_SIZE=16).to_dense())
+        b0 = torch.tensor(0)
+        assert made.mask_mod(b0, b0, torch.tensor(4), torch.tensor(7)).item() is not causal_  # (a later key)
+    with pytest.raises(TypeError, match=r"cu_seqlens must be an int32 tensor .* got ndarray"):
+        varlen_block_mask(np.array([0.0, 8.0]))
 
 
 # ----------------------------------------------------------------------------------------------

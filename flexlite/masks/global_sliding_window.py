@@ -3,7 +3,7 @@ StreamingLLM): the first ``num_global_tokens`` tokens attend to and are attended
 others attend within a sliding window."""
 
 from ..block_mask import and_masks, or_masks
-from ._checks import check_int
+from ._checks import check_bool, check_int
 from .causal import causal_mask
 from .sliding_window import generate_sliding_window
 
@@ -15,8 +15,7 @@ def generate_global_sliding_window(window_size: int, num_global_tokens: int, cau
     caller = "generate_global_sliding_window"
     window_size = check_int(caller, "window_size", window_size)
     num_global_tokens = check_int(caller, "num_global_tokens", num_global_tokens)
-    if not isinstance(causal, bool):
-        raise TypeError(f"{caller}: causal must be a bool; got {type(causal).__name__}")
+    causal = check_bool(caller, "causal", causal)
 
     def global_key(b, h, q_idx, kv_idx):
         return kv_idx < num_global_tokens

@@ -1,7 +1,7 @@
 """Sliding-window masks: each query sees the last ``window_size`` keys (and, bidirectional, the next ones)."""
 
 from ..block_mask import and_masks
-from ._checks import check_int
+from ._checks import check_bool, check_int
 from .causal import causal_mask
 
 
@@ -11,8 +11,7 @@ def generate_sliding_window(window_size: int, causal: bool = True):
     Named ``sliding_window_<w>`` (``..._bidirectional`` for the two-sided window).
     """
     window_size = check_int("generate_sliding_window", "window_size", window_size)
-    if not isinstance(causal, bool):
-        raise TypeError(f"generate_sliding_window: causal must be a bool; got {type(causal).__name__}")
+    causal = check_bool("generate_sliding_window", "causal", causal)
 
     def band(b, h, q_idx, kv_idx):
         return (q_idx - kv_idx).abs() <= window_size
