@@ -216,7 +216,7 @@ def _check_aux(return_aux, return_lse: bool, kernel_options) -> None:
     """``return_aux``: None or an AuxRequest (flexlite's or torch's: fields ``lse`` and ``max_scores``, bools)."""
     if return_aux is None:
         return
-    if not all(isinstance(getattr(return_aux, f, None), bool) for f in AuxRequest._fields):
+    if not all(is_bool(getattr(return_aux, f, None)) for f in AuxRequest._fields):
         _fail(f"return_aux must be None or an AuxRequest(lse=..., max_scores=...) with bool fields "
               f"(flexlite.AuxRequest or torch's); got {type(return_aux).__name__} {return_aux!r}", TypeError)
     if return_lse:

@@ -520,6 +520,9 @@ def test_right_result_numpy_bools_are_bools(flag):
     for a, b in zip(got if want else (got,), ref if want else (ref,)):
         assert torch.equal(a, b)
     assert torch.equal(flash_attention(q, q, q, causal=flag), flash_attention(q, q, q, causal=want))
+    out, aux = flex_attention(q, k, v, enable_gqa=True, return_aux=AuxRequest(lse=flag))
+    assert torch.equal(out, ref[0] if want else ref) and (aux.lse is None) == (not want)
+    assert generate_tanh_softcap(30.0, approx=flag).__name__ == generate_tanh_softcap(30.0, approx=want).__name__
     made = create_block_mask(causal, 1, None, 64, 64, device=DEVICE, BLOCK_SIZE=16, separate_full_blocks=flag)
     plain = create_block_mask(causal, 1, None, 64, 64, device=DEVICE, BLOCK_SIZE=16, separate_full_blocks=want)
     assert (made.full_kv_num_blocks is None) == (plain.full_kv_num_blocks is None) == (not want)

@@ -2,7 +2,7 @@
 
 import torch
 
-from ..masks._checks import check_float
+from ..masks._checks import check_bool, check_float
 from ..ops import tanh_approx
 
 
@@ -11,8 +11,7 @@ def generate_tanh_softcap(cap: float, approx: bool = True):
     (FlashAttention does the same; exact on CPU and in the reference), ``approx=False`` the exact tanh.
     Named ``tanh_softcap_<cap>`` (``_approx``)."""
     cap = check_float("generate_tanh_softcap", "cap", cap, positive=True)
-    if not isinstance(approx, bool):
-        raise TypeError(f"generate_tanh_softcap: approx must be a bool; got {type(approx).__name__}")
+    approx = check_bool("generate_tanh_softcap", "approx", approx)
     tanh = tanh_approx if approx else torch.tanh
 
     def softcap(score, b, h, q_idx, kv_idx):
