@@ -842,6 +842,11 @@ MASKS = {
                             "generate_kv_cache_causal: offset must be a 0-d integer tensor .* got int 3"),
     "kv_cache_offset_bool": (lambda: generate_kv_cache_causal(torch.tensor(True)), TypeError,
                              "offset must be a 0-d integer tensor .* got a torch.bool tensor"),
+    "kv_cache_offset_2d": (lambda: generate_kv_cache_causal(torch.zeros(2, 3, dtype=torch.int64)), TypeError,
+                           r"or a non-empty 1-D one with a cache length per batch element; got a torch.int64 tensor "
+                           r"of shape \(2, 3\)"),
+    "kv_cache_offset_empty": (lambda: generate_kv_cache_causal(torch.zeros(0, dtype=torch.int32)), TypeError,
+                              r"got a torch.int32 tensor of shape \(0,\)"),
 }
 
 

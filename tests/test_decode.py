@@ -167,6 +167,32 @@ def test_kv_cache_steps_reuse_trace_and_kernel(monkeypatch):
     assert len(compile_module._MODULES) == n_modules
 
 
+@pytest.mark.parametrize("decode", [False, True], ids=["attention kernel", "decoding kernel"])
+def test_kv_cache_with_a_cache_length_per_batch_element(decode):
+    # generate_kv_cache_causal with a 1-D offset: each sample's queries sit at its own offset, so a sample's output is
+    # attention over its own cache alone (the batch's longer caches' keys past it never seen)
+    lengths = [37, 100, 64]
+    Lq, Lkv = 2, max(lengths)
+    offset = torch.tensor([n - Lq for n in lengths], device=DEVICE)
+    q, k, v = rand_qkv(len(lengths), 4, 2, Lq, Lkv, 32, seed=3)
+    bm = create_block_mask(generate_kv_cache_causal(offset), len(lengths), None, Lq, Lkv, device=DEVICE,
+                           BLOCK_SIZE=32)
+    out = flex_attention(q, k, v, block_mask=bm, enable_gqa=True, kernel_options={"DECODE": decode})
+    for b, n in enumerate(lengths):
+        alone = generate_kv_cache_causal(torch.tensor(n - Lq, device=DEVICE))
+        ref, _ = attention_reference(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n], enable_gqa=True,
+                                     block_mask=create_block_mask(alone, None, None, Lq, n, device=DEVICE,
+                                                                  BLOCK_SIZE=32))
+        assert_close(out[b:b + 1], ref, *TOLERANCES[torch.float32], name=f"sample {b}")
+    offset += 1  # a step on: the same mod reads the new positions
+    q1, k1, v1 = rand_qkv(len(lengths), 4, 2, Lq, Lkv + 1, 32, seed=4)
+    bm = create_block_mask(generate_kv_cache_causal(offset), len(lengths), None, Lq, Lkv + 1, device=DEVICE,
+                           BLOCK_SIZE=32)
+    out = flex_attention(q1, k1, v1, block_mask=bm, enable_gqa=True, kernel_options={"DECODE": decode})
+    ref, _ = attention_reference(q1, k1, v1, block_mask=bm, enable_gqa=True)
+    assert_close(out, ref, *TOLERANCES[torch.float32], name="next step")
+
+
 def test_kv_cache_offset_must_be_an_int_tensor():
     with pytest.raises(TypeError, match="0-d integer tensor"):
         generate_kv_cache_causal(5)
