@@ -6,6 +6,8 @@ Semantics (the same as torch's FlexAttention and as flexlite's kernels):
 * a position is kept if its block is a *full* block of ``block_mask``, or its block is a *partial*
   block and ``block_mask.mask_mod(b, h, q_idx, kv_idx)`` is True; everything else is -inf;
 * softmax over kv; a query row with nothing kept gives output 0 and LSE -inf (never NaN);
+* gradients flow from the kept positions alone (with autograd recording, score_mod runs on those only: a mod whose
+  derivative is infinite at a masked position, sqrt at 0, leaves no NaN behind, as in the kernels);
 * the LSE is in natural log.
 """
 
@@ -16,7 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ._vmap import index_vectors, vmap_bhqkv
+from ._vmap import index_vectors, vmap_bhqkv, vmap_positions
 from .block_mask import from_torch_block_mask, is_torch_block_mask
 
 # (atol, rtol) of flexlite's output against this reference, per input dtype: the tests' policy and the
@@ -107,12 +109,19 @@ def attention_reference(
         v = v.repeat_interleave(Hq // Hkv, dim=1)
     scale = 1.0 / math.sqrt(E) if scale is None else scale
     scores = (q @ k.transpose(-1, -2)) * scale
-    if score_mod is not None:
-        scores = vmap_bhqkv(score_mod, prefix=(0,))(scores, *index_vectors(B, Hq, Lq, Lkv, q.device))
-        scores = scores.to(dtype)
-    if block_mask is not None:
-        keep = reference_mask(block_mask, B, Hq, q.device).expand(B, Hq, Lq, Lkv)
-        scores = scores.masked_fill(~keep, float("-inf"))
+    keep = None if block_mask is None else reference_mask(block_mask, B, Hq, q.device).expand(B, Hq, Lq, Lkv)
+    if score_mod is not None and keep is not None and torch.is_grad_enabled():
+        # score_mod at the kept positions alone, as the kernels: its gradient at a masked one (0 times a derivative
+        # that may be infinite there, e.g. sqrt's at 0) would be NaN and reach q, k and captured tensors
+        kept = keep.nonzero(as_tuple=True)
+        modded = vmap_positions(score_mod)(scores[kept], *(i.to(torch.int32) for i in kept))
+        scores = scores.new_full(scores.shape, float("-inf")).index_put(kept, modded.to(dtype))
+    else:
+        if score_mod is not None:
+            scores = vmap_bhqkv(score_mod, prefix=(0,))(scores, *index_vectors(B, Hq, Lq, Lkv, q.device))
+            scores = scores.to(dtype)
+        if keep is not None:
+            scores = scores.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     # [Note] fully masked rows: lse is -inf there; subtract 0 instead so p is 0, not NaN. (Only -inf: a row
     # whose lse is +inf or NaN has an infinite or NaN score, and gives NaN, as in torch's SDPA.)

@@ -304,10 +304,18 @@ def _learnable(B, H, Lq, Lkv, kind, dtype=torch.float32):
         def score_mod(score, b, h, q_idx, kv_idx):
             return torch.where(gate[h] > 0, score * scale[h], score * 0.5)
         return score_mod, [gate, scale]
+    if kind == "sqrt_bias":  # sqrt of a bias that is 0 where the mask drops the position: an infinite derivative there
+        keep = (torch.arange(Lkv)[None, :] <= torch.arange(Lq)[:, None] + Lkv - Lq)  # causal_bottom_right's
+        bias = (torch.rand(H, Lq, Lkv, generator=g) * keep).to(DEVICE, dtype).requires_grad_()
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + bias[h, q_idx, kv_idx].sqrt()
+        return score_mod, [bias]
     raise ValueError(kind)
 
 
-CAPTURED_KINDS = ["bias_table", "alibi_slopes", "bias_3d", "gate_and_scale"]
+# (sqrt_bias: the gradients stay finite, the masked positions' 0, in the kernels and in the reference alike)
+CAPTURED_KINDS = ["bias_table", "alibi_slopes", "bias_3d", "gate_and_scale", "sqrt_bias"]
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
