@@ -10,8 +10,11 @@ kernel caches are per process), B16 H16 S8192 D64 bf16, forward only, and prints
   ``q_idx >= kv_idx`` / always True (timing only: the outputs are not the window's);
 - ``twotrue``: the defaults with the mask_mod swapped for always True.
 
-Usage: python benchmarks/probe_wide_sliding.py VARIANT [S] [WINDOW]"""
+Usage: python benchmarks/probe_wide_sliding.py VARIANT [S] [WINDOW] [launch.NAME=VALUE | wide.KEY=VALUE ...]
+(launch.NAME: a setting of flexlite.runtime.launch given a Python literal, e.g. launch.WS_FWD_PERSISTENT=False;
+wide.KEY: an entry of launch.WS_FWD_WIDE_TILES[64], e.g. wide.Q_BUFFERS=1; NOTES 100)"""
 
+import ast
 import sys
 
 import torch
@@ -27,10 +30,28 @@ SWAPS = {"causalcmp": lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, "true": lambd
          "twotrue": lambda b, h, q_idx, kv_idx: kv_idx >= 0}
 
 
+def apply_settings(pairs: list) -> None:
+    """``launch.NAME=VALUE`` and ``wide.KEY=VALUE`` (see the module's usage) applied for this process."""
+    for pair in pairs:
+        name, value = pair.split("=", 1)
+        kind, key = name.split(".", 1)
+        value = ast.literal_eval(value)
+        if kind == "wide":
+            launch.WS_FWD_WIDE_TILES = {**launch.WS_FWD_WIDE_TILES, 64: {**launch.WS_FWD_WIDE_TILES[64], key: value}}
+        elif kind == "launch" and hasattr(launch, key):
+            setattr(launch, key, value)
+        else:
+            raise SystemExit(f"unknown setting {pair!r}: launch.NAME=VALUE (a setting of flexlite.runtime.launch) or "
+                             f"wide.KEY=VALUE (an entry of launch.WS_FWD_WIDE_TILES[64])")
+
+
 def main(argv):
+    settings = [a for a in argv if "=" in a]
+    argv = [a for a in argv if "=" not in a]
     variant = argv[0]
     S = int(argv[1]) if len(argv) > 1 else 8192
     W = int(argv[2]) if len(argv) > 2 else 1024
+    apply_settings(settings)
     if not variant.startswith("two"):
         launch.WS_FWD_WIDE_MAX_WORK, launch.WS_FWD_WIDE_MAX_LOCAL = 2.0, 400
     bm = create_block_mask(generate_sliding_window(W), None, None, S, S, device="cuda")
@@ -56,7 +77,7 @@ def main(argv):
     run()
     torch.cuda.synchronize()
     ms = min(triton.testing.do_bench(run, warmup=200, rep=1000) for _ in range(2))
-    print(f"{variant:10s} W{W} wide offered {offered[-1]} {ms:.4f} ms", flush=True)
+    print(f"{variant:10s} W{W} {' '.join(settings)} wide offered {offered[-1]} {ms:.4f} ms", flush=True)
 
 
 if __name__ == "__main__":
