@@ -410,8 +410,8 @@ def _validate_block_mask(block_mask, query, key):
         _fail(f"block_mask has {nq} x {nkv} blocks of {bq} x {bkv} "
               f"(kv_num_blocks / kv_indices) but its seq_lengths ({mq}, {mkv}) need {cdiv(Lq, bq)} x "
               f"{cdiv(Lkv, bkv)}: {fix}; or rebuild it with create_block_mask")
-    # checked once per set of tensors (kept on the mask): 8 offset sums were half of a decode call's validation
-    # (NOTES 59)
+    # checked once per set of tensor shapes and strides (kept on the mask): 8 offset sums were half of a decode
+    # call's validation (NOTES 59)
     tensors = [getattr(block_mask, name) for name in BlockMask._TENSOR_ATTRS]
 
     def check_offsets():
@@ -421,7 +421,9 @@ def _validate_block_mask(block_mask, query, key):
                       f"tensors in 32 bits (< 2**31 elements); build it with B=None / H=None where the mask is the "
                       f"same across batch / heads, or with a larger BLOCK_SIZE")
         return True
-    kept_on(block_mask, "_index_checked", tuple(map(id, tensors)), check_offsets)
+    # (keyed by what the check reads, not the tensors' ids: a copied or unpickled mask's, or a tensor reusing an id)
+    kept_on(block_mask, "_index_checked",
+            (INDEX_LIMIT, *(None if t is None else (t.shape, t.stride()) for t in tensors)), check_offsets)
     # what the kernels read, once per set of tensors and their in-place changes (a block mask's tensors are public and
     # torch's are taken as they are: an index past the sequence read other memory); the values on CPU only, where the
     # host read costs nothing (on CUDA it would be a device sync per block mask)

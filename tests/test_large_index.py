@@ -191,9 +191,12 @@ def test_block_mask_tensors_past_32_bit_offsets_are_refused(monkeypatch):
     api._validate_block_mask(shared, q, k)  # broadcast over heads: small, accepted
 
 
-def test_block_mask_offsets_are_checked_once_per_set_of_tensors(monkeypatch):
-    """The block-mask tensors' 32-bit offset check runs once per BlockMask and set of tensors (8 sums were half of a
-    decode call's validation), again when a tensor is replaced, and still refuses a replacement past the limit."""
+def test_block_mask_offsets_are_checked_once_per_set_of_tensor_shapes(monkeypatch):
+    """The block-mask tensors' 32-bit offset check runs once per BlockMask and set of tensor shapes and strides (8
+    sums were half of a decode call's validation; a copy, an unpickled mask or a tensor reusing a freed one's id
+    reads the same), again when one changes, and still refuses a replacement past the limit."""
+    import copy
+    import pickle
     q, k, v = rand_qkv(1, 2, 2, 4, 4, 4)
     bm = create_block_mask(causal, None, 2, 4, 4, device=DEVICE, BLOCK_SIZE=16)
     sums = []
@@ -202,15 +205,20 @@ def test_block_mask_offsets_are_checked_once_per_set_of_tensors(monkeypatch):
     api._validate_block_mask(bm, q, k)
     first = len(sums)
     api._validate_block_mask(bm, q, k)
+    bm.kv_indices = bm.kv_indices.clone()  # (the same shape and strides: nothing new to check)
+    api._validate_block_mask(bm, q, k)
+    api._validate_block_mask(copy.deepcopy(bm), q, k)
     assert first >= 4 and len(sums) == first
-    bm.kv_indices = bm.kv_indices.clone()
+    wider = torch.zeros(1, 2, 2, dtype=torch.int32, device=bm.kv_num_blocks.device)
+    wider[:, :, :1] = bm.kv_num_blocks
+    bm.kv_num_blocks = wider[:, :, :1]  # the same values at other strides: checked again
     api._validate_block_mask(bm, q, k)
     assert len(sums) == 2 * first
-    monkeypatch.setattr(api, "INDEX_LIMIT", 1)  # kv_num_blocks [1, 2, 1] reaches offset 1
-    api._validate_block_mask(bm, q, k)  # the same tensors: not checked again
-    bm.kv_num_blocks = bm.kv_num_blocks.clone()
+    monkeypatch.setattr(api, "INDEX_LIMIT", 1)  # kv_num_blocks [1, 2, 1] reaches offset 1: checked again, refused
     with pytest.raises(ValueError, match=r"block_mask\.kv_num_blocks .* is too large"):
         api._validate_block_mask(bm, q, k)
+    with pytest.raises(ValueError, match=r"block_mask\.kv_num_blocks .* is too large"):
+        api._validate_block_mask(pickle.loads(pickle.dumps(bm)), q, k)
 
 
 def causal(b, h, q_idx, kv_idx):
