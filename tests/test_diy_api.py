@@ -468,3 +468,19 @@ def test_names_exported():
         assert hasattr(utils, name)
     for name in kernels.__all__:
         assert hasattr(kernels, name)
+
+
+def test_the_interpreter_reads_scalars_as_numpy_2_4_requires():
+    """Triton 3.6's interpreter made a scalar an index with ``int`` of a 1-element array: deprecated since numpy
+    1.25 and an error in numpy 2.4, where every CPU kernel with a ``range`` over a runtime bound failed. flexlite's
+    interpreted launches read it with ``.item()`` (runtime.compile._interpreter_numpy_compat), so no such conversion
+    is left: numpy's deprecation warning, made an error here, is not raised (on CPU, whatever the suite's device)."""
+    import warnings
+    a = torch.randn(33, 47)
+    q, k, v = (torch.randn(1, 2, 40, 16) for _ in range(3))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="Conversion of an array with ndim > 0", category=DeprecationWarning)
+        c = triton_matmul(a, a.T.contiguous())
+        out = flash_attention(q, k, v, causal=True)
+    assert_close(c.float(), a @ a.T, 2e-2, 2e-2, name="matmul")
+    assert_close(out, reference_attention(q, k, v, causal=True), *TOLERANCES[torch.float32], name="flash_attention")

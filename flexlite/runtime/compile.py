@@ -157,6 +157,24 @@ def _lang_swaps() -> list:
     return _LANG_SWAP
 
 
+def _interpreter_numpy_compat() -> None:
+    """Triton 3.6's interpreter reads a scalar (a 1-element array in its tensors' handles) as an index with
+    ``int(array)``, which numpy 2.4 refuses for arrays that are not 0-d ("only 0-dimensional arrays can be converted
+    to Python scalars": every kernel with a ``range`` over a runtime bound failed). Its tensors' ``__index__`` reads
+    the element with ``.item()`` instead (the same value under any numpy). Set once, where the interpreter patches
+    triton.language for a launch; a Triton without that hook is left as it is."""
+    from triton.runtime import interpreter
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "flexlite_item_index", False):
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+    patch_lang_tensor.flexlite_item_index = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
 @contextlib.contextmanager
 def interpreter_scope(interpret: bool):
     """Context for a launch. For the interpreter, triton.language's own ``@jit`` helpers (``tl.zeros``,
@@ -166,6 +184,7 @@ def interpreter_scope(interpret: bool):
         yield
         return
     with _LOCK:
+        _interpreter_numpy_compat()
         swaps = _lang_swaps()
         for mod, name, _, interp in swaps:
             setattr(mod, name, interp)
