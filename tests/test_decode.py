@@ -175,8 +175,8 @@ def test_kv_cache_with_a_cache_length_per_batch_element(decode):
     Lq, Lkv = 2, max(lengths)
     offset = torch.tensor([n - Lq for n in lengths], device=DEVICE)
     q, k, v = rand_qkv(len(lengths), 4, 2, Lq, Lkv, 32, seed=3)
-    bm = create_block_mask(generate_kv_cache_causal(offset), len(lengths), None, Lq, Lkv, device=DEVICE,
-                           BLOCK_SIZE=32)
+    mask = generate_kv_cache_causal(offset)
+    bm = create_block_mask(mask, len(lengths), None, Lq, Lkv, device=DEVICE, BLOCK_SIZE=32)
     out = flex_attention(q, k, v, block_mask=bm, enable_gqa=True, kernel_options={"DECODE": decode})
     for b, n in enumerate(lengths):
         alone = generate_kv_cache_causal(torch.tensor(n - Lq, device=DEVICE))
@@ -186,8 +186,7 @@ def test_kv_cache_with_a_cache_length_per_batch_element(decode):
         assert_close(out[b:b + 1], ref, *TOLERANCES[torch.float32], name=f"sample {b}")
     offset += 1  # a step on: the same mod reads the new positions
     q1, k1, v1 = rand_qkv(len(lengths), 4, 2, Lq, Lkv + 1, 32, seed=4)
-    bm = create_block_mask(generate_kv_cache_causal(offset), len(lengths), None, Lq, Lkv + 1, device=DEVICE,
-                           BLOCK_SIZE=32)
+    bm = create_block_mask(mask, len(lengths), None, Lq, Lkv + 1, device=DEVICE, BLOCK_SIZE=32)
     out = flex_attention(q1, k1, v1, block_mask=bm, enable_gqa=True, kernel_options={"DECODE": decode})
     ref, _ = attention_reference(q1, k1, v1, block_mask=bm, enable_gqa=True)
     assert_close(out, ref, *TOLERANCES[torch.float32], name="next step")
