@@ -142,6 +142,13 @@ def is_bool(x) -> bool:
     return np is not None and isinstance(x, np.bool_)
 
 
+def check_bool(caller: str, name: str, value) -> bool:
+    """``value`` as a bool; TypeError naming ``name`` unless it is one (Python's or numpy's)."""
+    if not is_bool(value):
+        raise TypeError(f"{caller}: {name} must be a bool (True or False); got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
 def _check_positive_int(caller: str, name: str, value, allow_none: bool = False) -> int:
     """``value`` as an int (None -> 1 when allowed); TypeError / ValueError naming ``name``."""
     if value is None and allow_none:
@@ -573,10 +580,7 @@ class BlockMask:
         caller = "BlockMask.from_kv_blocks"
         kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices = _int32_lists(
             (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices))
-        if not is_bool(compute_q_blocks):
-            raise TypeError(f"{caller}: compute_q_blocks must be a bool (True or False); got "
-                            f"{type(compute_q_blocks).__name__} {compute_q_blocks!r}")
-        compute_q_blocks = bool(compute_q_blocks)
+        compute_q_blocks = check_bool(caller, "compute_q_blocks", compute_q_blocks)
         _check_kv_pair("", kv_num_blocks, kv_indices)
         if (full_kv_num_blocks is None) != (full_kv_indices is None):
             raise ValueError(f"{caller}: full_kv_num_blocks and full_kv_indices must be both given or both None")
@@ -1039,12 +1043,10 @@ def create_block_mask(
     Q_LEN = _check_positive_int(caller, "Q_LEN", Q_LEN)
     KV_LEN = _check_positive_int(caller, "KV_LEN", KV_LEN)
     block_size = _normalize_block_size(caller, BLOCK_SIZE)
-    for name, flag in (("separate_full_blocks", separate_full_blocks),
-                       ("compute_dq_write_order", compute_dq_write_order), ("dq_kv_order", dq_kv_order)):
-        if not is_bool(flag):
-            raise TypeError(f"{caller}: {name} must be a bool (True or False); got {type(flag).__name__} {flag!r}")
     separate_full_blocks, compute_dq_write_order, dq_kv_order = (
-        bool(separate_full_blocks), bool(compute_dq_write_order), bool(dq_kv_order))
+        check_bool(caller, name, flag) for name, flag in (("separate_full_blocks", separate_full_blocks),
+                                                          ("compute_dq_write_order", compute_dq_write_order),
+                                                          ("dq_kv_order", dq_kv_order)))
     device = check_device(caller, device)
     from .api import check_captured  # (api imports this module)
     check_captured(traced.captured.values(), device, caller, "mask_mod")  # (every path: the kernel's and torch's)

@@ -12,7 +12,7 @@ from typing import Sequence, Union
 
 import torch
 
-from .block_mask import BlockMask, _is_int, check_device, create_block_mask, is_bool, noop_mask
+from .block_mask import BlockMask, _is_int, check_bool, check_device, create_block_mask, noop_mask
 from .masks.causal import causal_mask
 from .masks._checks import check_device_arg
 from .masks.document import generate_doc_mask_mod
@@ -108,9 +108,7 @@ def varlen_block_mask(cu_seqlens: torch.Tensor, causal: bool = True, H=None, BLO
     empty: out 0). None: the queries' packing."""
     caller = "varlen_block_mask"
     cu_seqlens = _cu_seqlens(caller, cu_seqlens)
-    if not is_bool(causal):
-        raise TypeError(f"{caller}: causal must be a bool; got {type(causal).__name__} {causal!r}")
-    causal = bool(causal)
+    causal = check_bool(caller, "causal", causal)
     total = int(cu_seqlens[-1])
     if total == 0:
         raise ValueError(f"{caller}: cu_seqlens {cu_seqlens.tolist()} has no tokens (total length 0); "

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from ..api import MAX_HEAD_DIM, SUPPORTED_DTYPES, flex_attention
-from ..block_mask import and_masks, create_block_mask, is_bool
+from ..block_mask import and_masks, check_bool, create_block_mask
 from ..masks.causal import causal_mask
 from ..reference import attention_reference
 
@@ -49,8 +49,7 @@ def _validate(fn: str, q, k, v, sm_scale=None, seq_lens=None, causal=False, kern
     if kernels and q.device.type not in ("cuda", "cpu"):
         _fail(fn, f"the inputs are on {q.device}; flexlite's kernels run CUDA tensors (compiled) and CPU tensors "
                   f"(Triton's interpreter) only: move them with .to('cuda') or .to('cpu')", NotImplementedError)
-    if not is_bool(causal):
-        _fail(fn, f"causal must be a bool; got {type(causal).__name__} {causal!r}", TypeError)
+    check_bool(fn, "causal", causal)
     head_dim = q.shape[-1]
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         _fail(fn, f"unsupported head_dim {head_dim}: flexlite supports 1..{MAX_HEAD_DIM}")

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from ..block_mask import is_bool
+from ..block_mask import check_bool
 from ..runtime.compile import import_kernel_file, interpreter_scope
 from ..runtime.guards import on_device
 from ..runtime.launch import cdiv
@@ -241,8 +241,7 @@ def triton_matmul(
     """
     blocks = (block_m, block_n, block_k)
     _validate(a, b, blocks)
-    if not is_bool(use_autotune):
-        _fail(f"use_autotune must be a bool; got {type(use_autotune).__name__} {use_autotune!r}", TypeError)
+    check_bool("triton_matmul", "use_autotune", use_autotune)
     compute = torch.float16 if a.dtype == torch.float32 else a.dtype
     a, b = a.to(compute), b.to(compute)
     (M, K), N = a.shape, b.shape[1]

@@ -18,14 +18,6 @@ def check_int(caller: str, name: str, value, minimum: Optional[int] = 0) -> int:
     return int(value)
 
 
-def check_bool(caller: str, name: str, value) -> bool:
-    """``value`` as a bool; TypeError unless it is one (Python's or numpy's)."""
-    from ..block_mask import is_bool
-    if not is_bool(value):
-        raise TypeError(f"{caller}: {name} must be a bool (True or False); got {type(value).__name__} {value!r}")
-    return bool(value)
-
-
 def check_float(caller: str, name: str, value, positive: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{caller}: {name} must be a number; got {type(value).__name__} {value!r}")

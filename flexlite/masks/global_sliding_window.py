@@ -2,8 +2,8 @@
 StreamingLLM): the first ``num_global_tokens`` tokens attend to and are attended by every token, all
 others attend within a sliding window."""
 
-from ..block_mask import and_masks, or_masks
-from ._checks import check_bool, check_int
+from ..block_mask import and_masks, check_bool, or_masks
+from ._checks import check_int
 from .causal import causal_mask
 from .sliding_window import generate_sliding_window
 

@@ -1,7 +1,7 @@
 """Sliding-window masks: each query sees the last ``window_size`` keys (and, bidirectional, the next ones)."""
 
-from ..block_mask import and_masks
-from ._checks import check_bool, check_int
+from ..block_mask import and_masks, check_bool
+from ._checks import check_int
 from .causal import causal_mask
 
 

@@ -2,7 +2,8 @@
 
 import torch
 
-from ..masks._checks import check_bool, check_float
+from ..block_mask import check_bool
+from ..masks._checks import check_float
 from ..ops import tanh_approx
 
 
