@@ -228,19 +228,24 @@ def _git_commit() -> str:
 
 
 def check_against_reference(case: MaskCase, D: int, device, dtype=torch.bfloat16, backward: bool = False,
-                            kernel_options: Optional[dict] = None, S: int = 1024) -> dict:
+                            kernel_options: Optional[dict] = None, S: int = 1024, gqa_group: int = 1) -> dict:
     """Max abs errors of flexlite's kernels (called with ``kernel_options``) vs the fp64 reference at B1 H2 ``S``
-    (random inputs): out, and with ``backward`` also dq / dk / dv. The kernels', also where they are not compiled
-    yet: not a first call's torch ops (first_calls.EAGER)."""
-    B, H = 1, 2
+    (random inputs; ``gqa_group`` > 1: 2 KV heads, each shared by that many query heads, enable_gqa): out, and with
+    ``backward`` also dq / dk / dv. The kernels', also where they are not compiled yet: not a first call's torch ops
+    (first_calls.EAGER)."""
+    B, Hkv = 1, 2
+    H = Hkv * gqa_group
     g = torch.Generator().manual_seed(0)
-    q, k, v = [torch.randn(B, H, S, D, generator=g).to(device, dtype).requires_grad_(backward) for _ in range(3)]
+    q, k, v = [torch.randn(B, h, S, D, generator=g).to(device, dtype).requires_grad_(backward)
+               for h in (H, Hkv, Hkv)]
     small = mask_cases(S, H, device)[case.name]
     bm = create_block_mask(small.mask_mod, None, None, S, S, device=device) if small.mask_mod else None
+    gqa = gqa_group > 1
     eager, first_calls.EAGER = first_calls.EAGER, False
     try:
-        out = flex_attention(q, k, v, score_mod=small.score_mod, block_mask=bm, kernel_options=kernel_options)
-        ref, _ = attention_reference(q, k, v, score_mod=small.score_mod, block_mask=bm)
+        out = flex_attention(q, k, v, score_mod=small.score_mod, block_mask=bm, kernel_options=kernel_options,
+                             enable_gqa=gqa)
+        ref, _ = attention_reference(q, k, v, score_mod=small.score_mod, block_mask=bm, enable_gqa=gqa)
         errors = {"max_err_vs_fp64": float((out.double() - ref).detach().abs().max())}
         if backward:
             dout = torch.randn_like(out)
@@ -272,46 +277,54 @@ def run(masks: list, shapes: list, passes: tuple = ("fwd",), dtype=torch.bfloat1
         # dynamo's default limit of 8 torch would silently run its unfused eager path (and run out of memory)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
     backward = "bwd" in passes
-    for (B, H, S, D) in shapes:
+    for shape in shapes:
+        B, H, S, D = shape[:4]
+        Hkv = shape[4] if len(shape) > 4 else H  # fewer KV heads: grouped-query attention (enable_gqa)
+        gqa = Hkv != H
         cases = mask_cases(S, H, device)
         g = torch.Generator(device=device).manual_seed(0)
-        q, k, v = [torch.randn(B, H, S, D, generator=g, device=device, dtype=dtype).requires_grad_(backward)
-                   for _ in range(3)]
+        q, k, v = [torch.randn(B, h, S, D, generator=g, device=device, dtype=dtype).requires_grad_(backward)
+                   for h in (H, Hkv, Hkv)]
         for name in masks:
             case = cases[name]
             bm = create_block_mask(case.mask_mod, None, None, S, S, device=device) if case.mask_mod else None
             density = 1.0 - (bm.sparsity() / 100.0 if bm is not None else 0.0)
             bits_calls, eager_calls = first_calls.ran_bits(), first_calls.ran_eager()
             t0 = time.perf_counter()  # a new mod's first call: its forward compiled (before the check runs it), or
-            flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm)  # the bits', or torch ops (first_calls)
+            flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm, enable_gqa=gqa)  # the bits', or torch
             torch.cuda.synchronize()
             first_call_s = time.perf_counter() - t0
             first_call_bits = first_calls.ran_bits() > bits_calls
             first_call_eager = first_calls.ran_eager() > eager_calls
             first_calls.wait()
-            out = flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm)  # (its kernels, compiled now)
-            errors = check_against_reference(case, D, device, dtype, backward=backward)
-            impls = {"flexlite": lambda: flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm)}
+            out = flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm,  # (its kernels, compiled now)
+                                 enable_gqa=gqa)
+            errors = check_against_reference(case, D, device, dtype, backward=backward, gqa_group=H // Hkv)
+            impls = {"flexlite": lambda: flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm,
+                                                        enable_gqa=gqa)}
             if autotune:
                 impls["flexlite_tuned"] = lambda: flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm,
-                                                                 kernel_options={"AUTOTUNE": True})
-            row_base = dict(mask=name, shape=f"B{B} H{H} S{S} D{D}", dtype=str(dtype).replace("torch.", ""),
+                                                                 enable_gqa=gqa, kernel_options={"AUTOTUNE": True})
+            row_base = dict(mask=name, shape=f"B{B} H{H} S{S} D{D}" + (f" Hkv{Hkv}" if gqa else ""),
+                            dtype=str(dtype).replace("torch.", ""),
                             density=round(density, 4), flexlite_first_call_s=round(first_call_s, 3),
                             flexlite_first_call_bits=first_call_bits, flexlite_first_call_eager=first_call_eager,
                             **errors)
             if torch_flex:
                 tbm = torch_create_block_mask(case.mask_mod, None, None, S, S, device=device) if case.mask_mod else None
-                impls["torch_flex"] = lambda: compiled_flex(q, k, v, score_mod=case.torch_score_mod, block_mask=tbm)
+                impls["torch_flex"] = lambda: compiled_flex(q, k, v, score_mod=case.torch_score_mod, block_mask=tbm,
+                                                            enable_gqa=gqa)
                 row_base["max_diff_vs_torch_flex"] = float((impls["torch_flex"]().float() - out.float()).abs().max())
             if case.sdpa_causal is not None:
                 for backend, label in ((SDPBackend.CUDNN_ATTENTION, "sdpa_cudnn"), (SDPBackend.FLASH_ATTENTION,
                                                                                     "sdpa_flash")):
                     def sdpa(backend=backend):
                         with sdpa_kernel(backend):
-                            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=case.sdpa_causal)
+                            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=case.sdpa_causal,
+                                                                                    enable_gqa=gqa)
                     impls[label] = sdpa
             if backward:  # this shape's first backward (which may run the bits' kernels while its own compile)
-                flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm).sum().backward()
+                flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm, enable_gqa=gqa).sum().backward()
                 q.grad = k.grad = v.grad = None
             first_calls.wait()  # (and what the checks' calls compile beside them): nothing compiles while timing
             for pass_ in passes:
@@ -475,7 +488,8 @@ def main(argv=None):
     names = list(mask_cases(8192, 16, "cpu"))
     p.add_argument("--masks", default="all", help="comma-separated names or 'all': " + ", ".join(names))
     p.add_argument("--shapes", default="4x16x8192x128,16x16x8192x64", help="comma-separated BxHxSxD (the attention "
-                   "suite's shapes; default the issue's two)")
+                   "suite's shapes; default the issue's two), or BxHxSxDxHKV for HKV key / value heads (grouped-query "
+                   "attention, enable_gqa; H a multiple of HKV)")
     p.add_argument("--passes", default="fwd,bwd", help="comma-separated: fwd, bwd (default both)")
     p.add_argument("--out", default=str(RESULTS_DIR))
     p.add_argument("--no-torch-flex", action="store_true")
@@ -495,8 +509,11 @@ def main(argv=None):
     shapes = []
     for text in args.shapes.split(","):
         parts = text.split("x")
-        if len(parts) != 4 or not all(x.isdigit() and int(x) > 0 for x in parts):
-            p.error(f"--shapes takes comma-separated BxHxSxD of positive integers (e.g. 4x16x8192x128); got {text!r}")
+        if len(parts) not in (4, 5) or not all(x.isdigit() and int(x) > 0 for x in parts):
+            p.error(f"--shapes takes comma-separated BxHxSxD or BxHxSxDxHKV of positive integers (e.g. 4x16x8192x128, "
+                    f"2x32x4096x128x8); got {text!r}")
+        if len(parts) == 5 and int(parts[1]) % int(parts[4]):
+            p.error(f"--shapes: H must be a multiple of HKV (each KV head shared by H / HKV query heads); got {text!r}")
         shapes.append(tuple(int(x) for x in parts))
     suites = args.suites.split(",")
     unknown = set(suites) - {"attention", "decode", "block_mask"}

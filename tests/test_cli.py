@@ -278,8 +278,10 @@ def test_bench_refuses_fewer_than_one_round(capsys):
 @pytest.mark.parametrize("args, message", [
     (["--passes", "forward"], "--passes takes fwd, bwd or fwd,bwd; got 'forward'"),
     (["--passes", ""], "--passes takes fwd, bwd or fwd,bwd; got ''"),
-    (["--shapes", "4x16x8192"], "--shapes takes comma-separated BxHxSxD of positive integers"),
+    (["--shapes", "4x16x8192"], "--shapes takes comma-separated BxHxSxD or BxHxSxDxHKV of positive integers"),
     (["--shapes", "4x16x8192x128,4x16x0x64"], "got '4x16x0x64'"),
+    (["--shapes", "2x32x4096x128x8x1"], "BxHxSxD or BxHxSxDxHKV of positive integers"),
+    (["--shapes", "2x32x4096x128x6"], "H must be a multiple of HKV"),
     (["--masks", "causal,sliding_window"], "unknown --masks ['sliding_window']; choose from full, causal"),
     (["--suites", "attention,decoding"], "unknown --suites ['decoding']"),
 ])
@@ -300,3 +302,23 @@ def test_bench_times_both_passes_by_default(monkeypatch):
     main(["bench"])
     assert calls == [(list(bench.mask_cases(8192, 16, "cpu")), [(4, 16, 8192, 128), (16, 16, 8192, 64)],
                       ("fwd", "bwd"))]
+
+
+def test_bench_takes_kv_heads_as_a_fifth_shape_field(monkeypatch):
+    """BxHxSxDxHKV: grouped-query attention (HKV key / value heads) beside the plain shapes."""
+    import flexlite.bench as bench
+    calls = []
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "run", lambda masks, shapes, passes, **kw: calls.append(shapes))
+    main(["bench", "--shapes", "2x32x4096x128x8,8x16x2048x64"])
+    assert calls == [[(2, 32, 4096, 128, 8), (8, 16, 2048, 64)]]
+
+
+def test_bench_reference_check_with_grouped_query_heads():
+    """The harness's fp64 check of a GQA shape: 2 KV heads, each read by gqa_group query heads (enable_gqa), errors
+    of out and of every gradient at the dtype's level."""
+    import flexlite.bench as bench
+    case = bench.mask_cases(128, 4, "cpu")["alibi_causal"]
+    errors = bench.check_against_reference(case, 16, "cpu", torch.float32, backward=True, S=128, gqa_group=2)
+    assert set(errors) == {"max_err_vs_fp64", "max_dq_err_vs_fp64", "max_dk_err_vs_fp64", "max_dv_err_vs_fp64"}
+    assert max(errors.values()) < 1e-4
