@@ -7,6 +7,7 @@ import copy
 import functools
 import math
 import numbers
+import weakref
 from typing import Callable, Literal, NamedTuple, Optional, TypedDict
 
 import torch
@@ -375,11 +376,33 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
     return traced_score_mod, _validate_block_mask(block_mask, query, key) if block_mask is not None else None
 
 
+# per block mask (held weakly), what its checks against a call's inputs were last passed with (_validate_block_mask)
+_MASKS_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def _validate_block_mask(block_mask, query, key):
-    """As :func:`_validate`, for the block mask; returns its mask_mod's trace (None without a mask_mod)."""
+    """As :func:`_validate`, for the block mask; returns its mask_mod's trace (None without a mask_mod). The checks
+    of its tensors against the inputs' lengths, batch, heads and device run once per set of tensors (their ids and
+    in-place versions), lengths, block size, input shape, device and index limit; mask_mod is traced at every call (the trace
+    notices what it captures being rebound)."""
     if not isinstance(block_mask, BlockMask):
         _fail(f"block_mask must be a BlockMask (from flexlite's create_block_mask, or torch's), got "
               f"{type(block_mask).__name__}", TypeError)
+    tensors = [getattr(block_mask, name) for name in BlockMask._TENSOR_ATTRS]
+    checked = (tensors_key(tensors), tuple(block_mask.seq_lengths), tuple(block_mask.BLOCK_SIZE), query.shape[:3],
+               key.shape[2], query.device, INDEX_LIMIT)
+    if _MASKS_CHECKED.get(block_mask) != checked:
+        _check_block_mask(block_mask, tensors, query, key)
+        _MASKS_CHECKED[block_mask] = checked
+    if block_mask.mask_mod is None:
+        return None
+    check_arity(block_mask.mask_mod, "mask_mod", "block_mask.mask_mod")
+    return check_mod_output(block_mask.mask_mod, "mask_mod", "flex_attention",
+                            check_shape=query.dtype == torch.float64)  # (as score_mod's: _validate)
+
+
+def _check_block_mask(block_mask, tensors: list, query, key) -> None:
+    """:func:`_validate_block_mask`'s checks of the mask's lengths, tensors, batch, heads and device."""
     B, Hq, Lq = query.shape[:3]
     Lkv = key.shape[2]
     mq, mkv = block_mask.seq_lengths
@@ -412,8 +435,6 @@ def _validate_block_mask(block_mask, query, key):
               f"{cdiv(Lkv, bkv)}: {fix}; or rebuild it with create_block_mask")
     # checked once per set of tensor shapes and strides (kept on the mask): 8 offset sums were half of a decode
     # call's validation (NOTES 59)
-    tensors = [getattr(block_mask, name) for name in BlockMask._TENSOR_ATTRS]
-
     def check_offsets():
         for name, t in zip(BlockMask._TENSOR_ATTRS, tensors):
             if t is not None and _max_offset(t.shape, t.stride()) >= INDEX_LIMIT:
@@ -438,11 +459,6 @@ def _validate_block_mask(block_mask, query, key):
     if block_mask.kv_num_blocks.device != query.device:
         _fail(f"block_mask is on {block_mask.kv_num_blocks.device} but query is on {query.device}; build it "
               f"with device=query.device or call block_mask.to(query.device)")
-    if block_mask.mask_mod is None:
-        return None
-    check_arity(block_mask.mask_mod, "mask_mod", "block_mask.mask_mod")
-    return check_mod_output(block_mask.mask_mod, "mask_mod", "flex_attention",
-                            check_shape=query.dtype == torch.float64)  # (as score_mod's: _validate)
 
 
 def check_captured(captured, device: torch.device, caller: str, what: str = "a mod"):
@@ -685,6 +701,63 @@ def kernel_path(score_mod: Optional[Callable] = None, block_mask=None, *, device
     return str(write_source(kernel_source(score_mod, block_mask, device=device, kernel=kernel, dtype=dtype)))
 
 
+class _ForwardPlan(NamedTuple):
+    """What :func:`_forward` decided for a kind of call (:func:`_plan_key`) once its kernels were compiled: a later
+    call of that kind goes straight to :func:`_run_forward` (the warp-specialized walk's choice, the decode kernel's,
+    the kernel's source, the first_calls bookkeeping: ~120 us a call on the H200 machine's host, NOTES 102)."""
+
+    ws: bool
+    rows: int
+    template: str
+    kernel: GeneratedKernel
+    mask_gathers: bool
+
+    def same(self, other: "_ForwardPlan") -> bool:
+        return (self[:3] == other[:3] and self.mask_gathers == other.mask_gathers
+                and self.kernel.source == other.kernel.source
+                and [id(t) for t in self.kernel.captured] == [id(t) for t in other.kernel.captured])
+
+
+# per block mask (held weakly: the plans go with it), and for the dense walk, the forward plans of its calls
+_FORWARD_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_DENSE_PLANS: dict = {}
+_MAX_PLANS = 64  # per block mask (and for the dense walk): beyond it they are dropped and made again
+# every call with a plan decided again and compared with it (a RuntimeError where they differ): the tests set it
+CHECK_PLANS = env_flag("FLEXLITE_CHECK_PLANS")
+
+
+def _plan_key(query, key, value, score_mod, block_mask, kernel_options, extra: tuple, traced: tuple):
+    """What :func:`_forward`'s (and :func:`_backward`'s) decisions read: the inputs' shapes, strides, dtype, device
+    and 16-byte alignment (the Gluon kernels' tensor descriptors), the mods' traces (each a new object where what a
+    mod captures is rebound), the block mask's kv lists (their ids and in-place versions), block size and lengths,
+    kernel_options, ``extra`` (the pass's own: the forward's max_scores), the launch settings' generation
+    (:data:`launch.GENERATION`), first_calls' switch and its set of compiled kernels (a new set: a test's fresh
+    start), and autotuning (an environment variable); None where the options do not hash."""
+    try:
+        options = tuple(kernel_options.items()) if kernel_options else ()
+        hash(options)
+    except TypeError:
+        return None
+    mask_mod = None if block_mask is None else block_mask.mask_mod
+    return (query.shape, query.stride(), key.shape, key.stride(), value.shape, value.stride(), query.dtype,
+            query.device, (query.data_ptr() | key.data_ptr() | value.data_ptr()) & 15,
+            score_mod if traced[0] is None else traced[0], mask_mod if traced[1] is None else traced[1],
+            None if block_mask is None else (lists_key(block_mask), tuple(block_mask.BLOCK_SIZE),
+                                             tuple(block_mask.seq_lengths)),
+            options, extra, _launch.GENERATION, first_calls.ENABLED, id(first_calls._ready),
+            autotune_enabled(kernel_options or {}))
+
+
+def _plans(block_mask) -> dict:
+    """The forward plans of calls with ``block_mask`` (None: the dense walk's)."""
+    if block_mask is None:
+        return _DENSE_PLANS
+    plans = _FORWARD_PLANS.get(block_mask)
+    if plans is None:
+        plans = _FORWARD_PLANS[block_mask] = {}
+    return plans
+
+
 # warp-specialized forward sources that Triton failed to compile (Triton 3.6's Gluon lowering fails, for one, on a
 # score_mod that gathers a whole tile from a captured tensor, bias[h, q_idx, kv_idx]) or to fit in this GPU's shared
 # memory: their mods run the Triton forward
@@ -709,6 +782,15 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options, ma
     if max_scores and not _launch.WS_FWD_MAX_SCORES:
         options = {**options, "WARP_SPECIALIZE": False}
     num, idx, full_num, full_idx, sparse = _block_tensors(block_mask, Lq, Lkv, query.device)
+    compiling = _launch.compiling_only()
+    plan_key = None if compiling else _plan_key(query, key, value, score_mod, block_mask, kernel_options,
+                                                (max_scores,), traced)
+    plan = None if plan_key is None else _plans(block_mask).get(plan_key)
+    if plan is not None and not CHECK_PLANS:
+        check_captured(plan.kernel.captured, query.device, "flex_attention")
+        return _run_forward(plan.kernel, plan.template, plan.ws, plan.rows, plan.mask_gathers, query, key, value,
+                            score_mod, block_mask, scale, options, max_scores, traced, num, idx, full_num, full_idx,
+                            sparse)
     ws = _warp_specialize(query, key, value, block_mask, num, sparse, options)
     rows = 0 if ws else _decode_rows(query, key, num, sparse, options)
     template = "fwd_ws.py.jinja" if ws else "decode.py.jinja" if rows else "fwd.py.jinja"
@@ -743,13 +825,32 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options, ma
         result = _run_eager(first, _eager.forward, query, key, value, eager_mod, eager_mask, scale, max_scores)
         if result is not None:
             return result
-    if first is not None and first.new and not _launch.compiling_only():
+    if first is not None and first.new and not compiling:
         _compile_backward_beside(query, key, value, score_mod, block_mask, scale, traced, sparse)
+    decided = _ForwardPlan(ws, rows, template, kernel, mask_gathers)
+    if plan is not None and not plan.same(decided):  # (CHECK_PLANS: the plan's key misses something decisions read)
+        raise RuntimeError(f"flexlite: the forward plan kept for this kind of call ({plan[:3]}, mask gathers "
+                           f"{plan.mask_gathers}) differs from what the call decides ({decided[:3]}, "
+                           f"{decided.mask_gathers}; sources equal: {plan.kernel.source == kernel.source})")
     result = _run_forward(kernel, template, ws, rows, mask_gathers, query, key, value, score_mod, block_mask, scale,
                           options, max_scores, traced, num, idx, full_num, full_idx, sparse)
     if first is not None:
         first.done()
+    if plan is None:
+        _keep_plan(plan_key, block_mask, first, query, decided)
     return result
+
+
+def _keep_plan(plan_key, block_mask, first: Optional[_FirstCall], query, plan) -> None:
+    """``plan`` kept for the calls of ``plan_key`` (None: none kept) once the call's kernels are compiled (not a first
+    call's), and not from a CUDA graph capture's decisions (made without reading the block mask on the host)."""
+    if (plan_key is None or (first is not None and (first.new or first.eager))
+            or (query.is_cuda and torch.cuda.is_current_stream_capturing())):
+        return
+    plans = _plans(block_mask)
+    if len(plans) >= _MAX_PLANS:
+        plans.clear()
+    plans[plan_key] = plan
 
 
 def _compile_backward_beside(query, key, value, score_mod, block_mask, scale, traced, sparse):
@@ -952,8 +1053,24 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
     deterministic = bool(want) and _deterministic_captured_grads(options)
     scatter = () if deterministic else tuple(want)
     *kv_blocks, sparse = _block_tensors(block_mask, Lq, Lkv, query.device)
+    # (a plan: the kernels of a kind of call whose kernels are compiled, as the forward's; not with captured gradients)
+    grad_classes = first_calls.int_classes(*grad_out.stride())
+    plan_key = None if want or _launch.compiling_only() else _plan_key(
+        query, key, value, traced[0], block_mask, kernel_options, ("bwd", need_dq, grad_lse is None, grad_classes),
+        traced)
+    plan = None if plan_key is None else _plans(block_mask).get(plan_key)
+    if plan is not None and not CHECK_PLANS:
+        kernel, ws_kernel = plan
+        check_captured(kernel.captured, query.device, "flex_attention")
+        return _run_backward(kernel, ws_kernel, None, query, key, value, out, lse, grad_out, grad_lse, score_mod,
+                             block_mask, scale, options, need_dq, need_captured, want, scatter, deterministic,
+                             kv_blocks, sparse)
     kernel, ws_kernel = _backward_kernels(traced, query, key, value, sparse, options, interpret, scatter,
                                           deterministic)
+    if plan is not None and (plan[0].source, plan[1] and plan[1].source) != (kernel.source,
+                                                                             ws_kernel and ws_kernel.source):
+        raise RuntimeError("flexlite: the backward plan kept for this kind of call names other kernels than the call "
+                           "generates (CHECK_PLANS: its key misses something the decisions read)")
     check_captured(kernel.captured, query.device, "flex_attention")
     first = None if deterministic else _first_call(  # (captured gradients: no bits, which add none)
         "bwd", (kernel.source, ws_kernel and ws_kernel.source), query, key, value, traced_mask, kernel_options,
@@ -962,7 +1079,7 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
             (traced[0], trace_mod(bits.mask_mod, "mask_mod")), query, key, value, sparse, options, interpret)),
         lambda bits: _backward(query, key, value, out, lse, grad_out, grad_lse, traced[0], bits or traced_mask,
                                scale, kernel_options, captured, need_dq, need_captured),
-        need_dq, grad_lse is not None, first_calls.int_classes(*grad_out.stride()), with_bits=not want)
+        need_dq, grad_lse is not None, grad_classes, with_bits=not want)
     if first is not None and first.bits is not None:  # a new mask_mod's first calls: its kernels compile beside
         return _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, first.bits, scale,
                          kernel_options, captured, need_dq, need_captured)
@@ -971,6 +1088,23 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
                            traced_mask, scale, tuple(want))
         if grads is not None:
             return _wanted(grads, need_captured)
+    grads = _run_backward(kernel, ws_kernel, first, query, key, value, out, lse, grad_out, grad_lse, score_mod,
+                          block_mask, scale, options, need_dq, need_captured, want, scatter, deterministic, kv_blocks,
+                          sparse)
+    if plan is None:  # (a warp-specialized kernel that failed to compile in the call: the Triton one's from now on)
+        _keep_plan(plan_key, block_mask, first, query,
+                   (kernel, None if ws_kernel is not None and ws_kernel.source in _WS_UNCOMPILABLE else ws_kernel))
+    return grads
+
+
+def _run_backward(kernel, ws_kernel, first: Optional[_FirstCall], query, key, value, out, lse, grad_out, grad_lse,
+                  score_mod, block_mask, scale, options: dict, need_dq: bool, need_captured: tuple, want: list,
+                  scatter: tuple, deterministic: bool, kv_blocks: list, sparse: tuple) -> tuple:
+    """:func:`_backward`'s launch of ``kernel`` (and ``ws_kernel``, the warp-specialized dK / dV one, or None), and
+    the gradients as it returns them; ``first``: the call's part in first_calls (done once the kernels ran)."""
+    B, Hq, Lq, _ = query.shape
+    Lkv = key.shape[2]
+    interpret = query.device.type != "cuda"
     # (the kernels' modules loaded once the call runs them: not for the bits' or torch ops' calls)
     module = load_module(kernel.source, interpret=interpret)
     q_blocks = _q_block_tensors(block_mask, Lq, Lkv, query.device)

@@ -3,6 +3,9 @@ import os
 # the interpreter runs many tiny numpy matmuls: a multithreaded BLAS makes each ~1000x slower
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# every forward with a kept plan decides again and compares (flexlite.api's forward plans: a key that misses what the
+# decisions read fails the test that changes it)
+os.environ.setdefault("FLEXLITE_CHECK_PLANS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+import flexlite.api as api
 from flexlite import attention_reference, create_block_mask, flex_attention
 from flexlite.codegen import trace as trace_module
 from flexlite.masks import causal_mask, generate_sliding_window
@@ -243,8 +244,11 @@ def traces(monkeypatch):
     return calls
 
 
+@pytest.mark.parametrize("plans", ["checked", "taken"])
 @pytest.mark.parametrize("case", CASES, ids=[c.__name__.lstrip("_") for c in CASES])
-def test_changed_state_is_seen(case, monkeypatch, traces):
+def test_changed_state_is_seen(case, plans, monkeypatch, traces):
+    # (plans taken: a repeated call skips the forward's decisions, as outside the tests; its key holds the trace)
+    monkeypatch.setattr(api, "CHECK_PLANS", plans == "checked")
     mod, change = case(monkeypatch)
     q, k, v = rand_qkv(B, H, H, L, L, D)
     before = flex_attention(q, k, v, score_mod=mod)

@@ -401,6 +401,42 @@ def test_the_gluon_forward_grid_is_a_program_per_q_block_or_one_per_sm(monkeypat
     assert args[10 + 4 + 18:10 + 4 + 18 + 2] == (2 * 4 * n_qblocks, n_qblocks) and not kwargs["STORE_MAX"]
 
 
+def test_a_repeated_kind_of_gluon_forward_launches_what_the_first_chose(monkeypatch):
+    """launch_forward_ws keeps its choice per kind of call (the module, the inputs' shapes, strides and dtype, the
+    flags, which lists, the settings' generation, the SM count): a second call launches the same kernel with the same
+    grid, its own tensors and the lists it is given, without asking the wide kernel's spills again; a changed setting
+    chooses again."""
+    from flexlite.api import _block_tensors
+    from flexlite.block_mask import item_lists
+
+    kernel, launches = _recording_kernel()
+    monkeypatch.setattr(launch, "_device_facts", lambda device: (5, 9))
+    monkeypatch.setattr(launch, "_LAUNCHES", {})
+    asked = []
+    monkeypatch.setattr(launch.CompiledLaunch, "local_bytes",
+                        lambda self, grid, args: asked.append(self.kwargs["BLOCK_M"]) or 0)
+    module = types.SimpleNamespace(flex_fwd_ws_kernel=kernel, LLVM_OPT_LEVELS={})
+    L = 384
+    blocks = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, L, L, device="cpu")
+    lists = _block_tensors(blocks, L, L, torch.device("cpu"))
+    wide = item_lists(blocks, 192)
+
+    def call(seed):
+        q, k, v = rand_qkv(2, 4, 4, L, L, 64, dtype=torch.bfloat16, device="cpu", seed=seed)
+        out, lse, _ = launch.launch_forward_ws(module, [], q, k, v, *lists, 0.125, False, wide=wide)
+        return q, out, lse
+    first, second = call(0), call(1)
+    (grid, args, kwargs), (grid2, args2, kwargs2) = launches
+    assert asked == [192] and kwargs["BLOCK_M"] == 192 and (grid2, kwargs2) == (grid, kwargs)
+    assert args2[0] is second[0] and args2[8] is second[2] and args2[3] is second[1]  # (q, lse, out: this call's)
+    assert args2[7].base.data_ptr() == second[1].data_ptr() != first[1].data_ptr()  # (OUT's descriptor)
+    assert all(a is b for a, b in zip(args[10:14], args2[10:14]))  # (the wide items' lists, as given)
+    assert [a for a in args if isinstance(a, (int, float))] == [a for a in args2 if isinstance(a, (int, float))]
+    monkeypatch.setattr(launch, "WS_FWD_PERSISTENT", not launch.WS_FWD_PERSISTENT)
+    call(2)
+    assert asked == [192, 192] and launches[2][2]["PERSISTENT"] != kwargs["PERSISTENT"]
+
+
 def test_the_fused_dq_needs_the_tma_reduce_op(monkeypatch):
     """A Triton whose Gluon builder lacks the TMA reduce-add (its name may change) runs the dQ kernel instead."""
     from triton._C.libtriton import gluon_ir

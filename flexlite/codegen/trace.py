@@ -276,9 +276,10 @@ def _library_module(name: str) -> bool:
     return name.split(".")[0] in ("builtins", "torch", "triton", "numpy", "math", "functools", "operator")
 
 
+@functools.lru_cache(maxsize=4096)
 def _code_names(code: types.CodeType) -> tuple:
     """The global and attribute names ``code`` and the functions defined inside it (their code objects are its
-    constants) read."""
+    constants) read (per code object: a fingerprint is taken at every call)."""
     names, stack = [], [code]
     while stack:
         c = stack.pop()

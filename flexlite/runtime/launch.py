@@ -7,7 +7,9 @@ import contextlib
 import dataclasses
 import functools
 import math
+import sys
 import threading
+import types
 from pathlib import Path
 from typing import NamedTuple, Optional
 
@@ -498,6 +500,23 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
     out = torch.empty((B, Hq, Lq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
     row_max = torch.empty_like(lse) if max_scores else None
+    lists = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
+    compiling = compiling_only()
+    plan_key = None if compiling else (
+        id(module), q.shape, k.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device, tuple(sparse_block),
+        has_score_mod, dense, max_scores, full_kv_num_blocks is None,
+        True if wide is True else ("lists", wide[2] is None) if isinstance(wide, tuple) else None, GENERATION,
+        _device_facts(q.device))
+    plan = None if plan_key is None else _WS_FWD_PLANS.get(plan_key)
+    if plan is not None and plan.module is module:  # (the choice below made before for such a call: its launch)
+        descs = plan.descriptors(q, k, v, out)
+        blocks, block_strides, _ = _block_args(*(lists if plan.lists is None else wide))
+        args = (q, k, v, out, *descs, lse, lse if row_max is None else row_max, *blocks, *q.stride()[:3],
+                *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *block_strides, plan.work, plan.n_qblocks, Hq,
+                Hq // Hkv, Lq, Lkv, float(scale), *scalars_to(mod_args, q.device))
+        with llvm_opt_level(module.LLVM_OPT_LEVELS.get(D)):
+            plan.launch((plan.programs,), args)
+        return out, lse, row_max
     tiles = WS_TILES[D]
     host_desc = ws_host_descriptors(q, k, v, sparse_block)
     if host_desc:  # over [Z * H * LEN, D] views: a head's tiles never cross into the next head's rows
@@ -506,7 +525,6 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
     else:
         _ensure_allocator()  # the kernel makes its tensor descriptors on the device
         descs = [None] * 4
-    lists = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
     persistent = WS_FWD_PERSISTENT and host_desc
 
     def q_buffers(tiles_: dict) -> int:  # the tiles' on a block mask's persistent walk, else one (nothing loads ahead)
@@ -538,11 +556,45 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
                 *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *block_strides, work, n_qblocks, Hq, Hq // Hkv,
                 Lq, Lkv, float(scale), *scalars)
         with llvm_opt_level(module.LLVM_OPT_LEVELS.get(D)):  # the level its source names (llvm_level.llvm_opt_level)
-            if compiling_only() or last or launch.local_bytes((programs,), args) <= WS_FWD_WIDE_MAX_LOCAL:
+            if compiling or last or launch.local_bytes((programs,), args) <= WS_FWD_WIDE_MAX_LOCAL:
                 launch((programs,), args)
-                if not compiling_only():
+                if not compiling:
+                    if plan_key is not None:
+                        if len(_WS_FWD_PLANS) >= 256:
+                            _WS_FWD_PLANS.clear()
+                        _WS_FWD_PLANS[plan_key] = _WsForwardPlan(
+                            module, launch, programs, work, n_qblocks, None if lists_n is lists else "wide",
+                            host_desc and tuple(rows for rows in (WS_HALF_M, tiles["BLOCK_N"])))
                     break
     return out, lse, row_max
+
+
+class _WsForwardPlan(NamedTuple):
+    """What :func:`launch_forward_ws` chose for a kind of call (its key: the module, the inputs' shapes, strides,
+    dtype and device, the flags, which lists, the settings' :data:`GENERATION` and the device's SM count): the launch
+    (the wide items' or not, their spills checked), its grid and work; ``lists``: None for the call's own lists,
+    else the wide items'; ``rows``: the host descriptors' block rows (queries, keys), or False without host
+    descriptors."""
+
+    module: object  # (the key holds its id)
+    launch: "CompiledLaunch"
+    programs: int
+    work: int
+    n_qblocks: int
+    lists: Optional[str]
+    rows: "tuple | bool"
+
+    def descriptors(self, q, k, v, out) -> list:
+        if not self.rows:
+            _ensure_allocator()  # the kernel makes its tensor descriptors on the device
+            return [None] * 4
+        D = q.shape[-1]
+        layouts = [_ws_smem_layout(rows, D, q.dtype) for rows in self.rows]
+        return [RowsDescriptor(q, (self.rows[0], D), layouts[0]), RowsDescriptor(k, (self.rows[1], D), layouts[1]),
+                RowsDescriptor(v, (self.rows[1], D), layouts[1]), RowsDescriptor(out, (self.rows[0], D), layouts[0])]
+
+
+_WS_FWD_PLANS: dict = {}
 
 
 # the warp-specialized dK / dV kernel (bwd_ws.py.jinja, Gluon, Hopper): keys per program (two consumer warpgroups of
@@ -1265,3 +1317,18 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
         if need_dq and not fused_dq:
             run_with_fallback(module.flex_bwd_dq_kernel, dq_grid, dq_args, dq_constexprs, dq_tiles, pinned)
     return dq, dk, dv
+
+
+class _Settings(types.ModuleType):
+    """This module's type: assigning one of its upper-case names (a setting, as probes and tests do, monkeypatch's
+    undo included) counts in :data:`GENERATION`, which keys what callers keep of decisions made under the settings
+    (flexlite.api's forward plans). A setting changed in place (a dict's item) is not seen: assign a new value."""
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name[:1].isupper() and name != "GENERATION":
+            super().__setattr__("GENERATION", self.GENERATION + 1)
+
+
+GENERATION = 0  # (see _Settings)
+sys.modules[__name__].__class__ = _Settings
