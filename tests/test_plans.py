@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import flexlite.api as api
-from flexlite import attention_reference, create_block_mask, flex_attention
+from flexlite import attention_reference, create_block_mask, first_calls, flex_attention
 from flexlite.masks import causal_mask, generate_sliding_window
 from flexlite.mods import generate_tanh_softcap
 from flexlite.runtime import launch
@@ -39,7 +39,14 @@ def _check(q, k, v, score_mod=None, block_mask=None, backward=False):
     assert_close(out, ref, *TOLERANCES[q.dtype])
     if backward:
         assert_grads_like_reference(out, ref, (q, k, v))
+    first_calls.wait()  # (on CUDA a new kind of call's first runs in torch ops while its kernels compile: no plan)
     return out
+
+
+def _first(*args, **kwargs):
+    """A new kind of call's first two calls: its kernels compiled (on CUDA beside the first) and its plan kept."""
+    _check(*args, **kwargs)
+    return _check(*args, **kwargs)
 
 
 @pytest.mark.parametrize("backward", [False, True])
@@ -49,7 +56,7 @@ def test_a_repeated_call_takes_its_plan(taken, backward, masked, head_dim, dtype
     q, k, v = rand_qkv(B, H, H, L, L, head_dim, dtype=dtype)
     bm = create_block_mask(causal_mask, None, None, L, L, device=DEVICE) if masked else None
     softcap = generate_tanh_softcap(5.0)
-    first = _check(q, k, v, softcap, bm, backward)
+    first = _first(q, k, v, softcap, bm, backward)
     decided = {p: len(c) for p, c in taken.items()}
     assert decided["fwd"] >= 1 and decided["bwd"] >= backward
     again = _check(q, k, v, softcap, bm, backward)
@@ -62,24 +69,24 @@ def test_a_repeated_call_takes_its_plan(taken, backward, masked, head_dim, dtype
 
 def test_a_new_kind_of_call_decides(taken):
     q, k, v = rand_qkv(B, H, H, L, L, D)
-    _check(q, k, v)
-    n = len(taken["fwd"])
-    _check(*rand_qkv(B, H, H, 2 * L, 2 * L, D))  # another length
-    _check(q, k, v, generate_tanh_softcap(5.0))  # another score_mod
-    _check(q.transpose(1, 2).contiguous().transpose(1, 2), k, v)  # other strides
-    assert len(taken["fwd"]) == n + 3
+    _first(q, k, v)
+    for other in ((*rand_qkv(B, H, H, 2 * L, 2 * L, D),), (q, k, v, generate_tanh_softcap(5.0)),
+                  (q.transpose(1, 2).contiguous().transpose(1, 2), k, v)):  # a length, a score_mod, strides
+        n = len(taken["fwd"])
+        _check(*other)
+        assert len(taken["fwd"]) > n
 
 
 def test_a_changed_setting_decides_again(taken, monkeypatch):
     q, k, v = rand_qkv(B, H, H, L, L, D)
     softcap = generate_tanh_softcap(5.0)
-    folded = _check(q, k, v, softcap)
+    folded = _first(q, k, v, softcap)
     n = len(taken["fwd"])
     generation = launch.GENERATION
     monkeypatch.setattr(launch, "FOLD_SCORE_SCALES", False)  # another kernel source for the same call
     assert launch.GENERATION == generation + 1
     unfolded = _check(q, k, v, softcap)
-    assert len(taken["fwd"]) == n + 1
+    assert len(taken["fwd"]) > n
     assert not torch.equal(folded, unfolded) or api._plans(None), "the setting changed nothing"
 
 
@@ -88,7 +95,7 @@ def test_a_block_mask_changed_in_place_decides_again(taken):
     that read them (the walk's length) are made again."""
     q, k, v = rand_qkv(B, H, H, L, L, D)
     bm = create_block_mask(causal_mask, None, None, L, L, device=DEVICE, BLOCK_SIZE=32)
-    _check(q, k, v, block_mask=bm)
+    _first(q, k, v, block_mask=bm)
     n = len(taken["fwd"])
     band = create_block_mask(generate_sliding_window(40), None, None, L, L, device=DEVICE, BLOCK_SIZE=32)
     with torch.no_grad():  # the band's lists in the causal mask's tensors (each side's, the same shapes)
@@ -96,23 +103,23 @@ def test_a_block_mask_changed_in_place_decides_again(taken):
             if getattr(bm, name) is not None:
                 getattr(bm, name).copy_(getattr(band, name))
     _check(q, k, v, block_mask=bm)  # (the band's blocks, causal_mask on its partial ones)
-    assert len(taken["fwd"]) == n + 1
+    assert len(taken["fwd"]) > n
 
 
 def test_a_reassigned_mask_mod_decides_again(taken):
     q, k, v = rand_qkv(B, H, H, L, L, D)
     bm = create_block_mask(generate_sliding_window(40), None, None, L, L, device=DEVICE, BLOCK_SIZE=32)
-    _check(q, k, v, block_mask=bm)
+    _first(q, k, v, block_mask=bm)
     n = len(taken["fwd"])
     bm.mask_mod = generate_sliding_window(20)  # the same blocks are partial; their positions now the narrower band
     _check(q, k, v, block_mask=bm)
-    assert len(taken["fwd"]) == n + 1
+    assert len(taken["fwd"]) > n
 
 
 def test_plans_go_with_their_block_mask(taken):
     q, k, v = rand_qkv(B, H, H, L, L, D)
     bm = create_block_mask(causal_mask, None, None, L, L, device=DEVICE, BLOCK_SIZE=64)
-    _check(q, k, v, block_mask=bm)
+    _first(q, k, v, block_mask=bm)
     assert len(api._FORWARD_PLANS.get(bm, ())) == 1
     masks = len(api._FORWARD_PLANS)
     del bm
@@ -135,7 +142,7 @@ def test_a_differing_plan_is_an_error_when_checked(monkeypatch):
     monkeypatch.setattr(api, "CHECK_PLANS", True)
     monkeypatch.setattr(api, "_DENSE_PLANS", {})
     q, k, v = rand_qkv(B, H, H, L, L, D)
-    flex_attention(q, k, v)
+    _first(q, k, v)
     ((key, plan),) = api._plans(None).items()
     api._plans(None)[key] = plan._replace(template="decode.py.jinja")
     with pytest.raises(RuntimeError, match="forward plan kept for this kind of call"):

@@ -1264,38 +1264,42 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
                 and not torch.are_deterministic_algorithms_enabled())
     dq = torch.empty((B, Hq, Lq, D), dtype=q.dtype, device=q.device) if need_dq and not fused_dq else None
     q_block_args, q_block_strides, has_full = _block_args(*q_blocks)
-    kv_block_args, kv_block_strides, _ = _block_args(*kv_blocks)
-    constexprs = dict(
-        SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1], D=D, DV=Dv, D_PAD=head_dim_pad(D),
-        DV_PAD=head_dim_pad(Dv), HAS_FULL_BLOCKS=has_full, HAS_SCORE_MOD=has_score_mod,
-        FP32_PRECISION="tf32" if allow_tf32 else "ieee", DENSE=dense,
-        USE_TMA=tma_loads(use_tma, default_use_tma(dense, D, Dv), q, k, v, grad_out))
-    dkdv_args = (q, k, v, grad_out, lse, delta, dk, dv, ds if ds is not None else delta, *q_block_args,
-                 *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
-                 *q_block_strides, Hq, Hkv, Hq // Hkv, Lq, Lkv, float(scale), *mod_args, *grad_args)
-    dkdv_constexprs = dict(constexprs, WRITE_DS=ds is not None, SCATTER_CAPTURED_GRADS=scatter_captured_grads)
+    # the Triton kernels' arguments: not where the warp-specialized kernel adds dQ too (unless tuning), which takes its
+    # own (~50 us of a backward's host time on the H200 machine, NOTES 102)
+    triton_dq = need_dq and not fused_dq
+    if ws_module is None or triton_dq or (tune and not pinned):
+        kv_block_args, kv_block_strides, _ = _block_args(*kv_blocks)
+        constexprs = dict(
+            SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1], D=D, DV=Dv, D_PAD=head_dim_pad(D),
+            DV_PAD=head_dim_pad(Dv), HAS_FULL_BLOCKS=has_full, HAS_SCORE_MOD=has_score_mod,
+            FP32_PRECISION="tf32" if allow_tf32 else "ieee", DENSE=dense,
+            USE_TMA=tma_loads(use_tma, default_use_tma(dense, D, Dv), q, k, v, grad_out))
+        dkdv_args = (q, k, v, grad_out, lse, delta, dk, dv, ds if ds is not None else delta, *q_block_args,
+                     *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
+                     *q_block_strides, Hq, Hkv, Hq // Hkv, Lq, Lkv, float(scale), *mod_args, *grad_args)
+        dkdv_constexprs = dict(constexprs, WRITE_DS=ds is not None, SCATTER_CAPTURED_GRADS=scatter_captured_grads)
 
-    def dkdv_grid(cfg):  # programs own BLOCK_N keys
-        # the q walk covers whole sparse q blocks: unchecked only if they all end inside Q_LEN
-        dkdv_constexprs.update(EVEN_M=Lq % sparse_block[0] == 0, EVEN_N=Lkv % cfg.BLOCK_N == 0)
-        return (cdiv(Lkv, cfg.BLOCK_N), B * Hkv)
+        def dkdv_grid(cfg):  # programs own BLOCK_N keys
+            # the q walk covers whole sparse q blocks: unchecked only if they all end inside Q_LEN
+            dkdv_constexprs.update(EVEN_M=Lq % sparse_block[0] == 0, EVEN_N=Lkv % cfg.BLOCK_N == 0)
+            return (cdiv(Lkv, cfg.BLOCK_N), B * Hkv)
 
-    dq_args = (q, k, v, grad_out, lse, delta, dq, *kv_block_args,
-               *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *(q if dq is None else dq).stride(),
-               *kv_block_strides, Hq, Hq // Hkv, Lq, Lkv, float(scale), *mod_args, *grad_args)
-    dq_constexprs = dict(constexprs, REVERSE_M=REVERSE_Q_BLOCKS)
+        dq_args = (q, k, v, grad_out, lse, delta, dq, *kv_block_args,
+                   *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *(q if dq is None else dq).stride(),
+                   *kv_block_strides, Hq, Hq // Hkv, Lq, Lkv, float(scale), *mod_args, *grad_args)
+        dq_constexprs = dict(constexprs, REVERSE_M=REVERSE_Q_BLOCKS)
 
-    def dq_grid(cfg):  # programs own BLOCK_M queries
-        dq_constexprs.update(EVEN_M=Lq % cfg.BLOCK_M == 0, EVEN_N=Lkv % sparse_block[1] == 0)
-        return (cdiv(Lq, cfg.BLOCK_M), B * Hq)
+        def dq_grid(cfg):  # programs own BLOCK_M queries
+            dq_constexprs.update(EVEN_M=Lq % cfg.BLOCK_M == 0, EVEN_N=Lkv % sparse_block[1] == 0)
+            return (cdiv(Lq, cfg.BLOCK_M), B * Hq)
 
     pre_block = min(64, max(16, next_pow2(Lq)))
-    dkdv_tiles, dq_tiles = config.dkdv_tiles(), config.dq_tiles()
     with interpreter_scope(interpret):
         compiled_launch(module.flex_bwd_preprocess_kernel, dict(
             BLOCK_M=pre_block, DV=Dv, DV_PAD=head_dim_pad(Dv), HAS_DLSE=grad_lse is not None))(
             (cdiv(Lq, pre_block), B * Hq), (out, grad_out, grad_lse.contiguous() if grad_lse is not None else lse,
                                             delta, *out.stride(), *grad_out.stride(), Hq, Lq))
+        dkdv_tiles, dq_tiles = config.dkdv_tiles(), config.dq_tiles()
         if tune and not pinned:
             key = f"{_tuning_key(module, q, v, sparse_block, has_full, constexprs)}|ds={ds is not None}"
             dkdv_space, dq_space = backward_candidates(q, v, sparse_block)
@@ -1314,7 +1318,7 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
                 dq = dq_acc.to(q.dtype)
         else:
             run_with_fallback(module.flex_bwd_dkdv_kernel, dkdv_grid, dkdv_args, dkdv_constexprs, dkdv_tiles, pinned)
-        if need_dq and not fused_dq:
+        if triton_dq:
             run_with_fallback(module.flex_bwd_dq_kernel, dq_grid, dq_args, dq_constexprs, dq_tiles, pinned)
     return dq, dk, dv
 
