@@ -1,0 +1,64 @@
+"""Host time per call (us) of flex_attention's forward (with and without grad) and backward at B1 H16 S2048 (D128,
+D64; causal and document masks, bf16): GPU times far below the host's, so each loop of calls measures the host path
+(the best of three loops of 400 calls, 200 backwards; the gradients accumulate into q / k / v: three adds a
+backward). One process per checkout, to compare two trees on one machine (NOTES 102: the plans against the tree
+before them):
+
+    PYTHONPATH=<checkout> python benchmarks/probe_host_plans.py <label>
+
+Prints a line per case: label, head dim, mask, fwd, fwd_nograd, bwd (us per call)."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+import flexlite
+from flexlite import first_calls
+from flexlite.masks import causal_mask, generate_causal_document_mask
+
+
+def host_us(fn, calls: int = 400) -> float:
+    """The best of three loops of ``calls`` calls, in us per call (the GPU synchronized around each loop only)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    loops = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        loops.append((time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return min(loops)
+
+
+def main():
+    label = sys.argv[1] if len(sys.argv) > 1 else "tree"
+    B, H, S = 1, 16, 2048
+    for D in (128, 64):
+        q, k, v = [torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+        for name, mask_mod in (("causal", causal_mask),
+                               ("document", generate_causal_document_mask([S // 8] * 8, device="cuda"))):
+            bm = flexlite.create_block_mask(mask_mod, None, None, S, S, device="cuda")
+
+            def forward():
+                return flexlite.flex_attention(q, k, v, block_mask=bm)
+
+            def no_grad():
+                with torch.no_grad():
+                    return forward()
+            for _ in range(2):  # (the kernels compiled, the first calls' torch ops and bits behind)
+                forward().sum().backward()
+                first_calls.wait()
+            out = forward()
+            grad = torch.randn_like(out)
+            times = dict(fwd=host_us(forward), fwd_nograd=host_us(no_grad),
+                         bwd=host_us(lambda: out.backward(grad, retain_graph=True), 200))
+            print(label, f"D={D}", f"mask={name}", " ".join(f"{k}={t:.0f}" for k, t in times.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
