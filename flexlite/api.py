@@ -383,8 +383,8 @@ _MASKS_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def _validate_block_mask(block_mask, query, key):
     """As :func:`_validate`, for the block mask; returns its mask_mod's trace (None without a mask_mod). The checks
     of its tensors against the inputs' lengths, batch, heads and device run once per set of tensors (their ids and
-    in-place versions), lengths, block size, input shape, device and index limit; mask_mod is traced at every call (the trace
-    notices what it captures being rebound)."""
+    in-place versions), lengths, block size, input shape, device and index limit; mask_mod is traced at every call
+    (the trace notices what it captures being rebound)."""
     if not isinstance(block_mask, BlockMask):
         _fail(f"block_mask must be a BlockMask (from flexlite's create_block_mask, or torch's), got "
               f"{type(block_mask).__name__}", TypeError)
@@ -718,21 +718,42 @@ class _ForwardPlan(NamedTuple):
                 and [id(t) for t in self.kernel.captured] == [id(t) for t in other.kernel.captured])
 
 
-# per block mask (held weakly: the plans go with it), and for the dense walk, the forward plans of its calls
+class _Plans:
+    """The plans of one block mask's calls (or the dense walk's): per score_mod trace, held weakly (a plan's kernel
+    holds the trace's captured tensors: they go with the trace, as a mod made anew each step is), and those of calls
+    without a score_mod."""
+
+    def __init__(self):
+        self.by_trace: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self.plain: dict = {}
+
+    def of(self, score_trace) -> dict:
+        if score_trace is None:
+            return self.plain
+        plans = self.by_trace.get(score_trace)
+        if plans is None:
+            plans = self.by_trace[score_trace] = {}
+        return plans
+
+
+# per block mask (held weakly: the plans go with it), and for the dense walk, the plans of their calls
 _FORWARD_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_DENSE_PLANS: dict = {}
-_MAX_PLANS = 64  # per block mask (and for the dense walk): beyond it they are dropped and made again
+_DENSE_PLANS = _Plans()
+_MAX_PLANS = 64  # per block mask and score_mod (and for the dense walk): beyond it they are dropped and made again
 # every call with a plan decided again and compared with it (a RuntimeError where they differ): the tests set it
 CHECK_PLANS = env_flag("FLEXLITE_CHECK_PLANS")
 
 
 def _plan_key(query, key, value, score_mod, block_mask, kernel_options, extra: tuple, traced: tuple):
     """What :func:`_forward`'s (and :func:`_backward`'s) decisions read: the inputs' shapes, strides, dtype, device
-    and 16-byte alignment (the Gluon kernels' tensor descriptors), the mods' traces (each a new object where what a
-    mod captures is rebound), the block mask's kv lists (their ids and in-place versions), block size and lengths,
-    kernel_options, ``extra`` (the pass's own: the forward's max_scores), the launch settings' generation
-    (:data:`launch.GENERATION`), first_calls' switch and its set of compiled kernels (a new set: a test's fresh
-    start), and autotuning (an environment variable); None where the options do not hash."""
+    and 16-byte alignment (the Gluon kernels' tensor descriptors), the mask_mod's trace (a new object where what it
+    captures is rebound; score_mod's trace keys the dict the plan is kept in, :func:`_plans`), the block mask's kv
+    lists (their ids and in-place versions), block size and lengths, kernel_options, ``extra`` (the pass's own: the
+    forward's max_scores), the launch settings' generation (:data:`launch.GENERATION`), first_calls' switch and its
+    set of compiled kernels (a new set: a test's fresh start), and autotuning (an environment variable); None where
+    the options do not hash or a score_mod is not traced."""
+    if traced[0] is None and score_mod is not None:  # (a score_mod the call did not trace: no plan)
+        return None
     try:
         options = tuple(kernel_options.items()) if kernel_options else ()
         hash(options)
@@ -741,21 +762,22 @@ def _plan_key(query, key, value, score_mod, block_mask, kernel_options, extra: t
     mask_mod = None if block_mask is None else block_mask.mask_mod
     return (query.shape, query.stride(), key.shape, key.stride(), value.shape, value.stride(), query.dtype,
             query.device, (query.data_ptr() | key.data_ptr() | value.data_ptr()) & 15,
-            score_mod if traced[0] is None else traced[0], mask_mod if traced[1] is None else traced[1],
+            mask_mod if traced[1] is None else traced[1],
             None if block_mask is None else (lists_key(block_mask), tuple(block_mask.BLOCK_SIZE),
                                              tuple(block_mask.seq_lengths)),
             options, extra, _launch.GENERATION, first_calls.ENABLED, id(first_calls._ready),
             autotune_enabled(kernel_options or {}))
 
 
-def _plans(block_mask) -> dict:
-    """The forward plans of calls with ``block_mask`` (None: the dense walk's)."""
+def _plans(block_mask, score_trace) -> dict:
+    """The plans of calls with ``block_mask`` (None: the dense walk's) and score_mod trace ``score_trace`` (None:
+    without a score_mod, or one not traced by the call)."""
     if block_mask is None:
-        return _DENSE_PLANS
+        return _DENSE_PLANS.of(score_trace)
     plans = _FORWARD_PLANS.get(block_mask)
     if plans is None:
-        plans = _FORWARD_PLANS[block_mask] = {}
-    return plans
+        plans = _FORWARD_PLANS[block_mask] = _Plans()
+    return plans.of(score_trace)
 
 
 # warp-specialized forward sources that Triton failed to compile (Triton 3.6's Gluon lowering fails, for one, on a
@@ -785,7 +807,7 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options, ma
     compiling = _launch.compiling_only()
     plan_key = None if compiling else _plan_key(query, key, value, score_mod, block_mask, kernel_options,
                                                 (max_scores,), traced)
-    plan = None if plan_key is None else _plans(block_mask).get(plan_key)
+    plan = None if plan_key is None else _plans(block_mask, traced[0]).get(plan_key)
     if plan is not None and not CHECK_PLANS:
         check_captured(plan.kernel.captured, query.device, "flex_attention")
         return _run_forward(plan.kernel, plan.template, plan.ws, plan.rows, plan.mask_gathers, query, key, value,
@@ -837,17 +859,17 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options, ma
     if first is not None:
         first.done()
     if plan is None:
-        _keep_plan(plan_key, block_mask, first, query, decided)
+        _keep_plan(plan_key, block_mask, traced[0], first, query, decided)
     return result
 
 
-def _keep_plan(plan_key, block_mask, first: Optional[_FirstCall], query, plan) -> None:
+def _keep_plan(plan_key, block_mask, score_trace, first: Optional[_FirstCall], query, plan) -> None:
     """``plan`` kept for the calls of ``plan_key`` (None: none kept) once the call's kernels are compiled (not a first
     call's), and not from a CUDA graph capture's decisions (made without reading the block mask on the host)."""
     if (plan_key is None or (first is not None and (first.new or first.eager))
             or (query.is_cuda and torch.cuda.is_current_stream_capturing())):
         return
-    plans = _plans(block_mask)
+    plans = _plans(block_mask, score_trace)
     if len(plans) >= _MAX_PLANS:
         plans.clear()
     plans[plan_key] = plan
@@ -1058,7 +1080,7 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
     plan_key = None if want or _launch.compiling_only() else _plan_key(
         query, key, value, traced[0], block_mask, kernel_options, ("bwd", need_dq, grad_lse is None, grad_classes),
         traced)
-    plan = None if plan_key is None else _plans(block_mask).get(plan_key)
+    plan = None if plan_key is None else _plans(block_mask, traced[0]).get(plan_key)
     if plan is not None and not CHECK_PLANS:
         kernel, ws_kernel = plan
         check_captured(kernel.captured, query.device, "flex_attention")
@@ -1092,7 +1114,7 @@ def _backward(query, key, value, out, lse, grad_out, grad_lse, score_mod, block_
                           block_mask, scale, options, need_dq, need_captured, want, scatter, deterministic, kv_blocks,
                           sparse)
     if plan is None:  # (a warp-specialized kernel that failed to compile in the call: the Triton one's from now on)
-        _keep_plan(plan_key, block_mask, first, query,
+        _keep_plan(plan_key, block_mask, traced[0], first, query,
                    (kernel, None if ws_kernel is not None and ws_kernel.source in _WS_UNCOMPILABLE else ws_kernel))
     return grads
 

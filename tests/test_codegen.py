@@ -298,7 +298,7 @@ FLOAT_INDEX_MODS = {
 
 
 @pytest.mark.parametrize("name", sorted(FLOAT_INDEX_MODS))
-def test_forward_lowers_index_distances_from_float_vectors(name):
+def test_forward_lowers_index_distances_from_float_vectors(name, monkeypatch):
     """Both forwards compute int index arithmetic that a float32 op consumes from float32 q / kv vectors
     (one subtraction per score instead of an int subtraction and a per-score conversion), only where that is
     bit-identical (one add / subtract of exact values); the backward keeps the int form. Same output as the int
@@ -317,12 +317,9 @@ def test_forward_lowers_index_distances_from_float_vectors(name):
     q, k, v = rand_qkv(1, 2, 2, 100, 70, 16, seed=4)  # more than 64 queries: the forward kernel
     out = flex_attention(q, k, v, score_mod=mod)
     assert_close(out, attention_reference(q, k, v, score_mod=mod)[0], *TOLERANCES[torch.float32])
-    real = api._float_index
-    try:
-        api._float_index = lambda *args: False
-        assert torch.equal(out, flex_attention(q, k, v, score_mod=mod))
-    finally:
-        api._float_index = real
+    monkeypatch.setattr(api, "_float_index", lambda *args: False)
+    monkeypatch.setattr(api, "_DENSE_PLANS", api._Plans())  # (the float form's plan: kept for calls that would take it)
+    assert torch.equal(out, flex_attention(q, k, v, score_mod=mod))
 
 
 def test_float_index_only_while_positions_are_exact_in_float32(monkeypatch):
@@ -339,6 +336,7 @@ def test_float_index_only_while_positions_are_exact_in_float32(monkeypatch):
     mod = FLOAT_INDEX_MODS["alibi"][0]
     q, k, v = rand_qkv(1, 2, 2, 100, 70, 16, seed=5)  # more than 64 queries: the forward kernel, not decoding
     monkeypatch.setattr(api, "FLOAT32_EXACT_INT", 99)
+    monkeypatch.setattr(api, "_DENSE_PLANS", api._Plans())  # (plans of the same call made at the real limit: not for this one)
     long = flex_attention(q, k, v, score_mod=mod)
     monkeypatch.setattr(api, "FLOAT32_EXACT_INT", 100)
     short = flex_attention(q, k, v, score_mod=mod)

@@ -247,8 +247,10 @@ def traces(monkeypatch):
 @pytest.mark.parametrize("plans", ["checked", "taken"])
 @pytest.mark.parametrize("case", CASES, ids=[c.__name__.lstrip("_") for c in CASES])
 def test_changed_state_is_seen(case, plans, monkeypatch, traces):
-    # (plans taken: a repeated call skips the forward's decisions, as outside the tests; its key holds the trace)
+    # (plans taken: a repeated call skips the forward's decisions, as outside the tests, its key holding the trace, and
+    # the trace cache's probes stand for the fingerprint without it being walked too)
     monkeypatch.setattr(api, "CHECK_PLANS", plans == "checked")
+    monkeypatch.setattr(trace_module, "CHECK_PROBES", plans == "checked")
     mod, change = case(monkeypatch)
     q, k, v = rand_qkv(B, H, H, L, L, D)
     before = flex_attention(q, k, v, score_mod=mod)
@@ -665,3 +667,51 @@ def test_a_float64_call_runs_one_trace_forward_and_backward():
     flex_attention(q, k, v, score_mod=score_mod)  # (traced: the constant is 2)
     t.fill_(3.0)
     assert torch.autograd.gradcheck(lambda q, k, v: flex_attention(q, k, v, score_mod=score_mod), (q, k, v))
+
+
+PROBED_CAP = 2.0
+
+
+def probed_mod(s, b, h, qi, ki):
+    return s * PROBED_CAP + _PROBED_BIAS[ki] * 0.0
+
+
+_PROBED_BIAS = torch.zeros(L, device=DEVICE)
+
+
+def test_a_plain_functions_trace_is_found_by_its_probes(monkeypatch, traces):
+    """A plain function (closure, globals, defaults: scalars, tensors, such functions) is found in the trace cache by
+    identity checks (its probes) without its fingerprint walked; a rebound global fails them, and the fingerprint
+    then re-traces. A mod that reads an object's state is fingerprinted at every call."""
+    monkeypatch.setattr(trace_module, "CHECK_PROBES", False)
+    walks = []
+    real = trace_module._fingerprint_and_truncated
+    monkeypatch.setattr(trace_module, "_fingerprint_and_truncated", lambda fn: walks.append(fn) or real(fn))
+    cap = 3.0
+    closure = lambda s, b, h, qi, ki: s * cap  # noqa: E731
+    for mod in (probed_mod, closure):
+        first = trace_module.trace_mod(mod, "score_mod")
+        walks.clear()
+        assert trace_module.trace_mod(mod, "score_mod") is first and walks == []
+    monkeypatch.setattr(sys.modules[__name__], "PROBED_CAP", 5.0)
+    traces.clear()
+    assert trace_module.trace_mod(probed_mod, "score_mod") is not first and len(traces) == 1 and walks
+    q, k, v = rand_qkv(B, H, H, L, L, D)
+    assert_close(flex_attention(q, k, v, score_mod=probed_mod),
+                 attention_reference(q, k, v, score_mod=probed_mod)[0], *TOLERANCES[torch.float32])
+    walks.clear()
+    trace_module.trace_mod(cap_mod, "score_mod")  # (reads CFG, a SimpleNamespace: its state walked every call)
+    trace_module.trace_mod(cap_mod, "score_mod")
+    assert len(walks) == 2
+
+
+def test_probes_that_hold_where_the_fingerprint_changed_are_an_error_when_checked(monkeypatch):
+    """With CHECK_PROBES (the suite's default) a probe hit is also fingerprinted: probes that miss what the
+    fingerprint reads show in the test that changes it."""
+    monkeypatch.setattr(trace_module, "CHECK_PROBES", True)
+    trace_module.trace_mod(probed_mod, "score_mod")
+    cache, key = trace_module._cache_for(probed_mod)
+    fp, traced, probes = cache[key]
+    cache[key] = (("another",), traced, probes)
+    with pytest.raises(RuntimeError, match="probes hold but its fingerprint changed"):
+        trace_module.trace_mod(probed_mod, "score_mod")

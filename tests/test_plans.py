@@ -80,14 +80,15 @@ def test_a_new_kind_of_call_decides(taken):
 def test_a_changed_setting_decides_again(taken, monkeypatch):
     q, k, v = rand_qkv(B, H, H, L, L, D)
     softcap = generate_tanh_softcap(5.0)
-    folded = _first(q, k, v, softcap)
+    _first(q, k, v, softcap)
     n = len(taken["fwd"])
     generation = launch.GENERATION
     monkeypatch.setattr(launch, "FOLD_SCORE_SCALES", False)  # another kernel source for the same call
     assert launch.GENERATION == generation + 1
-    unfolded = _check(q, k, v, softcap)
+    _first(q, k, v, softcap)
     assert len(taken["fwd"]) > n
-    assert not torch.equal(folded, unfolded) or api._plans(None), "the setting changed nothing"
+    plans = api._plans(None, api.trace_mod(softcap, "score_mod"))
+    assert len({plan.kernel.source for plan in plans.values()}) == 2  # (a plan per setting, each its own kernel)
 
 
 def test_a_block_mask_changed_in_place_decides_again(taken):
@@ -120,7 +121,7 @@ def test_plans_go_with_their_block_mask(taken):
     q, k, v = rand_qkv(B, H, H, L, L, D)
     bm = create_block_mask(causal_mask, None, None, L, L, device=DEVICE, BLOCK_SIZE=64)
     _first(q, k, v, block_mask=bm)
-    assert len(api._FORWARD_PLANS.get(bm, ())) == 1
+    assert len(api._FORWARD_PLANS[bm].plain) == 1
     masks = len(api._FORWARD_PLANS)
     del bm
     gc.collect()
@@ -140,10 +141,23 @@ def test_a_differing_plan_is_an_error_when_checked(monkeypatch):
     """With CHECK_PLANS (the suite's default) a plan whose call decides otherwise raises instead of running the
     plan's kernel: a key that misses something the decisions read shows in the test that changes it."""
     monkeypatch.setattr(api, "CHECK_PLANS", True)
-    monkeypatch.setattr(api, "_DENSE_PLANS", {})
+    monkeypatch.setattr(api, "_DENSE_PLANS", api._Plans())
     q, k, v = rand_qkv(B, H, H, L, L, D)
     _first(q, k, v)
-    ((key, plan),) = api._plans(None).items()
-    api._plans(None)[key] = plan._replace(template="decode.py.jinja")
+    ((key, plan),) = api._plans(None, None).items()
+    api._plans(None, None)[key] = plan._replace(template="decode.py.jinja")
     with pytest.raises(RuntimeError, match="forward plan kept for this kind of call"):
         flex_attention(q, k, v)
+
+
+def test_plans_go_with_their_score_mods_trace(taken):
+    """A score_mod made anew for each step (capturing a new tensor): its plans, whose kernels hold that tensor, go
+    with its trace, not kept by the plans of the dense walk."""
+    q, k, v = rand_qkv(B, H, H, L, L, D)
+    bias = torch.randn(L, device=DEVICE)
+    mod = lambda s, b, h, qi, ki: s + bias[ki]  # noqa: E731
+    _first(q, k, v, mod)
+    assert len(api._DENSE_PLANS.by_trace) == 1
+    del mod
+    gc.collect()
+    assert len(api._DENSE_PLANS.by_trace) == 0

@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import inspect
 import operator
+import os
 import re
 import threading
 import types
@@ -272,6 +273,109 @@ def _fingerprint(obj, seen: set, depth: int = 0) -> tuple:
     return (id(obj),)
 
 
+# probes: identity checks that stand for a plain function's fingerprint while they hold (trace_mod's hot path: a
+# fingerprint walk costs ~10 us a mod a call, NOTES 102). Each is (kind, ...): the code object, a closure cell's
+# contents, a namespace's entry (a global, a module's attribute; _ABSENT where there is none), the defaults tuple,
+# a tensor's dtype and rank, an empty __dict__
+_ABSENT = object()
+_CODE, _CELL, _ENTRY, _DEFAULTS, _TENSOR, _NO_DICT = range(6)
+_MAX_PROBE_DEPTH = 4
+_SCALARS = (int, float, bool, str, type(None))
+
+
+def _probes(fn) -> Optional[tuple]:
+    """The probes of ``fn`` (:func:`_probes_hold`), or None where its fingerprint must be walked: anything but a plain
+    function whose closure, globals (a module's attributes by name), defaults and helpers hold Python scalars,
+    tensors, objects fingerprinted by identity alone, tuples of those or such functions, nothing set on it."""
+    probes: list = []
+    return tuple(probes) if _probe_function(fn, probes, 0) else None
+
+
+def _probe_function(fn, probes: list, depth: int) -> bool:
+    if (not isinstance(fn, types.FunctionType) or depth > _MAX_PROBE_DEPTH or fn.__dict__
+            or getattr(fn, "flexlite_entry_point", False)):
+        return False
+    this = fn if depth else None  # (the mod itself as None: the trace cache's weak key is not held by its probes)
+    probes.append((_CODE, this, fn.__code__))
+    probes.append((_NO_DICT, this))
+    for cell in fn.__closure__ or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            return False
+        probes.append((_CELL, cell, value))
+        if not _probe_value(value, probes, depth):
+            return False
+    names = _code_names(fn.__code__)
+    namespace = fn.__globals__
+    for name in names:
+        value = namespace.get(name, _ABSENT)
+        probes.append((_ENTRY, namespace, name, value))
+        if value is _ABSENT:
+            continue
+        if isinstance(value, types.ModuleType):  # (as the fingerprint reads it: its attributes of these names)
+            user, attrs = not _library_module(value.__name__), vars(value)
+            for n in names:
+                a = attrs.get(n, _ABSENT)
+                probes.append((_ENTRY, attrs, n, a))
+                if isinstance(a, torch.Tensor):
+                    probes.append((_TENSOR, a, a.dtype, a.dim()))
+                elif user and isinstance(a, types.FunctionType) and not _probe_function(a, probes, depth + 1):
+                    return False
+        elif not _probe_value(value, probes, depth):
+            return False
+    if fn.__defaults__:
+        probes.append((_DEFAULTS, this, fn.__defaults__))
+        if not _probe_value(fn.__defaults__, probes, depth):
+            return False
+    return True
+
+
+def _probe_value(value, probes: list, depth: int) -> bool:
+    """Whether ``value``'s fingerprint is fixed by its identity (checked by the probe that holds it) and the probes this
+    adds: a scalar, a tensor (its dtype and rank), a tuple of such values, a plain function (its own probes), an object
+    fingerprinted by identity alone."""
+    if isinstance(value, _SCALARS):
+        return True
+    if isinstance(value, torch.Tensor):
+        probes.append((_TENSOR, value, value.dtype, value.dim()))
+        return True
+    if isinstance(value, tuple):
+        return depth <= _MAX_PROBE_DEPTH and all(_probe_value(v, probes, depth + 1) for v in value)
+    if isinstance(value, types.FunctionType):
+        return _probe_function(value, probes, depth + 1)
+    if isinstance(value, (list, dict, set, functools.partial, types.MethodType, type)) or _has_state(value):
+        return False
+    return not getattr(value, "flexlite_entry_point", False)  # (identity alone: a builtin, a dtype, a module)
+
+
+def _probes_hold(probes: tuple, fn) -> bool:
+    """Whether everything :func:`_probes` saw of ``fn`` is as it was (then the fingerprint is too)."""
+    for probe in probes:
+        kind = probe[0]
+        if kind == _ENTRY:
+            if probe[1].get(probe[2], _ABSENT) is not probe[3]:
+                return False
+        elif kind == _CELL:
+            try:
+                if probe[1].cell_contents is not probe[2]:
+                    return False
+            except ValueError:
+                return False
+        elif kind == _TENSOR:
+            if probe[1].dtype != probe[2] or probe[1].dim() != probe[3]:
+                return False
+        elif kind == _CODE:
+            if (fn if probe[1] is None else probe[1]).__code__ is not probe[2]:
+                return False
+        elif kind == _NO_DICT:
+            if (fn if probe[1] is None else probe[1]).__dict__:
+                return False
+        elif (fn if probe[1] is None else probe[1]).__defaults__ is not probe[2]:  # _DEFAULTS
+            return False
+    return True
+
+
 def _library_module(name: str) -> bool:
     return name.split(".")[0] in ("builtins", "torch", "triton", "numpy", "math", "functools", "operator")
 
@@ -382,6 +486,9 @@ def _example_inputs(kind: str):
 
 # ---------------------------------------------------------------------------------------------
 
+# every trace cache hit by its probes also fingerprinted and compared (a RuntimeError where they differ): the tests
+# set it (FLEXLITE_CHECK_PLANS, as flexlite.api's plans)
+CHECK_PROBES = os.environ.get("FLEXLITE_CHECK_PLANS", "") not in ("", "0")
 _TRACE_CACHE: "weakref.WeakKeyDictionary[Callable, tuple]" = weakref.WeakKeyDictionary()
 _TRACE_CACHE_STRONG: dict = {}  # for callables that cannot be weakly referenced
 # bound methods per function, then per object: ``obj.mod`` makes a new method object at each access (equal to the
@@ -412,10 +519,16 @@ def trace_mod(fn: Callable, kind: str) -> TracedMod:
     if isinstance(fn, TracedMod):
         return fn
     check_arity(fn, kind)
-    fp, truncated = _fingerprint_and_truncated(fn)
     cache, key = _cache_for(fn)
     hit = cache.get(key)
+    if hit is not None and hit[2] is not None and _probes_hold(hit[2], fn):
+        if CHECK_PROBES and _fingerprint_and_truncated(fn)[0] != hit[0]:
+            raise RuntimeError(f"flexlite: {mod_name(fn)!r}'s probes hold but its fingerprint changed: the probes miss "
+                               f"something the fingerprint reads")
+        return hit[1]
+    fp, truncated = _fingerprint_and_truncated(fn)
     if hit is not None and hit[0] == fp:
+        cache[key] = (fp, hit[1], None if truncated else _probes(fn))  # (what the probes saw changed, not the mod)
         return hit[1]
     traced = _trace(fn, kind)
     # a trace is kept only where its fingerprint sees everything it took: a captured tensor the walk did not meet
@@ -424,7 +537,7 @@ def trace_mod(fn: Callable, kind: str) -> TracedMod:
     reach = () if truncated or not traced.captured else _tensor_ids(fp)  # (on a miss only: not on the hot path)
     traced.volatile = truncated or any(id(t) not in reach for t in traced.captured.values())
     if not traced.volatile:
-        cache[key] = (fp, traced)
+        cache[key] = (fp, traced, None if truncated else _probes(fn))
     return traced
 
 
