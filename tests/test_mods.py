@@ -101,6 +101,34 @@ def test_alibi_slopes():
     assert alibi_slopes(4).tolist() == [2.0 ** (-2 * i) for i in range(1, 5)]
 
 
+def _paper_slopes(n: int) -> list:
+    """The ALiBi paper's reference get_slopes (ofirpress/attention_with_linear_biases), as BLOOM builds them."""
+    def power_of_2(n):
+        start = 2 ** (-2 ** -(math.log2(n) - 3))
+        return [start * start ** i for i in range(n)]
+    if math.log2(n).is_integer():
+        return power_of_2(n)
+    closest = 2 ** math.floor(math.log2(n))
+    return power_of_2(closest) + _paper_slopes(2 * closest)[0::2][:n - closest]
+
+
+@pytest.mark.parametrize("heads", [1, 2, 3, 5, 6, 12, 16, 20, 40, 96])
+def test_interleaved_alibi_slopes_are_the_papers_for_any_head_count(heads):
+    """interleaved=True: the paper's slopes (BLOOM's, MPT's) where the head count is not a power of two; the default
+    stays attention-gym's 2^(-8 h / H), equal to them for powers of two."""
+    got = alibi_slopes(heads, interleaved=True)
+    assert got.dtype == torch.float32 and got.shape == (heads,)
+    assert torch.allclose(got.double(), torch.tensor(_paper_slopes(heads), dtype=torch.float64), rtol=1e-6, atol=0)
+    gym = [2.0 ** (-8.0 * h / heads) for h in range(1, heads + 1)]
+    assert torch.allclose(alibi_slopes(heads).double(), torch.tensor(gym, dtype=torch.float64), rtol=1e-6, atol=0)
+    assert torch.equal(got, alibi_slopes(heads)) == (heads & (heads - 1) == 0)
+
+
+def test_interleaved_must_be_a_bool():
+    with pytest.raises(TypeError, match="alibi_slopes: interleaved must be a bool"):
+        alibi_slopes(6, interleaved="yes")
+
+
 def test_softcap_approx_is_the_flexlite_op():
     """approx=True keeps flexlite::tanh_approx as one node (the GPU lowering picks tanh.approx.f32)."""
     def targets(mod):
