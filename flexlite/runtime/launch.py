@@ -508,12 +508,15 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
         True if wide is True else ("lists", wide[2] is None) if isinstance(wide, tuple) else None, GENERATION,
         _device_facts(q.device))
     plan = None if plan_key is None else _WS_FWD_PLANS.get(plan_key)
+
+    def kernel_args(descs, blocks, block_strides, work, n_qblocks, scalars) -> tuple:
+        return (q, k, v, out, *descs, lse, lse if row_max is None else row_max, *blocks, *q.stride()[:3],
+                *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *block_strides, work, n_qblocks, Hq, Hq // Hkv,
+                Lq, Lkv, float(scale), *scalars)
     if plan is not None and plan.module is module:  # (the choice below made before for such a call: its launch)
-        descs = plan.descriptors(q, k, v, out)
         blocks, block_strides, _ = _block_args(*(lists if plan.lists is None else wide))
-        args = (q, k, v, out, *descs, lse, lse if row_max is None else row_max, *blocks, *q.stride()[:3],
-                *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *block_strides, plan.work, plan.n_qblocks, Hq,
-                Hq // Hkv, Lq, Lkv, float(scale), *scalars_to(mod_args, q.device))
+        args = kernel_args(plan.descriptors(q, k, v, out), blocks, block_strides, plan.work, plan.n_qblocks,
+                           scalars_to(mod_args, q.device))
         with llvm_opt_level(module.LLVM_OPT_LEVELS.get(D)):
             plan.launch((plan.programs,), args)
         return out, lse, row_max
@@ -552,9 +555,7 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
         last = n == len(choices) - 1
         if not (last or compiling_only()) and (launch.local or 0) > WS_FWD_WIDE_MAX_LOCAL:
             continue  # (the wide kernel known not to fit: no arguments built for it)
-        args = (q, k, v, out, *descs, lse, lse if row_max is None else row_max, *blocks, *q.stride()[:3],
-                *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *block_strides, work, n_qblocks, Hq, Hq // Hkv,
-                Lq, Lkv, float(scale), *scalars)
+        args = kernel_args(descs, blocks, block_strides, work, n_qblocks, scalars)
         with llvm_opt_level(module.LLVM_OPT_LEVELS.get(D)):  # the level its source names (llvm_level.llvm_opt_level)
             if compiling or last or launch.local_bytes((programs,), args) <= WS_FWD_WIDE_MAX_LOCAL:
                 launch((programs,), args)
@@ -564,7 +565,7 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
                             _WS_FWD_PLANS.clear()
                         _WS_FWD_PLANS[plan_key] = _WsForwardPlan(
                             module, launch, programs, work, n_qblocks, None if lists_n is lists else "wide",
-                            host_desc and tuple(rows for rows in (WS_HALF_M, tiles["BLOCK_N"])))
+                            (WS_HALF_M, tiles["BLOCK_N"]) if host_desc else False)
                     break
     return out, lse, row_max
 
