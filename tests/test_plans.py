@@ -161,3 +161,20 @@ def test_plans_go_with_their_score_mods_trace(taken):
     del mod
     gc.collect()
     assert len(api._DENSE_PLANS.by_trace) == 0
+
+
+def test_a_planned_call_takes_its_own_scale_and_aux_requests(taken):
+    """What a plan does not decide stays the call's: the scale (a negative or zero one too, which the launch turns
+    into the query's sign) and the auxiliary outputs (max_scores picks its kernels: part of the key)."""
+    from flexlite import AuxRequest
+    q, k, v = rand_qkv(B, H, H, L, L, D)
+    bm = create_block_mask(causal_mask, None, None, L, L, device=DEVICE, BLOCK_SIZE=64)
+    for scale in (0.25, 0.5, -0.3, 0.0):
+        for _ in range(2):
+            out, aux = flex_attention(q, k, v, block_mask=bm, scale=scale,
+                                      return_aux=AuxRequest(lse=True, max_scores=True))
+            first_calls.wait()
+        ref, lse, row_max = attention_reference(q, k, v, block_mask=bm, scale=scale, return_max=True)
+        assert_close(out, ref, *TOLERANCES[torch.float32])
+        assert_close(aux.lse, lse, *TOLERANCES[torch.float32], name="lse")
+        assert_close(aux.max_scores, row_max, *TOLERANCES[torch.float32], name="max_scores")
