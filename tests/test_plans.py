@@ -60,7 +60,7 @@ def test_a_repeated_call_takes_its_plan(taken, backward, masked, head_dim, dtype
     decided = {p: len(c) for p, c in taken.items()}
     assert decided["fwd"] >= 1 and decided["bwd"] >= backward
     again = _check(q, k, v, softcap, bm, backward)
-    assert {p: len(c) for p, c in taken.items()} == decided, "the second call decided again"
+    assert {p: len(c) for p, c in taken.items()} == decided, "a call of a planned kind decided again"
     assert torch.equal(first, again)
     q2, k2, v2 = rand_qkv(B, H, H, L, L, head_dim, dtype=dtype, seed=1)  # other values, the same kind of call
     _check(q2, k2, v2, softcap, bm, backward)
