@@ -15,9 +15,9 @@ from torch.autograd import forward_ad
 
 from . import eager as _eager
 from . import first_calls
-from .block_mask import (BlockMask, check_block_tensors, check_captured_device, check_device, check_mod_output,
-                         from_torch_block_mask, is_bool, is_torch_block_mask, item_lists, kept_on, lists_key,
-                         q_sides, tensors_key)
+from .block_mask import (BlockMask, check_block_tensors, check_bool, check_captured_device, check_device,
+                         check_mod_output, from_torch_block_mask, is_bool, is_torch_block_mask, item_lists, kept_on,
+                         lists_key, q_sides, tensors_key)
 from .codegen.kernel import GeneratedKernel, generate, generate_backward
 from .codegen.lower import FLOAT32_EXACT_INT
 from .codegen.trace import check_arity, trace_mod
@@ -146,13 +146,6 @@ def _check_slice_offsets(query, key, value):
               f"split the query sequence")
 
 
-def _check_flag(name: str, value) -> bool:
-    """``value`` as a bool (Python's or numpy's); a TypeError naming the argument else."""
-    if not is_bool(value):
-        _fail(f"{name} must be a bool (True or False); got {type(value).__name__} {value!r}", TypeError)
-    return bool(value)
-
-
 # kernel_options' values: flags, ints with their least value, and tile sizes (powers of two >= 16; whether they
 # divide the block mask's blocks is checked where the tiles are picked)
 _FLAG_OPTIONS = ("AUTOTUNE", "USE_TMA", "DETERMINISTIC_CAPTURED_GRADS", "DECODE", "FORCE_USE_FLEX_ATTENTION",
@@ -187,7 +180,7 @@ def _check_option_values(kernel_options: dict, blocks: Optional[tuple]) -> None:
     for key, value in kernel_options.items():
         name = key[4:] if key[:4] in _PASS_PREFIXES else key
         if name in _FLAG_OPTIONS:
-            _check_flag(f"kernel_options {key}", value)
+            check_bool("flex_attention", f"kernel_options {key}", value)
         if name in _HINT_FLAGS and value not in (True, False):  # (0 and 1 are equal to them)
             _fail(f"kernel_options {key} must be a bool (or 0 / 1, as torch's kernels take it); got "
                   f"{type(value).__name__} {value!r}", TypeError)
@@ -309,8 +302,8 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, kerne
                   f"attention, or repeat the key/value heads")
     _check_slice_offsets(query, key, value)
     _check_device_type(query)  # after the offset checks: meta tensors show what those accept
-    enable_gqa = _check_flag("enable_gqa", enable_gqa)
-    return_lse = _check_flag("return_lse", return_lse)
+    enable_gqa = check_bool("flex_attention", "enable_gqa", enable_gqa)
+    return_lse = check_bool("flex_attention", "return_lse", return_lse)
     traced_score_mod = None
     if score_mod is not None:
         check_arity(score_mod, "score_mod")

@@ -21,7 +21,6 @@ import dataclasses
 import functools
 import inspect
 import operator
-import os
 import re
 import threading
 import types
@@ -30,6 +29,8 @@ from typing import Callable, Optional
 
 import torch
 import torch.fx as fx
+
+from ..runtime.compile import env_flag
 
 SCORE_MOD_ARGS = ("score", "b", "h", "q_idx", "kv_idx")
 MASK_MOD_ARGS = ("b", "h", "q_idx", "kv_idx")
@@ -488,7 +489,7 @@ def _example_inputs(kind: str):
 
 # every trace cache hit by its probes also fingerprinted and compared (a RuntimeError where they differ): the tests
 # set it (FLEXLITE_CHECK_PLANS, as flexlite.api's plans)
-CHECK_PROBES = os.environ.get("FLEXLITE_CHECK_PLANS", "") not in ("", "0")
+CHECK_PROBES = env_flag("FLEXLITE_CHECK_PLANS")
 _TRACE_CACHE: "weakref.WeakKeyDictionary[Callable, tuple]" = weakref.WeakKeyDictionary()
 _TRACE_CACHE_STRONG: dict = {}  # for callables that cannot be weakly referenced
 # bound methods per function, then per object: ``obj.mod`` makes a new method object at each access (equal to the
