@@ -21,13 +21,9 @@ _INT_POISON = {torch.int32: -(2**31), torch.int64: -(2**63)}
 def fresh_plans(monkeypatch):
     """Each test starts without plans (flexlite.api's, launch_forward_ws'): a test that patches a decision function
     (api._warp_specialize, say) then decides anew, whatever the tests before it kept."""
-    import weakref
+    from helpers import drop_plans
 
-    import flexlite.api as api
-    from flexlite.runtime import launch
-    monkeypatch.setattr(api, "_DENSE_PLANS", api._Plans())
-    monkeypatch.setattr(api, "_FORWARD_PLANS", weakref.WeakKeyDictionary())
-    monkeypatch.setattr(launch, "_WS_FWD_PLANS", {})
+    drop_plans(monkeypatch)
 
 
 @pytest.fixture(autouse=True)

@@ -20,6 +20,19 @@ LSE_TOLERANCES = {torch.float32: (2e-5, 2e-5), torch.float16: (1e-3, 1e-3), torc
 GRAD_TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 3e-2)}
 
 
+def drop_plans(monkeypatch):
+    """Forget the plans kept for kinds of call (flexlite.api's, launch_forward_ws'), for this test: after patching a
+    decision function (api._float_index, say) the next call decides anew instead of taking what a call before the
+    patch kept (FLEXLITE_CHECK_PLANS fails such a call)."""
+    import weakref
+
+    import flexlite.api as api
+    from flexlite.runtime import launch
+    monkeypatch.setattr(api, "_DENSE_PLANS", api._Plans())
+    monkeypatch.setattr(api, "_FORWARD_PLANS", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(launch, "_WS_FWD_PLANS", {})
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float, name: str = "output"):
     """Like torch.testing.assert_close (infinities must match exactly), reporting the first bad index
     and any NaN."""
