@@ -6,10 +6,13 @@ before them):
 
     PYTHONPATH=<checkout> python benchmarks/probe_host_plans.py <label>
 
-Prints a line per case: label, head dim, mask, fwd, fwd_nograd, bwd (us per call)."""
+Prints a line per case: label, head dim, mask, fwd, fwd_nograd, bwd (us per call). ``--profile``: then cProfile of
+300 D128 document forwards and 300 backwards, by own and by cumulative time (where the host time goes)."""
 
 from __future__ import annotations
 
+import cProfile
+import pstats
 import sys
 import time
 
@@ -36,7 +39,8 @@ def host_us(fn, calls: int = 400) -> float:
 
 
 def main():
-    label = sys.argv[1] if len(sys.argv) > 1 else "tree"
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    label = args[0] if args else "tree"
     B, H, S = 1, 16, 2048
     for D in (128, 64):
         q, k, v = [torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
@@ -58,6 +62,18 @@ def main():
             times = dict(fwd=host_us(forward), fwd_nograd=host_us(no_grad),
                          bwd=host_us(lambda: out.backward(grad, retain_graph=True), 200))
             print(label, f"D={D}", f"mask={name}", " ".join(f"{k}={t:.0f}" for k, t in times.items()), flush=True)
+            if D == 128 and name == "document" and "--profile" in sys.argv:
+                profile(forward=forward, backward=lambda: out.backward(grad, retain_graph=True))
+
+
+def profile(**calls):
+    for what, fn in calls.items():
+        profiler = cProfile.Profile()
+        profiler.runcall(lambda: [fn() for _ in range(300)])
+        torch.cuda.synchronize()
+        print(f"--- {what}, 300 calls ---")
+        for order in ("tottime", "cumulative"):
+            pstats.Stats(profiler).sort_stats(order).print_stats(28)
 
 
 if __name__ == "__main__":
