@@ -7,7 +7,9 @@ before them):
     PYTHONPATH=<checkout> python benchmarks/probe_host_plans.py <label>
 
 Prints a line per case: label, head dim, mask, fwd, fwd_nograd, bwd (us per call). ``--profile``: then cProfile of
-300 D128 document forwards and 300 backwards, by own and by cumulative time (where the host time goes)."""
+300 D128 document forwards and 300 backwards, by own and by cumulative time (where the host time goes); ``--parts``:
+then each layer of that forward alone (validation, the forward under the autograd Function, launch_forward_ws, the
+compiled launch, the outputs' allocation) and torch's compiled flex_attention with and without grad."""
 
 from __future__ import annotations
 
@@ -64,12 +66,68 @@ def main():
             print(label, f"D={D}", f"mask={name}", " ".join(f"{k}={t:.0f}" for k, t in times.items()), flush=True)
             if D == 128 and name == "document" and "--profile" in sys.argv:
                 profile(forward=forward, backward=lambda: out.backward(grad, retain_graph=True))
+            if D == 128 and name == "document" and "--parts" in sys.argv:
+                parts(label, q, k, v, bm, mask_mod, forward)
+
+
+def parts(label, q, k, v, bm, mask_mod, forward):
+    """Host time (us) of each layer of ``forward`` (a planned D128 document forward) alone, and of torch's compiled
+    flex_attention at the same call."""
+    from torch.nn.attention.flex_attention import create_block_mask as torch_block_mask
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+    import flexlite.api as api
+    from flexlite.runtime import launch
+    seen = {}
+    real_ws, real_call = api.launch_forward_ws, launch.CompiledLaunch.__call__
+
+    def ws(*args, **kwargs):
+        seen["ws"] = (args, kwargs)
+        return real_ws(*args, **kwargs)
+
+    def call(self, grid, args):
+        seen["launch"] = (self, grid, args)
+        return real_call(self, grid, args)
+    api.launch_forward_ws, launch.CompiledLaunch.__call__ = ws, call
+    forward()
+    api.launch_forward_ws, launch.CompiledLaunch.__call__ = real_ws, real_call
+    traced = api._validate(q, k, v, None, bm, None, False, None)
+    scale = q.shape[-1] ** -0.5
+    (ws_args, ws_kwargs), (cl, grid, cl_args) = seen["ws"], seen["launch"]
+    compiled = torch.compile(torch_flex)
+    tbm = torch_block_mask(mask_mod, None, None, q.shape[2], k.shape[2], device="cuda")
+
+    def torch_forward():
+        return compiled(q, k, v, block_mask=tbm)
+
+    def torch_no_grad():
+        with torch.no_grad():
+            return torch_forward()
+    for _ in range(3):
+        torch_forward().sum().backward()
+    times = dict(
+        flex_attention=host_us(forward),
+        validate=host_us(lambda: api._validate(q, k, v, None, bm, None, False, None)),
+        function_apply=host_us(lambda: api.FlexAttentionFunction.apply(q, k, v, None, bm, scale, None, False,
+                                                                       traced)),
+        forward_no_grad=host_us(lambda: api._forward(q, k, v, None, bm, scale, None, False, traced)),
+        launch_forward_ws=host_us(lambda: real_ws(*ws_args, **ws_kwargs)),
+        compiled_launch=host_us(lambda: cl(grid, cl_args)),
+        two_empties=host_us(lambda: (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+                                     torch.empty(q.shape[:3], dtype=torch.float32, device=q.device))),
+        torch_flex=host_us(torch_forward), torch_flex_no_grad=host_us(torch_no_grad))
+    print(label, "parts (D128 document):", " ".join(f"{k}={t:.0f}" for k, t in times.items()), flush=True)
+
+
+def _calls(fn, n: int):
+    for _ in range(n):  # (each output freed at once: its memory reused, as in a model)
+        fn()
 
 
 def profile(**calls):
     for what, fn in calls.items():
         profiler = cProfile.Profile()
-        profiler.runcall(lambda: [fn() for _ in range(300)])
+        profiler.runcall(_calls, fn, 300)
         torch.cuda.synchronize()
         print(f"--- {what}, 300 calls ---")
         for order in ("tottime", "cumulative"):

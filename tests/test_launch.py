@@ -164,6 +164,33 @@ def test_compiled_launch_reuses_a_kernel_only_for_the_same_argument_properties(m
     assert kernel.triton_launches == 4
 
 
+def test_a_run_of_ints_is_keyed_as_its_values_and_spread_into_the_launch(monkeypatch):
+    """launch.Ints: a run of int arguments keyed as one tuple (a kernel reused only for the same values, as one
+    int each would be) and spread into the arguments of both Triton's launch and the direct one."""
+    from flexlite.runtime import launch as launch_module
+    from flexlite.runtime.launch import CompiledLaunch, Ints
+
+    monkeypatch.setattr(launch_module, "_current_device_and_stream", lambda: (0, 0))
+    kernel = _JitKernel()
+    kernel.params = [_Param("X", False), _Param("N", False), _Param("M", False), _Param("S", False),
+                     _Param("BLOCK", True)]
+    seen, real = [], _JitKernel.__getitem__
+
+    def triton_launch(self, grid):
+        launch = real(self, grid)
+        return lambda *args, **kwargs: seen.append(args) or launch(*args, **kwargs)
+    monkeypatch.setattr(_JitKernel, "__getitem__", triton_launch)
+    launch = CompiledLaunch(kernel, {"BLOCK": 64})
+    x = torch.zeros(64)
+    launch((2,), (x, Ints((32, 16)), 0.5))  # Triton's path: the ints spread
+    assert seen == [(x, 32, 16, 0.5)]
+    launch((3,), (x, Ints((32, 16)), 0.25))  # the same values: direct, spread in place
+    assert kernel.triton_launches == 1 and kernel.compiles[0].runs == [((3, 1, 1), (x.data_ptr(), 32, 16, 0.25, 64))]
+    for ints in (Ints((32, 17)), Ints((1, 16))):  # another value (1: another specialization): Triton's path
+        launch((1,), (x, ints, 0.5))
+    assert kernel.triton_launches == 3 and seen[-1] == (x, 1, 16, 0.5)
+
+
 def test_compiled_launch_keys_host_descriptors_by_what_triton_specializes(monkeypatch):
     """A host tensor descriptor reuses the compiled kernel for another base, shape or strides (its launcher encodes
     the tensor map at every launch) and goes to the launcher as it is; another dtype, block shape, layout or padding

@@ -183,7 +183,9 @@ def compiling_only() -> bool:
 
 
 def _launch(kernel, grid, args, kwargs: dict):
-    """``kernel[grid](*args, **kwargs)``, or in :func:`compile_only` its compile alone."""
+    """``kernel[grid](*args, **kwargs)``, or in :func:`compile_only` its compile alone (``args`` as
+    :func:`_made` takes them)."""
+    args = _made(args)
     if not compiling_only():
         return kernel[grid](*args, **kwargs)
     if isinstance(kernel, triton.runtime.jit.JITFunction):  # (not the interpreter's)
@@ -510,9 +512,9 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
     plan = None if plan_key is None else _WS_FWD_PLANS.get(plan_key)
 
     def kernel_args(descs, blocks, block_strides, work, n_qblocks, scalars) -> tuple:
-        return (q, k, v, out, *descs, lse, lse if row_max is None else row_max, *blocks, *q.stride()[:3],
-                *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *block_strides, work, n_qblocks, Hq, Hq // Hkv,
-                Lq, Lkv, float(scale), *scalars)
+        return (q, k, v, out, *descs, lse, lse if row_max is None else row_max, *blocks,
+                Ints((*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *block_strides, work,
+                      n_qblocks, Hq, Hq // Hkv, Lq, Lkv)), float(scale), *scalars)
     if plan is not None and plan.module is module:  # (the choice below made before for such a call: its launch)
         blocks, block_strides, _ = _block_args(*(lists if plan.lists is None else wide))
         args = kernel_args(plan.descriptors(q, k, v, out), blocks, block_strides, plan.work, plan.n_qblocks,
@@ -743,8 +745,9 @@ def _launch_dkdv_ws(module, mod_args: list, grad_args: list, q, k, v, grad_out, 
         FULL_FIRST=WS_BWD_FULL_FIRST, PERSISTENT=persistent, num_warps=4))
     with llvm_opt_level(module.LLVM_OPT_LEVELS.get(D)):  # the level its source names (llvm_level.llvm_opt_level)
         launch((programs,), (
-            *descs, lse, delta, dk, dv, *q_blocks, *_mask_strides(q_blocks[0]),
-            *_mask_strides(q_blocks[1]), work, Hq, Hkv, Hq // Hkv, Lq, Lkv, float(scale), *mod_args, *grad_args))
+            *descs, lse, delta, dk, dv, *q_blocks,
+            Ints((*_mask_strides(q_blocks[0]), *_mask_strides(q_blocks[1]), work, Hq, Hkv, Hq // Hkv, Lq, Lkv)),
+            float(scale), *mod_args, *grad_args))
 
 
 def decode_rows(q: torch.Tensor, k: torch.Tensor, sparse_block: tuple, mask_heads: int) -> int:
@@ -808,9 +811,23 @@ class RowsDescriptor(NamedTuple):
                                             self.layout)
 
 
+class Ints(tuple):
+    """A run of int kernel arguments (strides, lengths) passed to :class:`CompiledLaunch` as one: keyed as one tuple
+    (hashed in C) and spread into the launch's arguments, instead of one key entry per int (a forward's ~20)."""
+
+    __slots__ = ()
+
+
 def _made(args) -> list:
-    """``args`` with each :class:`RowsDescriptor` made into its TensorDescriptor (what Triton's launch takes)."""
-    return [a.make() if a.__class__ is RowsDescriptor else a for a in args]
+    """``args`` as Triton's launch takes them: each :class:`RowsDescriptor` made into its TensorDescriptor, each
+    :class:`Ints` spread."""
+    made = []
+    for a in args:
+        if a.__class__ is Ints:
+            made.extend(a)
+        else:
+            made.append(a.make() if a.__class__ is RowsDescriptor else a)
+    return made
 
 
 class CompiledLaunch:
@@ -852,7 +869,7 @@ class CompiledLaunch:
 
     def __call__(self, grid: tuple, args: tuple):
         if not (self.direct and COMPILED_LAUNCHES) or compiling_only():
-            _launch(self.kernel, grid, _made(args), self.kwargs)
+            _launch(self.kernel, grid, args, self.kwargs)
             return
         # the current device too: Triton loads a compiled kernel per device and launches on the current one
         device, stream = _current_device_and_stream()
@@ -866,6 +883,9 @@ class CompiledLaunch:
             if cls is int:
                 add_key(a)
                 add_arg(a)
+            elif cls is Ints:  # (its values keyed as one tuple: Triton specializes on each, == 1 and % 16)
+                add_key(a)
+                flat.extend(a)
             elif cls is RowsDescriptor:  # as Triton specializes a host descriptor: dtype, block shape, layout
                 add_key((cls, a.tensor.dtype, a.block_shape, a.layout))
                 rows.append(len(flat))
@@ -1038,8 +1058,8 @@ def launch_decode(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices,
     nb, idx = kv_num_blocks.contiguous(), kv_indices.contiguous()
     full_nb, full_idx = full_kv_num_blocks.contiguous(), full_kv_indices.contiguous()
     args = (q, k, v, out_s, lse_s, max_s, nb, idx, full_nb, full_idx,
-            *q.stride(), *k.stride(), *v.stride(), *_mask_strides(nb)[:2], *_mask_strides(idx)[:2],
-            Hq, Hq // Hkv, Lq, Lkv, float(scale), plan.num_splits, *scalars_to(mod_args, q.device))
+            Ints((*q.stride(), *k.stride(), *v.stride(), *_mask_strides(nb)[:2], *_mask_strides(idx)[:2],
+                  Hq, Hq // Hkv, Lq, Lkv)), float(scale), plan.num_splits, *scalars_to(mod_args, q.device))
     grid = (plan.num_splits, plan.programs)
     kernel, combine = module.flex_decode_kernel, module.flex_decode_combine_kernel
     with interpreter_scope(not cuda):
