@@ -114,10 +114,12 @@ def attention_reference(
         # score_mod at the kept positions alone, as the kernels: its gradient at a masked one (0 times a derivative
         # that may be infinite there, e.g. sqrt's at 0) would be NaN and reach q, k and captured tensors
         kept = keep.nonzero(as_tuple=True)
-        modded = vmap_positions(score_mod)(scores[kept], *(i.to(torch.int32) for i in kept))
+        # (a mask that keeps nothing: no score for score_mod, and torch.vmap takes no empty batch)
+        modded = (vmap_positions(score_mod)(scores[kept], *(i.to(torch.int32) for i in kept)) if kept[0].numel()
+                  else scores[kept])
         scores = scores.new_full(scores.shape, float("-inf")).index_put(kept, modded.to(dtype))
     else:
-        if score_mod is not None:
+        if score_mod is not None and scores.numel():  # (no scores: torch.vmap takes no empty dimension)
             scores = vmap_bhqkv(score_mod, prefix=(0,))(scores, *index_vectors(B, Hq, Lq, Lkv, q.device))
             scores = scores.to(dtype)
         if keep is not None:

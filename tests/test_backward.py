@@ -217,15 +217,28 @@ def test_fully_masked_rows_get_zero_grads():
     assert torch.equal(dq[:, :, rows], torch.zeros_like(dq[:, :, rows]))
 
 
-def test_everything_masked_gives_zero_grads():
+@pytest.mark.parametrize("mod", [None, "learnable_bias"])
+def test_everything_masked_gives_zero_grads(mod):
+    # with a score_mod and its learnable table too, and the reference's gradients alike (it once vmapped score_mod
+    # over no positions at all and raised)
     q, k, v = (t.requires_grad_() for t in rand_qkv(1, 1, 1, 64, 80, 16))
+    table = torch.randn(64, generator=torch.Generator().manual_seed(2)).to(DEVICE).requires_grad_()
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score * 0.5 + table[q_idx]  # (a Python scalar: torch.vmap over no positions raised there)
 
     def nothing(b, h, q_idx, kv_idx):
         return q_idx < 0
+    score_mod = bias if mod else None
     bm = create_block_mask(nothing, None, None, 64, 80, device=DEVICE)
-    dq, dk, dv = torch.autograd.grad(flex_attention(q, k, v, block_mask=bm).sum(), (q, k, v))
-    for t in (dq, dk, dv):
-        assert torch.equal(t, torch.zeros_like(t))
+    inputs = (q, k, v, table) if mod else (q, k, v)
+    for out in (flex_attention(q, k, v, score_mod=score_mod, block_mask=bm),
+                attention_reference(q, k, v, score_mod=score_mod, block_mask=bm)[0]):
+        assert torch.equal(out, torch.zeros_like(out))
+        grads = torch.autograd.grad(out.sum(), inputs, allow_unused=True)
+        for t, g in zip(inputs, grads):
+            assert g is None or torch.equal(g, torch.zeros_like(g)), t.shape
+    check_backward(q.detach(), k.detach(), v.detach(), score_mod, bm, captured=[table] if mod else [])
 
 
 def test_score_mod_ignoring_score():

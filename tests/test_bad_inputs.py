@@ -591,6 +591,11 @@ def test_right_result_zero_length_and_zero_batch():
         t = torch.randn(shape, device=DEVICE)
         out, lse = flex_attention(t, t, t, return_lse=True)
         assert out.shape == shape and lse.shape == shape[:3]
+    # with a score_mod the reference has no scores to run it on either (torch.vmap took no empty dimension there)
+    halved = lambda s, b, h, q_idx, kv_idx: s * 0.5  # noqa: E731
+    out, lse = flex_attention(q, k, v, score_mod=halved, return_lse=True)
+    ref, ref_lse = attention_reference(q, k, v, score_mod=halved)
+    assert out.equal(ref.float()) and torch.isneginf(lse).all() and torch.isneginf(ref_lse).all()
 
 
 def _with(t, index, value):
