@@ -10,7 +10,8 @@ from flexlite import UntraceableModError, attention_reference, create_block_mask
 from flexlite.codegen import trace as trace_module
 from flexlite.codegen.trace import trace_mod
 from flexlite.runtime import compile as compile_module
-from helpers import DEVICE, TOLERANCES, assert_close, assert_grad_close, assert_grads_like_reference, rand_qkv
+from helpers import (DEVICE, TOLERANCES, assert_close, assert_grad_close, assert_grads_like_reference, drop_plans,
+                     rand_qkv)
 
 B, H, LQ, LKV, D = 1, 2, 37, 45, 16
 _t = torch.linspace(-2.0, 2.0, 8).to(DEVICE)
@@ -318,7 +319,7 @@ def test_forward_lowers_index_distances_from_float_vectors(name, monkeypatch):
     out = flex_attention(q, k, v, score_mod=mod)
     assert_close(out, attention_reference(q, k, v, score_mod=mod)[0], *TOLERANCES[torch.float32])
     monkeypatch.setattr(api, "_float_index", lambda *args: False)
-    monkeypatch.setattr(api, "_DENSE_PLANS", api._Plans())  # (the float form's plan: kept for calls that would take it)
+    drop_plans(monkeypatch)  # (the float form's plan: kept for calls that would take it)
     assert torch.equal(out, flex_attention(q, k, v, score_mod=mod))
 
 
@@ -336,7 +337,6 @@ def test_float_index_only_while_positions_are_exact_in_float32(monkeypatch):
     mod = FLOAT_INDEX_MODS["alibi"][0]
     q, k, v = rand_qkv(1, 2, 2, 100, 70, 16, seed=5)  # more than 64 queries: the forward kernel, not decoding
     monkeypatch.setattr(api, "FLOAT32_EXACT_INT", 99)
-    monkeypatch.setattr(api, "_DENSE_PLANS", api._Plans())  # (plans of the same call made at the real limit: not for this one)
     long = flex_attention(q, k, v, score_mod=mod)
     monkeypatch.setattr(api, "FLOAT32_EXACT_INT", 100)
     short = flex_attention(q, k, v, score_mod=mod)

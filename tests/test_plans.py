@@ -141,7 +141,6 @@ def test_a_differing_plan_is_an_error_when_checked(monkeypatch):
     """With CHECK_PLANS (the suite's default) a plan whose call decides otherwise raises instead of running the
     plan's kernel: a key that misses something the decisions read shows in the test that changes it."""
     monkeypatch.setattr(api, "CHECK_PLANS", True)
-    monkeypatch.setattr(api, "_DENSE_PLANS", api._Plans())
     q, k, v = rand_qkv(B, H, H, L, L, D)
     _first(q, k, v)
     ((key, plan),) = api._plans(None, None).items()

@@ -1283,11 +1283,12 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
     # dQ added by the warp-specialized kernel into an fp32 buffer (then cast), or by the dQ kernel
     fused_dq = (ws_module is not None and need_dq and WS_BWD_FUSED_DQ and _gluon_tma_reduce_available()
                 and not torch.are_deterministic_algorithms_enabled())
-    dq = torch.empty((B, Hq, Lq, D), dtype=q.dtype, device=q.device) if need_dq and not fused_dq else None
+    triton_dq = need_dq and not fused_dq
+    dq = torch.empty((B, Hq, Lq, D), dtype=q.dtype, device=q.device) if triton_dq else None
     q_block_args, q_block_strides, has_full = _block_args(*q_blocks)
     # the Triton kernels' arguments: not where the warp-specialized kernel adds dQ too (unless tuning), which takes its
-    # own (~50 us of a backward's host time on the H200 machine, NOTES 102)
-    triton_dq = need_dq and not fused_dq
+    # own (their building timed at ~50 us of a backward's host time on the H200 machine; the backwards' host time with
+    # the plans measured within the host's noise but for the D128 document one's, NOTES 102)
     if ws_module is None or triton_dq or (tune and not pinned):
         kv_block_args, kv_block_strides, _ = _block_args(*kv_blocks)
         constexprs = dict(
@@ -1327,7 +1328,7 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
             if not scatter_captured_grads and ws_module is None:
                 dkdv_tiles = _autotune(module.flex_bwd_dkdv_kernel, dkdv_grid, dkdv_args, dkdv_constexprs,
                                        dkdv_tiles, dkdv_space, f"bwd-dkdv|{key}", q.device)
-            if need_dq and not fused_dq:
+            if triton_dq:
                 dq_tiles = _autotune(module.flex_bwd_dq_kernel, dq_grid, dq_args, dq_constexprs, dq_tiles, dq_space,
                                      f"bwd-dq|{key}", q.device)
         if ws_module is not None:
