@@ -12,15 +12,17 @@
 
 Gradients are checked by the harness and the GPU tests, not here (the timings are of the same kernels).
 
-Usage: python benchmarks/probe_bwd_costs.py [mask,mask,...] [D,D,...] [--no-walks]"""
+Usage: python benchmarks/probe_bwd_costs.py [mask,mask,...] [D,D,...] [--no-walks] [--shapes=BxHxSxD,...]
+(``--shapes``: other shapes than the harness's; ``--triton``: the Triton kernels as a variant too, kernel_options
+WARP_SPECIALIZE=False)"""
 
 import sys
 
 import torch
 from tabulate import tabulate
 
-from flexlite import BlockMask, flex_attention
-from flexlite.bench import _median_ms, probe_args, probe_cases
+from flexlite import BlockMask, first_calls, flex_attention
+from flexlite.bench import _median_ms, probe_args, probe_cases, probe_shapes
 from flexlite.runtime import launch
 
 KINDS = (("preprocess", "preprocess"), ("dK/dV/dQ kernel", "ws_dkdv"), ("dQ kernel", "bwd_dq"),
@@ -51,23 +53,29 @@ VARIANTS = (("per key block", {"WS_BWD_PERSISTENT": False}), ("persistent", {"WS
             ("by walk (default)", {"WS_BWD_PERSISTENT": None}))
 
 
-def costs(masks, dims):
+def costs(masks, dims, shapes, triton: bool = False):
     saved = {name: getattr(launch, name) for _, settings in VARIANTS for name in settings}
+    variants = [(label, settings, None) for label, settings in VARIANTS]
+    if triton:
+        variants.append(("Triton kernels", {}, {"WARP_SPECIALIZE": False}))
     rows = []
-    for D, q, k, v, case, bm in probe_cases(masks, dims):
-        out = flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm)
-        dout = torch.randn_like(out)
-
-        def bwd():
-            q.grad = k.grad = v.grad = None  # (not timing the gradients' accumulation)
-            out.backward(dout, retain_graph=True)
-
-        for label, settings in VARIANTS:
+    for D, q, k, v, case, bm in probe_cases(masks, dims, shapes=shapes):
+        for label, settings, options in variants:
             for name, value in saved.items():
                 setattr(launch, name, settings.get(name, value))
+            # (a new kind of call's first forward and backward: compiled, or run while their kernels compile)
+            flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm, kernel_options=options).sum().backward()
+            first_calls.wait()
+            out = flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm, kernel_options=options)
+            dout = torch.randn_like(out)
+
+            def bwd():
+                q.grad = k.grad = v.grad = None  # (not timing the gradients' accumulation)
+                out.backward(dout, retain_graph=True)
+
             t = kernel_ms(bwd)
             total = _median_ms(bwd)
-            rows.append([case.name, f"D{D}", label, round(total, 3)]
+            rows.append([case.name, f"S{q.shape[2]} D{D}", label, round(total, 3)]
                         + [round(t.pop(label_, 0.0), 3) for label_, _ in KINDS]
                         + [", ".join(f"{n}: {ms:.3f}" for n, ms in t.items())])
             print(rows[-1], flush=True)
@@ -119,7 +127,7 @@ def walks():
 
 def main():
     masks, dims = probe_args(sys.argv)
-    costs(masks, dims)
+    costs(masks, dims, probe_shapes(sys.argv), triton="--triton" in sys.argv)
     if 128 in dims and "--no-walks" not in sys.argv:
         walks()
 

@@ -75,10 +75,36 @@ def probe_args(argv: list) -> tuple:
     return masks, [int(d) for d in args[1].split(",")] if len(args) > 1 else [128, 64]
 
 
-def probe_cases(masks: list, dims: list, requires_grad: bool = True):
-    """For the GPU probes in benchmarks/: per harness shape whose head dim is in ``dims`` (random bf16 q, k, v on
-    CUDA) and per mask name in ``masks``, yield ``(D, q, k, v, case, block_mask)``."""
-    for (B, H, S, D) in PROBE_SHAPES:
+def parse_shapes(text: str) -> list:
+    """``BxHxSxD`` or ``BxHxSxDxHKV`` shapes, comma-separated, as tuples of ints (a ValueError naming a bad one)."""
+    shapes = []
+    for item in text.split(","):
+        parts = item.split("x")
+        if len(parts) not in (4, 5) or not all(x.isdigit() and int(x) > 0 for x in parts):
+            raise ValueError(f"--shapes takes comma-separated BxHxSxD or BxHxSxDxHKV of positive integers (e.g. "
+                             f"4x16x8192x128, 2x32x4096x128x8); got {item!r}")
+        if len(parts) == 5 and int(parts[1]) % int(parts[4]):
+            raise ValueError(f"--shapes: H must be a multiple of HKV (each KV head shared by H / HKV query heads); "
+                             f"got {item!r}")
+        shapes.append(tuple(int(x) for x in parts))
+    return shapes
+
+
+def probe_shapes(argv: list) -> list:
+    """A GPU probe's ``--shapes=BxHxSxD,...`` (no key / value heads of their own here), by default the harness's."""
+    for a in argv:
+        if a.startswith("--shapes="):
+            shapes = parse_shapes(a.split("=", 1)[1])
+            if any(len(s) != 4 for s in shapes):
+                raise ValueError(f"a probe's --shapes takes BxHxSxD only; got {a!r}")
+            return shapes
+    return list(PROBE_SHAPES)
+
+
+def probe_cases(masks: list, dims: list, requires_grad: bool = True, shapes=PROBE_SHAPES):
+    """For the GPU probes in benchmarks/: per shape (the harness's by default) whose head dim is in ``dims`` (random
+    bf16 q, k, v on CUDA) and per mask name in ``masks``, yield ``(D, q, k, v, case, block_mask)``."""
+    for (B, H, S, D) in shapes:
         if D not in dims:
             continue
         q, k, v = [torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=requires_grad)
@@ -506,15 +532,10 @@ def main(argv=None):
     passes = tuple(args.passes.split(","))
     if not passes or set(passes) - {"fwd", "bwd"}:
         p.error(f"--passes takes fwd, bwd or fwd,bwd; got {args.passes!r}")
-    shapes = []
-    for text in args.shapes.split(","):
-        parts = text.split("x")
-        if len(parts) not in (4, 5) or not all(x.isdigit() and int(x) > 0 for x in parts):
-            p.error(f"--shapes takes comma-separated BxHxSxD or BxHxSxDxHKV of positive integers (e.g. 4x16x8192x128, "
-                    f"2x32x4096x128x8); got {text!r}")
-        if len(parts) == 5 and int(parts[1]) % int(parts[4]):
-            p.error(f"--shapes: H must be a multiple of HKV (each KV head shared by H / HKV query heads); got {text!r}")
-        shapes.append(tuple(int(x) for x in parts))
+    try:
+        shapes = parse_shapes(args.shapes)
+    except ValueError as e:
+        p.error(str(e))
     suites = args.suites.split(",")
     unknown = set(suites) - {"attention", "decode", "block_mask"}
     if unknown:
