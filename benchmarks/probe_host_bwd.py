@@ -120,6 +120,7 @@ def main():
 
 def torch_backward(q, k, v, mask_mod) -> float:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    import torch._functorch.config
     torch._functorch.config.donated_buffer = False  # (its backward repeated on one graph: retain_graph)
     compiled = torch.compile(flex_attention, dynamic=False)
     tbm = create_block_mask(mask_mod, None, None, q.shape[2], k.shape[2], device="cuda")
