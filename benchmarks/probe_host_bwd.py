@@ -5,11 +5,15 @@ then the same calls with a timer around each layer (inclusive times, whichever t
 run in autograd's device thread, which cProfile does not see), and torch's compiled flex_attention's backward at the
 same call.
 
-Usage: python benchmarks/probe_host_bwd.py [--torch]   (``--torch``: torch's compiled flex too)"""
+Usage: python benchmarks/probe_host_bwd.py [--torch] [--profile]   (``--torch``: torch's compiled flex too;
+``--profile``: then cProfile of 300 calls of api._backward with a B1 document backward's arguments, called on the
+main thread, by own time)"""
 
 from __future__ import annotations
 
+import cProfile
 import functools
+import pstats
 import sys
 import threading
 import time
@@ -111,11 +115,38 @@ def main():
                 if "--torch" in sys.argv:
                     row["torch flex backward"] = torch_backward(q, k, v, mask_mod)
                 rows.append(row)
+                if "--profile" in sys.argv and B == 1 and name == "document":
+                    profile(bwd)
                 print({k_: (round(v_, 1) if isinstance(v_, float) else v_) for k_, v_ in row.items()}, flush=True)
     print("threads:", [t.name for t in threading.enumerate()], "switch interval", sys.getswitchinterval())
     columns = list(rows[0])
     print(tabulate([[r.get(c, "") for c in columns] for r in rows], headers=columns, tablefmt="github",
                    floatfmt=".0f"))
+
+
+def profile(bwd):
+    """cProfile of 300 calls of api._backward with the arguments ``bwd`` passes it, on this thread."""
+    seen, real = [], api._backward
+
+    def record(*args, **kwargs):
+        seen.append((args, kwargs))
+        return real(*args, **kwargs)
+    api._backward = record
+    try:
+        bwd()
+    finally:
+        api._backward = real
+    args, kwargs = seen[0]
+    for _ in range(20):
+        real(*args, **kwargs)
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(300):
+        real(*args, **kwargs)
+    profiler.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(40)
 
 
 def torch_backward(q, k, v, mask_mod) -> float:
