@@ -4,6 +4,7 @@ fail with the valid choices; the demo still runs."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -312,6 +313,28 @@ def test_bench_takes_kv_heads_as_a_fifth_shape_field(monkeypatch):
     monkeypatch.setattr(bench, "run", lambda masks, shapes, passes, **kw: calls.append(shapes))
     main(["bench", "--shapes", "2x32x4096x128x8,8x16x2048x64"])
     assert calls == [[(2, 32, 4096, 128, 8), (8, 16, 2048, 64)]]
+
+
+@pytest.mark.parametrize("argv, shapes", [
+    (["probe"], [(4, 16, 8192, 128), (16, 16, 8192, 64)]),
+    (["probe", "causal", "64", "--shapes=8x16x2048x64,1x2x256x128"], [(8, 16, 2048, 64), (1, 2, 256, 128)]),
+])
+def test_probe_shapes_default_to_the_harness_and_take_shapes(argv, shapes):
+    """The GPU probes' --shapes=BxHxSxD (benchmarks/probe_bwd_costs.py): the harness's shapes unless given, parsed as
+    the harness's own --shapes."""
+    import flexlite.bench as bench
+    assert bench.probe_shapes(argv) == shapes
+    assert bench.probe_args(argv)[0] == (["causal"] if "causal" in argv else list(bench.mask_cases(1024, 1, "cpu")))
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--shapes=8x16x2048", "BxHxSxD or BxHxSxDxHKV of positive integers"),
+    ("--shapes=2x32x4096x128x8", "a probe's --shapes takes BxHxSxD only"),
+])
+def test_probe_shapes_refuse_bad_shapes(flag, message):
+    import flexlite.bench as bench
+    with pytest.raises(ValueError, match=re.escape(message)):
+        bench.probe_shapes(["probe", flag])
 
 
 def test_bench_reference_check_with_grouped_query_heads():
