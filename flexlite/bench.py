@@ -93,6 +93,8 @@ def parse_shapes(text: str) -> list:
 def probe_shapes(argv: list) -> list:
     """A GPU probe's ``--shapes=BxHxSxD,...`` (no key / value heads of their own here), by default the harness's."""
     for a in argv:
+        if a == "--shapes":  # (its value would be read as a positional argument: the masks)
+            raise ValueError("a probe takes --shapes=BxHxSxD,... with '=' (e.g. --shapes=8x16x2048x64)")
         if a.startswith("--shapes="):
             shapes = parse_shapes(a.split("=", 1)[1])
             if any(len(s) != 4 for s in shapes):

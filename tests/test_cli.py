@@ -330,6 +330,7 @@ def test_probe_shapes_default_to_the_harness_and_take_shapes(argv, shapes):
 @pytest.mark.parametrize("flag, message", [
     ("--shapes=8x16x2048", "BxHxSxD or BxHxSxDxHKV of positive integers"),
     ("--shapes=2x32x4096x128x8", "a probe's --shapes takes BxHxSxD only"),
+    ("--shapes", "a probe takes --shapes=BxHxSxD,... with '='"),
 ])
 def test_probe_shapes_refuse_bad_shapes(flag, message):
     import flexlite.bench as bench
