@@ -1123,8 +1123,9 @@ def _run_backward(kernel, ws_kernel, first: Optional[_FirstCall], query, key, va
     # (the kernels' modules loaded once the call runs them: not for the bits' or torch ops' calls)
     module = load_module(kernel.source, interpret=interpret)
     q_blocks = _q_block_tensors(block_mask, Lq, Lkv, query.device)
-    config = backward_config(query, value, sparse, options,
-                             gathers=bool(kernel.score_mod.tensors) or _mask_gathers(kernel, block_mask))
+    def config():  # (launch_backward's call: only where the Triton kernels run)
+        return backward_config(query, value, sparse, options,
+                               gathers=bool(kernel.score_mod.tensors) or _mask_gathers(kernel, block_mask))
     ws_module = None if ws_kernel is None else load_module(ws_kernel.source, interpret=interpret)
     buffers = [torch.zeros(t.shape, dtype=torch.float32, device=query.device) for t in scatter]
     ds = torch.zeros((B, Hq, Lq, Lkv), dtype=torch.float32, device=query.device) if deterministic else None

@@ -304,11 +304,14 @@ def test_a_backward_compiler_failure_falls_back_to_the_triton_kernel_for_good(mo
 def test_the_gluon_launch_gets_a_zeroed_fp32_dq_buffer_unless_sums_must_be_reproducible(monkeypatch, deterministic):
     """launch_backward's side of the fused dQ (the kernel's is checked on a Hopper GPU): the Gluon launch (here a
     stand-in writing the fp64 reference's gradients) gets a zeroed fp32 buffer shaped as q, whose cast is dq, and the
-    dQ kernel does not run; under torch.use_deterministic_algorithms(True) it gets none and the dQ kernel runs."""
+    dQ kernel does not run; under torch.use_deterministic_algorithms(True) it gets none and the dQ kernel runs. The
+    Triton kernels' tiles (backward_config) are made only where one of them runs."""
     import flexlite.api as api
     from test_backward import check_backward
 
-    buffers, kernels = [], []
+    buffers, kernels, configs = [], [], []
+    backward_config = api.backward_config
+    monkeypatch.setattr(api, "backward_config", lambda *a, **kw: configs.append(1) or backward_config(*a, **kw))
 
     def gluon_launch(module, mod_args, grad_args, q, k, v, grad_out, lse, delta, dk, dv, *args, dq_acc=None,
                      persistent=False):
@@ -340,6 +343,7 @@ def test_the_gluon_launch_gets_a_zeroed_fp32_dq_buffer_unless_sums_must_be_repro
         torch.use_deterministic_algorithms(was)
     assert len(buffers) == 1 and (buffers[0] is None) == deterministic
     assert ("flex_bwd_dq_kernel" in kernels) == deterministic and "flex_bwd_dkdv_kernel" not in kernels
+    assert len(configs) == deterministic
 
 
 def _recording_kernel():

@@ -11,7 +11,7 @@ import sys
 import threading
 import types
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import triton
@@ -1251,12 +1251,15 @@ def backward_config(q: torch.Tensor, v: torch.Tensor, sparse_block: tuple, kerne
 
 def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, grad_out,
                     grad_lse: Optional[torch.Tensor], kv_blocks: tuple, q_blocks: tuple, sparse_block: tuple,
-                    scale: float, has_score_mod: bool, config: BackwardTileConfig, *, need_dq: bool = True,
+                    scale: float, has_score_mod: bool,
+                    config: "BackwardTileConfig | Callable[[], BackwardTileConfig]", *, need_dq: bool = True,
                     ds: Optional[torch.Tensor] = None, scatter_captured_grads: bool = False, pinned: bool = False,
                     tune: bool = False, dense: bool = False, use_tma: Optional[bool] = None, ws_module=None,
                     ws_persistent: bool = False):
     """Run ``module``'s preprocess, dK/dV and dQ kernels; returns dq (None unless ``need_dq``), dk, dv in
-    the input dtype. ``tune``: autotune the dK/dV and the dQ tiles (GPU, not pinned; not the dK/dV tiles when
+    the input dtype. ``config``: the Triton kernels' tiles, or a function making them, called where those kernels
+    run (with its fused dQ the warp-specialized kernel runs alone: backward_config's ~15 us of host time a call not
+    spent, NOTES 104). ``tune``: autotune the dK/dV and the dQ tiles (GPU, not pinned; not the dK/dV tiles when
     they scatter captured-tensor gradients with atomics, which a timing rerun would add twice).
 
     ``kv_blocks`` / ``q_blocks``: (num_blocks, indices, full_num_blocks, full_indices) of each side (full
@@ -1289,7 +1292,8 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
     # the Triton kernels' arguments: not where the warp-specialized kernel adds dQ too (unless tuning), which takes its
     # own (their building timed at ~50 us of a backward's host time on the H200 machine; the backwards' host time with
     # the plans measured within the host's noise but for the D128 document one's, NOTES 102)
-    if ws_module is None or triton_dq or (tune and not pinned):
+    triton_kernels = ws_module is None or triton_dq or (tune and not pinned)
+    if triton_kernels:
         kv_block_args, kv_block_strides, _ = _block_args(*kv_blocks)
         constexprs = dict(
             SPARSE_Q_BLOCK=sparse_block[0], SPARSE_KV_BLOCK=sparse_block[1], D=D, DV=Dv, D_PAD=head_dim_pad(D),
@@ -1321,7 +1325,9 @@ def launch_backward(module, mod_args: list, grad_args: list, q, k, v, out, lse, 
             BLOCK_M=pre_block, DV=Dv, DV_PAD=head_dim_pad(Dv), HAS_DLSE=grad_lse is not None))(
             (cdiv(Lq, pre_block), B * Hq), (out, grad_out, grad_lse.contiguous() if grad_lse is not None else lse,
                                             delta, *out.stride(), *grad_out.stride(), Hq, Lq))
-        dkdv_tiles, dq_tiles = config.dkdv_tiles(), config.dq_tiles()
+        if triton_kernels:  # (the tiles made here: the warp-specialized kernel with its fused dQ takes none)
+            config = config() if callable(config) else config
+            dkdv_tiles, dq_tiles = config.dkdv_tiles(), config.dq_tiles()
         if tune and not pinned:
             key = f"{_tuning_key(module, q, v, sparse_block, has_full, constexprs)}|ds={ds is not None}"
             dkdv_space, dq_space = backward_candidates(q, v, sparse_block)
