@@ -1123,6 +1123,7 @@ def _run_backward(kernel, ws_kernel, first: Optional[_FirstCall], query, key, va
     # (the kernels' modules loaded once the call runs them: not for the bits' or torch ops' calls)
     module = load_module(kernel.source, interpret=interpret)
     q_blocks = _q_block_tensors(block_mask, Lq, Lkv, query.device)
+
     def config():  # (launch_backward's call: only where the Triton kernels run)
         return backward_config(query, value, sparse, options,
                                gathers=bool(kernel.score_mod.tensors) or _mask_gathers(kernel, block_mask))
