@@ -296,6 +296,7 @@ def run(masks: list, shapes: list, passes: tuple = ("fwd",), dtype=torch.bfloat1
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     device = torch.device("cuda")
+    warm_s = warm_torch(device, dtype)
     rows = []
     if torch_flex:
         from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
@@ -390,17 +391,27 @@ def run(masks: list, shapes: list, passes: tuple = ("fwd",), dtype=torch.bfloat1
                         row["tuned_speedup_vs_torch_flex"] = round(row["torch_flex_ms"] / row["flexlite_tuned_ms"], 3)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    return _write_results(rows, out_dir, "", ATTENTION_COLUMNS)
+    return _write_results(rows, out_dir, "", ATTENTION_COLUMNS, torch_warm_s=round(warm_s, 3))
 
 
-def _write_results(rows: list, out_dir: Optional[Path], suffix: str, columns: list) -> dict:
-    """``{gpu, torch, triton, commit, date, heat_ms, rows}`` to ``<out_dir>/<gpu>-<date><suffix>.json`` plus a
-    markdown table beside it (``out_dir`` None: print only); ``heat_ms``: what each implementation ran untimed before
-    its rounds (:data:`HEAT_MS`; runs before NOTES 89 have none)."""
+def warm_torch(device: torch.device, dtype: torch.dtype) -> float:
+    """Bring the process's torch up on ``device`` before any first call is timed: CUDA's context, a matmul (cuBLAS)
+    and a softmax, what a model's layers before its first attention call have done (a first call times a new mod,
+    not the process: NOTES 105). Returns the seconds it took (the JSON's ``torch_warm_s``)."""
+    t0 = time.perf_counter()
+    x = torch.randn(256, 256, device=device, dtype=dtype)
+    torch.softmax((x @ x).float(), dim=-1).sum().item()  # (the host waits for the device)
+    return time.perf_counter() - t0
+
+
+def _write_results(rows: list, out_dir: Optional[Path], suffix: str, columns: list, **facts) -> dict:
+    """``{gpu, torch, triton, commit, date, heat_ms, **facts, rows}`` to ``<out_dir>/<gpu>-<date><suffix>.json``
+    plus a markdown table beside it (``out_dir`` None: print only); ``heat_ms``: what each implementation ran
+    untimed before its rounds (:data:`HEAT_MS`; runs before NOTES 89 have none)."""
     result = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "triton": __import__("triton").__version__, "commit": _git_commit(),
-        "date": datetime.date.today().isoformat(), "heat_ms": HEAT_MS, "rows": rows,
+        "date": datetime.date.today().isoformat(), "heat_ms": HEAT_MS, **facts, "rows": rows,
     }
     table = markdown_table(result, columns)
     if out_dir is not None:

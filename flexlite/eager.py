@@ -4,19 +4,23 @@ A new score_mod (or the first mask_mod of a kind of input) needs its kernels com
 (benchmarks/NOTES.md 50, 67, 69). :mod:`flexlite.first_calls` runs such calls here instead while a worker thread
 compiles the kernels (NOTES 78). The semantics are the kernels' and the fp64 reference's (flexlite.reference): the
 mods are evaluated through vmap over each chunk's positions, a position is kept if its block is full, or partial and
-the mask_mod keeps it, and a query row with nothing kept gives out 0 and LSE -inf. The arithmetic is float32 (scores,
-softmax and both matmuls; the kernels round P to the input dtype before P @ V), so outputs agree with the kernels' to
-their tolerances, not bit for bit. Each chunk walks only the keys its query blocks' block lists reach.
+the mask_mod keeps it, and a query row with nothing kept gives out 0 and LSE -inf. The arithmetic is float32: scores,
+softmax and the matmuls' sums. The forward multiplies bfloat16 and float16 operands in their own dtype and rounds P to
+it before P @ V, as the kernels' tensor cores do (:func:`native`; on a GPU half the time of float32 operands, NOTES
+105); the backward multiplies float32 copies. Outputs agree with the kernels' to their tolerances, not bit for bit.
+Each chunk walks only the keys its query blocks' block lists reach.
 
 float64 inputs, which no kernel takes, run here in float64 on every device, as torch's flex_attention runs them on
 its math path (gradcheck, tests), with score_mod's captured tensors' gradients too.
 
-Memory: copies of key and value in the compute dtype, and a few temporaries of :data:`CHUNK_SCORES` scores. Calls that
-walk more than :data:`MAX_SCORES` scores raise :class:`TooLarge` (first_calls then waits for the kernels).
+Memory: copies of key and value in the compute dtype (none in the forward for contiguous half-precision inputs), and
+a few temporaries of :data:`CHUNK_SCORES` scores. Calls that walk more than :data:`MAX_SCORES` scores raise
+:class:`TooLarge` (first_calls then waits for the kernels).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -119,15 +123,45 @@ def _ungrouped(t: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def _by_kv_head(x: torch.Tensor, t: torch.Tensor, groups: int) -> torch.Tensor:
-    """x [B, H, R, X] (query heads) @ t [B, Hkv, X, N] (each kv head's for the query heads it serves) -> [B, H, R, N].
-    A key or value shared by the batch (a stride-0 batch: flex_attention hands one of batch 1 on so) is multiplied
-    once for the whole batch, not copied to it."""
+    """x [B, H, R, X] (query heads) @ t [B, Hkv, X, N] (each kv head's for the query heads it serves) -> [B, H, R, N]
+    (:func:`_matmul`). A key or value shared by the batch (a stride-0 batch: flex_attention hands one of batch 1 on
+    so) is multiplied once for the whole batch, not copied to it."""
     g = _grouped(x, groups)  # [B, Hkv, G * R, X]
     B, Hkv, M, X = g.shape
     if B > 1 and t.stride(0) == 0:
-        folded = g.transpose(0, 1).reshape(1, Hkv, B * M, X) @ t[:1]
+        folded = _matmul(g.transpose(0, 1).reshape(1, Hkv, B * M, X), t[:1])
         return _ungrouped(folded.reshape(Hkv, B, M, -1).transpose(0, 1), groups)
-    return _ungrouped(g @ t, groups)
+    return _ungrouped(_matmul(g, t), groups)
+
+
+HALF = (torch.bfloat16, torch.float16)
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [..., M, X] @ b [..., X, N] (the same leading dims); bfloat16 and float16 operands (:func:`native`) give
+    float32: multiplied in their dtype with float32 sums where torch's ``bmm`` takes an ``out_dtype`` on their
+    device (CUDA), else cast to float32 first (the same products: a half-precision value is exact in float32)."""
+    if a.dtype not in HALF:
+        return a @ b
+    if not _half_products(a.device):
+        return a.float() @ b.float()
+    out = torch.bmm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), out_dtype=torch.float32)
+    return out.reshape(*a.shape[:-2], *out.shape[-2:])
+
+
+@functools.lru_cache(maxsize=None)
+def _half_products(device: torch.device) -> bool:
+    a = torch.ones(1, 1, 1, dtype=torch.bfloat16, device=device)
+    try:
+        return torch.bmm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError):  # (a torch without the overload, or not for this device)
+        return False
+
+
+def native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether the forward keeps key and value in their dtype and multiplies in it (:func:`_matmul`), P rounded to
+    it before P @ V as the kernels round it: bfloat16 or float16 inputs of one dtype."""
+    return query.dtype in HALF and key.dtype == value.dtype == query.dtype
 
 
 def scores(q: torch.Tensor, k: torch.Tensor, groups: int, scale: float, score_mod: Optional[Callable],
@@ -180,6 +214,17 @@ def _read_values(p: torch.Tensor, v: torch.Tensor, bad: torch.Tensor, reached: t
     return out.masked_fill(nan | (pos & neg), float("nan"))
 
 
+def _weights_lse(s: torch.Tensor) -> tuple:
+    """(P, LSE, the row maxima m) of a forward chunk's scores: P by torch's fused softmax, each row normalized by its
+    own sum as in :func:`_weights`, 0 in a row with nothing kept; LSE = m - log(max P) (max P is 1 / the row's sum of
+    exp(s - m)), m itself where m is -inf (nothing kept) or +inf (as logsumexp). Five passes over the scores, where
+    logsumexp and :func:`_weights` took eleven (NOTES 105)."""
+    m = s.amax(dim=-1, keepdim=True)
+    p = torch.softmax(s, dim=-1).masked_fill_(torch.isneginf(m), 0.0)
+    lse = torch.where(torch.isinf(m), m, m - p.amax(dim=-1, keepdim=True).log())
+    return p, lse.squeeze(-1), m.squeeze(-1)
+
+
 def _weights(s: torch.Tensor) -> torch.Tensor:
     """P = softmax(s) along the keys (a chunk holds whole rows), each row normalized by its own sum, as the kernels'
     running max and sum do (exp(s - LSE) is not: where a row's scores are all one value far from 0, -1e20 say, LSE
@@ -207,16 +252,17 @@ def _check_listed(block_mask, B: int, H: int) -> None:
         raise TooLarge(f"{scores} scores in the listed blocks, more than eager.MAX_SCORES = {MAX_SCORES}")
 
 
-def _start(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask, limit: bool) -> tuple:
+def _start(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask, limit: bool,
+           in_dtype: bool = False) -> tuple:
     """A pass's chunks (``limit``: :class:`TooLarge` where they walk too many scores), query heads per kv head, and
-    key and value in the compute dtype."""
+    key and value in the compute dtype (``in_dtype``: in their own, :func:`native`)."""
     B, H, Lq, _ = query.shape
     if limit and block_mask is not None and B * H * Lq * key.shape[2] > MAX_SCORES:
         _check_listed(block_mask, B, H)  # (before the chunks' dense block flags, which are large where this fails)
     chunks = _Chunks(block_mask, B, H, Lq, key.shape[2], query.device)
     if limit:
         chunks.check_size()
-    dtype = compute_dtype(query.dtype)
+    dtype = query.dtype if in_dtype else compute_dtype(query.dtype)
     # detached: the backward takes score_mod's derivative by autograd from the scores it recomputes, and a key already
     # in the compute dtype (float32's, float64's: no copy) would tie them to the key, so that a score_mod capturing
     # the key itself got the attention's dK a second time through them
@@ -224,20 +270,22 @@ def _start(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_ma
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` in ``dtype``; one shared by the batch (stride 0) cast once and expanded again, not copied per batch."""
+    """``t`` in ``dtype``, contiguous (each chunk's matmul then takes a view of it); one shared by the batch (stride
+    0) cast once and expanded again, not copied per batch."""
     if t.shape[0] > 1 and t.stride(0) == 0:
-        return t[:1].to(dtype).expand(t.shape)
-    return t.to(dtype)
+        return t[:1].to(dtype).contiguous().expand(t.shape)
+    return t.to(dtype).contiguous()
 
 
 def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod: Optional[Callable], block_mask,
             scale: float, max_scores: bool = False, limit: bool = True) -> tuple:
     """(out in the input dtype, LSE in natural log and row maxima or None, both in the compute dtype), as
     flex_attention's kernels return them. ``limit``: refuse calls past :data:`MAX_SCORES`."""
-    chunks, groups, k, v = _start(query, key, value, block_mask, limit)
+    chunks, groups, k, v = _start(query, key, value, block_mask, limit, native(query, key, value))
     B, H, Lq, _ = query.shape
-    out = torch.zeros((B, H, Lq, value.shape[-1]), dtype=k.dtype, device=query.device)
-    lse = torch.full((B, H, Lq), float("-inf"), dtype=k.dtype, device=query.device)
+    dtype = compute_dtype(query.dtype)
+    out = torch.zeros((B, H, Lq, value.shape[-1]), dtype=dtype, device=query.device)
+    lse = torch.full((B, H, Lq), float("-inf"), dtype=dtype, device=query.device)
     row_max = lse.clone() if max_scores else None
     any_nonfinite = _any_nonfinite(chunks, v)
     with torch.no_grad():
@@ -246,13 +294,12 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_m
             keep = chunks.keep(q0, q1, k0, k1)
             if keep is not None:
                 s = s.masked_fill(~keep, float("-inf"))
-            lse[:, :, q0:q1] = torch.logsumexp(s, dim=-1)
-            p = _weights(s)
+            p, lse[:, :, q0:q1], m = _weights_lse(s)
             bad = _nonfinite(v[:, :, k0:k1], any_nonfinite)
-            out[:, :, q0:q1] = (_by_kv_head(p, v[:, :, k0:k1], groups) if bad is None else
-                                _read_values(p, v[:, :, k0:k1], bad, chunks.reached(q0, q1, k0, k1), groups))
+            out[:, :, q0:q1] = (_by_kv_head(p.to(v.dtype), v[:, :, k0:k1], groups) if bad is None else
+                                _read_values(p, v[:, :, k0:k1].to(dtype), bad, chunks.reached(q0, q1, k0, k1), groups))
             if max_scores:
-                row_max[:, :, q0:q1] = s.amax(dim=-1)
+                row_max[:, :, q0:q1] = m
     return out.to(query.dtype), lse, row_max
 
 

@@ -13,6 +13,7 @@ import torch
 
 from flexlite.__main__ import main
 from flexlite.masks import NAMED_MASKS
+from helpers import DEVICE
 
 
 def show(capsys, *args):
@@ -189,10 +190,22 @@ def test_bench_results_record_the_heating_before_the_rounds(tmp_path, monkeypatc
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "Some GPU")
     monkeypatch.setenv("FLEXLITE_COMMIT", "abc1234")
     rows = [{"mask": "causal", "shape": "B1", "pass": "fwd", "flexlite_ms": 1.5}]
-    result = bench._write_results(rows, tmp_path, "-x", ["mask", "shape", "pass", "flexlite_ms"])
+    result = bench._write_results(rows, tmp_path, "-x", ["mask", "shape", "pass", "flexlite_ms"], torch_warm_s=0.25)
     written = json.loads(next(tmp_path.glob("Some_GPU-*-x.json")).read_text())
     assert written == result and written["heat_ms"] == bench.HEAT_MS > 0 and written["rows"] == rows
+    assert written["torch_warm_s"] == 0.25
     assert written["commit"] == "abc1234" and next(tmp_path.glob("Some_GPU-*-x.md")).read_text().startswith("GPU: ")
+
+
+def test_bench_warms_torch_and_says_how_long_it_took(monkeypatch):
+    """bench.warm_torch: a matmul and a softmax on the device before the first calls are timed (the JSON's
+    torch_warm_s), waited for."""
+    import flexlite.bench as bench
+    ran = []
+    softmax = torch.softmax
+    monkeypatch.setattr(torch, "softmax", lambda x, dim: ran.append((x.device, x.shape)) or softmax(x, dim=dim))
+    seconds = bench.warm_torch(torch.device(DEVICE), torch.bfloat16)
+    assert ran == [(torch.device(DEVICE), (256, 256))] and isinstance(seconds, float) and seconds > 0.0
 
 
 def test_bench_commit_label_says_when_the_tree_is_not_its_commit(tmp_path, monkeypatch):

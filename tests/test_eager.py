@@ -123,6 +123,57 @@ def test_bfloat16_inputs_give_bfloat16_outputs_within_the_kernels_tolerance():
     assert [t.dtype for t in grads[:3]] == [torch.bfloat16] * 3 and grads[3] == []
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_multiply_in_their_dtype_and_round_p_as_the_kernels(dtype, chunk_scores):
+    """bfloat16 / float16 inputs: key and value stay in their dtype (no float32 copies of them), the scores are their
+    products in float32, and P is rounded to their dtype before P @ V, as the kernels' tensor cores take them; LSE
+    and the row maxima from the float32 scores. Checked against those steps spelled out densely, over a mask with
+    partial blocks and rows of different lengths, a key not contiguous, GQA."""
+    q, k, v = rand_qkv(2, 4, 2, 80, 140, 32, Dv=24, dtype=dtype, seed=8)
+    k = k.transpose(1, 2).contiguous().transpose(1, 2)  # ([B, L, H, D] in memory)
+    window = generate_sliding_window(24)
+    bm = create_block_mask(window, None, None, 80, 140, device=DEVICE, BLOCK_SIZE=16)
+    chunks, groups, key, value = eager._start(q, k, v, bm, True, eager.native(q, k, v))
+    assert eager.native(q, k, v) and key.dtype == value.dtype == dtype and key.is_contiguous()
+    out, lse, row_max = eager.forward(q, k, v, None, bm, 0.25, max_scores=True)
+    rows, cols = torch.arange(80, device=DEVICE)[:, None], torch.arange(140, device=DEVICE)[None, :]
+    kk, vv = (t.float().repeat_interleave(2, dim=1) for t in (k, v))
+    s = (q.float() @ kk.transpose(-1, -2) * 0.25).masked_fill(~window(0, 0, rows, cols), float("-inf"))
+    want = (torch.softmax(s, dim=-1).to(dtype).float() @ vv).to(dtype)
+    assert out.dtype == dtype and lse.dtype == row_max.dtype == torch.float32
+    assert_close(out, want, 1e-3, 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -9)  # (an ulp where P's sums differ)
+    assert_close(lse, torch.logsumexp(s, dim=-1), 1e-5, 1e-6, "lse")
+    assert_close(row_max, s.amax(dim=-1), 1e-5, 1e-6, "max_scores")
+    ref_out, _ = attention_reference(q, k, v, block_mask=bm, scale=0.25, enable_gqa=True)
+    assert_close(out, ref_out, *TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_operands_give_their_float32_products(dtype):
+    a, b = (torch.randn(shape, generator=torch.Generator().manual_seed(5)).to(dtype=dtype, device=DEVICE)
+            for shape in ((2, 3, 5, 16), (2, 3, 16, 7)))
+    got = eager._matmul(a, b)
+    assert got.dtype == torch.float32 and got.shape == (2, 3, 5, 7)
+    assert_close(got, a.float() @ b.float(), 1e-5, 1e-6)
+
+
+def test_the_forwards_weights_and_lse_in_rows_with_nonfinite_scores():
+    """One softmax for P and LSE (:func:`eager._weights_lse`): as logsumexp and the backward's weights in finite rows
+    and in rows of one huge value; a row with nothing kept P 0 and LSE -inf; a +inf score LSE +inf; a NaN one NaN."""
+    inf, nan = float("inf"), float("nan")
+    s = torch.tensor([[0.5, -1.0, 2.0, -inf], [-inf] * 4, [1.0, inf, 0.0, -inf], [1.0, nan, 0.0, 0.0],
+                      [-1e20] * 4, [3e4, 1.0, -2.0, 0.5]], device=DEVICE)
+    p, lse, m = eager._weights_lse(s)
+    assert torch.equal(m.isnan(), s.amax(-1).isnan()) and torch.equal(m[~m.isnan()], s.amax(-1)[~m.isnan()])
+    finite = [0, 4, 5]
+    assert_close(p[finite], eager._weights(s)[finite], 1e-7, 1e-6, "P")
+    assert_close(p[4], torch.full((4,), 0.25, device=DEVICE), 0.0, 1e-6, "P of one value")
+    assert_close(lse[finite], torch.logsumexp(s, dim=-1)[finite], 0.0, 1e-6, "lse")
+    assert (p[1] == 0).all() and lse[1] == -inf
+    assert lse[2] == inf and p[2, 1].isnan()
+    assert lse[3].isnan() and p[3].isnan().all()
+
+
 def test_keys_shared_by_the_batch():
     # flex_attention hands key and value of batch 1 on as stride-0 views of the query's batch: cast and multiplied
     # once for the batch, not copied to it; their gradients per batch, which autograd sums

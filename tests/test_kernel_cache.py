@@ -5,10 +5,12 @@ import os
 import subprocess
 import sys
 
+import jinja2
 import pytest
 import torch
 
 from flexlite import attention_reference, flex_attention
+from flexlite.codegen import render
 from flexlite.runtime import compile as compile_module
 from flexlite.runtime import llvm_level
 from helpers import TOLERANCES, assert_close, rand_qkv
@@ -36,6 +38,34 @@ def test_unusable_cache_dir_falls_back_to_temp(cache, monkeypatch):
     monkeypatch.setenv("FLEXLITE_CACHE_DIR", str(blocker))  # kernels/ cannot be created under a file
     path = compile_module.write_source(SOURCE)
     assert path.read_text() == SOURCE and not str(path).startswith(str(blocker))
+
+
+@pytest.fixture
+def fresh_templates():
+    """Jinja environments made anew in the test (a cache dir of its own), and again after it."""
+    render._environment.cache_clear()
+    yield
+    render._environment.cache_clear()
+
+
+def test_the_templates_compiled_code_is_kept_for_later_processes(cache, fresh_templates, monkeypatch):
+    source = render.load_template("fwd.py.jinja").render
+    kept = list((cache / "templates").glob("__jinja2_*.cache"))
+    assert len(kept) >= 1  # (the template and the ones it includes)
+    render._environment.cache_clear()  # a later process: a new environment, the code on disk
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("a template kept on disk was compiled again")
+    monkeypatch.setattr(jinja2.Environment, "compile", no_compile)
+    assert render.load_template("fwd.py.jinja").render.__code__.co_code == source.__code__.co_code
+
+
+def test_an_unwritable_cache_dir_leaves_the_templates_compiling_in_memory(cache, fresh_templates, monkeypatch):
+    blocker = cache / "not_a_dir"
+    blocker.write_text("")
+    monkeypatch.setenv("FLEXLITE_CACHE_DIR", str(blocker))
+    assert render._bytecode_cache() is None
+    assert render.load_template("fwd.py.jinja") is not None
 
 
 @pytest.mark.parametrize("variable, value, expected", [

@@ -7,11 +7,13 @@ its captured-tensor parameters.
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import Optional
 
 import jinja2
 
+from ..runtime.compile import cache_dir
 from .exp2 import poly_exp2_asm, poly_exp2_constraints
 from .lower import LoweredMod
 
@@ -26,7 +28,21 @@ def _environment() -> jinja2.Environment:
         trim_blocks=True,
         lstrip_blocks=True,
         keep_trailing_newline=True,
+        bytecode_cache=_bytecode_cache(),
     )
+
+
+def _bytecode_cache() -> Optional[jinja2.BytecodeCache]:
+    """The templates' compiled code kept on disk (``<cache_dir>/templates``, Jinja's own cache: keyed by template,
+    checked against its source, written atomically), so that a later process's first render loads it instead of
+    compiling the templates again (0.19 s of a first call on the H200's host: benchmarks/NOTES.md 105). None where
+    that folder cannot be made or written (the templates then compile in every process, as before)."""
+    try:
+        folder = cache_dir() / "templates"
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    return jinja2.FileSystemBytecodeCache(str(folder)) if os.access(folder, os.W_OK) else None
 
 
 def load_template(name: str) -> jinja2.Template:
