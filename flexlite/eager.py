@@ -5,16 +5,16 @@ A new score_mod (or the first mask_mod of a kind of input) needs its kernels com
 compiles the kernels (NOTES 78). The semantics are the kernels' and the fp64 reference's (flexlite.reference): the
 mods are evaluated through vmap over each chunk's positions, a position is kept if its block is full, or partial and
 the mask_mod keeps it, and a query row with nothing kept gives out 0 and LSE -inf. The arithmetic is float32: scores,
-softmax and the matmuls' sums. The forward multiplies bfloat16 and float16 operands in their own dtype and rounds P to
-it before P @ V, as the kernels' tensor cores do (:func:`native`; on a GPU half the time of float32 operands, NOTES
-105); the backward multiplies float32 copies. Outputs agree with the kernels' to their tolerances, not bit for bit.
-Each chunk walks only the keys its query blocks' block lists reach.
+softmax and the matmuls' sums. bfloat16 and float16 operands are multiplied in their own dtype, P (and the
+backward's dS) rounded to it first, as the kernels' tensor cores take them (:func:`native`; on a GPU half the time of
+float32 operands, NOTES 105). Outputs agree with the kernels' to their tolerances, not bit for bit. Each chunk walks
+only the keys its query blocks' block lists reach.
 
 float64 inputs, which no kernel takes, run here in float64 on every device, as torch's flex_attention runs them on
 its math path (gradcheck, tests), with score_mod's captured tensors' gradients too.
 
-Memory: copies of key and value in the compute dtype (none in the forward for contiguous half-precision inputs), and
-a few temporaries of :data:`CHUNK_SCORES` scores. Calls that walk more than :data:`MAX_SCORES` scores raise
+Memory: copies of key and value in the compute dtype (none for contiguous half-precision inputs), and a few
+temporaries of :data:`CHUNK_SCORES` scores. Calls that walk more than :data:`MAX_SCORES` scores raise
 :class:`TooLarge` (first_calls then waits for the kernels).
 """
 
@@ -159,8 +159,8 @@ def _half_products(device: torch.device) -> bool:
 
 
 def native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether the forward keeps key and value in their dtype and multiplies in it (:func:`_matmul`), P rounded to
-    it before P @ V as the kernels round it: bfloat16 or float16 inputs of one dtype."""
+    """Whether both passes keep key and value in their dtype and multiply in it (:func:`_matmul`), P and dS rounded
+    to it first as the kernels round them: bfloat16 or float16 inputs of one dtype."""
     return query.dtype in HALF and key.dtype == value.dtype == query.dtype
 
 
@@ -309,13 +309,15 @@ def backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: t
     """(dq, dk, dv, [the gradients of ``captured``, tensors score_mod reads]) in the inputs' dtypes from the
     forward's out: each chunk's scores recomputed, dS from the weights (P as the forward's, :func:`_weights`), and
     score_mod's derivative by autograd over its vmapped ops (no LSE: the weights are normalized by their own sums).
-    ``limit``: as :func:`forward`'s."""
-    chunks, groups, k, v = _start(query, key, value, block_mask, limit)
-    dq = torch.zeros(query.shape, dtype=k.dtype, device=query.device)
-    dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (k, v))  # (full batch: autograd sums)
-    dcaptured = [torch.zeros(t.shape, dtype=k.dtype, device=t.device) for t in captured]
+    Half-precision inputs multiply in their dtype with float32 sums, dS and P rounded to it, as the forward's
+    (:func:`native`). ``limit``: as :func:`forward`'s."""
+    chunks, groups, k, v = _start(query, key, value, block_mask, limit, native(query, key, value))
+    dtype = compute_dtype(query.dtype)
+    dq = torch.zeros(query.shape, dtype=dtype, device=query.device)
+    dk, dv = (torch.zeros(t.shape, dtype=dtype, device=t.device) for t in (k, v))  # (full batch: autograd sums)
+    dcaptured = [torch.zeros(t.shape, dtype=dtype, device=t.device) for t in captured]
     do = grad_out.to(k.dtype) if grad_out is not None else torch.zeros_like(out, dtype=k.dtype)
-    delta = (do * out.to(k.dtype)).sum(-1)  # [B, H, Lq]: rowsum(dO * O)
+    delta = (do.to(dtype) * out.to(dtype)).sum(-1)  # [B, H, Lq]: rowsum(dO * O)
     any_nonfinite = _any_nonfinite(chunks, v)
     for q0, q1, k0, k1 in chunks:
         q = query[:, :, q0:q1].detach().to(k.dtype)  # (as key and value: _start)
@@ -333,17 +335,17 @@ def backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: t
                 dp = dp.masked_fill(chunks.reached(q0, q1, k0, k1) & bad_key, float("nan"))
             ds = p * (dp - delta[:, :, q0:q1].unsqueeze(-1))
             if grad_lse is not None:
-                ds = ds + p * grad_lse[:, :, q0:q1].to(k.dtype).unsqueeze(-1)
+                ds = ds + p * grad_lse[:, :, q0:q1].to(dtype).unsqueeze(-1)
         if score_mod is not None:  # dS through score_mod's ops to the raw scores and the captured tensors
             ds, grads = through_score_mod(raw, s, ds, captured, score_mod, q0, k0)
             dcaptured = [total + g.to(total.dtype) for total, g in zip(dcaptured, grads)]
             if keep is not None:  # (a masked position's derivative may be NaN, its dS is 0)
                 ds = ds.masked_fill(~keep, 0.0)
-        with torch.no_grad():
-            ds = ds * scale
+        with torch.no_grad():  # (dS and P in k's dtype: rounded to a half-precision input's, as the kernels round them)
+            ds, p = (ds * scale).to(k.dtype), p.to(k.dtype)
             dq[:, :, q0:q1] = _by_kv_head(ds, k[:, :, k0:k1], groups)
-            dk[:, :, k0:k1] += _grouped(ds, groups).transpose(-1, -2) @ _grouped(q, groups)
-            dv[:, :, k0:k1] += _grouped(p, groups).transpose(-1, -2) @ _grouped(do[:, :, q0:q1], groups)
+            dk[:, :, k0:k1] += _matmul(_grouped(ds, groups).transpose(-1, -2), _grouped(q, groups))
+            dv[:, :, k0:k1] += _matmul(_grouped(p, groups).transpose(-1, -2), _grouped(do[:, :, q0:q1], groups))
     return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype),
             [g.to(t.dtype) for g, t in zip(dcaptured, captured)])
 

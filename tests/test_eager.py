@@ -149,6 +149,39 @@ def test_half_inputs_multiply_in_their_dtype_and_round_p_as_the_kernels(dtype, c
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_backward_multiplies_in_their_dtype_and_rounds_ds_and_p(dtype, chunk_scores):
+    """The backward of bfloat16 / float16 inputs: key and value in their dtype, dP = dO V^T their products in
+    float32, dS and P rounded to their dtype before dQ = dS K, dK = dS^T Q and dV = P^T dO, as the kernels take
+    them. Checked against those steps spelled out densely (a sliding window with partial blocks, lengths that differ,
+    a key not contiguous, GQA) and against the fp64 reference's gradients."""
+    q, k, v = rand_qkv(2, 4, 2, 80, 140, 32, Dv=24, dtype=dtype, seed=9)
+    k = k.transpose(1, 2).contiguous().transpose(1, 2)
+    window = generate_sliding_window(24)
+    bm = create_block_mask(window, None, None, 80, 140, device=DEVICE, BLOCK_SIZE=16)
+    out, _, _ = eager.forward(q, k, v, None, bm, 0.25)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(dtype=dtype, device=DEVICE)
+    with torch.no_grad():
+        dq, dk, dv, _ = eager.backward(q, k, v, out, grad_out, None, None, bm, 0.25)
+    rows, cols = torch.arange(80, device=DEVICE)[:, None], torch.arange(140, device=DEVICE)[None, :]
+    kk, vv = (t.float().repeat_interleave(2, dim=1) for t in (k, v))
+    s = (q.float() @ kk.transpose(-1, -2) * 0.25).masked_fill(~window(0, 0, rows, cols), float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    do = grad_out.float()
+    ds = p * (do @ vv.transpose(-1, -2) - (do * out.float()).sum(-1, keepdim=True)) * 0.25
+    ds, p = ds.to(dtype).float(), p.to(dtype).float()
+    want = (ds @ kk, (ds.transpose(-1, -2) @ q.float()).view(2, 2, 2, 140, 32).sum(2),
+            (p.transpose(-1, -2) @ do).view(2, 2, 2, 140, 24).sum(2))
+    qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
+    ref_out, _ = attention_reference(qd, kd, vd, block_mask=bm, scale=0.25, enable_gqa=True)
+    ref = torch.autograd.grad(ref_out, (qd, kd, vd), grad_out.double())
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -9
+    for name, got, steps, exact in zip(("dq", "dk", "dv"), (dq, dk, dv), want, ref):
+        assert got.dtype == dtype
+        assert_close(got, steps.to(dtype), 1e-3, ulp, name)
+        assert_grad_close(got, exact, dtype, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_operands_give_their_float32_products(dtype):
     a, b = (torch.randn(shape, generator=torch.Generator().manual_seed(5)).to(dtype=dtype, device=DEVICE)
             for shape in ((2, 3, 5, 16), (2, 3, 16, 7)))
