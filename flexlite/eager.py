@@ -30,7 +30,8 @@ from ._vmap import index_vectors, vmap_bhqkv, vmap_positions
 # scores per chunk (batch x heads x query rows x keys walked): 2**26 float32 = 256 MB a temporary
 CHUNK_SCORES = 2 ** 26
 # scores a call walks at most (its chunks' rows x keys x batch x heads): beyond, the torch ops would take longer than
-# a compile (the harness's D64 shape, 2**34 scores, took 0.36-0.49 s a forward on the H200: NOTES 78)
+# a compile (1.8-5 s; the harness's D64 shape, 2**34 scores, takes 0.29 s a forward and 0.86 s a backward on the
+# H200 since NOTES 105, 0.61 and 1.09 s before)
 MAX_SCORES = 2 ** 35
 
 
