@@ -218,8 +218,8 @@ def _read_values(p: torch.Tensor, v: torch.Tensor, bad: torch.Tensor, reached: t
 def _weights_lse(s: torch.Tensor) -> tuple:
     """(P, LSE, the row maxima m) of a forward chunk's scores: P by torch's fused softmax, each row normalized by its
     own sum as in :func:`_weights`, 0 in a row with nothing kept; LSE = m - log(max P) (max P is 1 / the row's sum of
-    exp(s - m)), m itself where m is -inf (nothing kept) or +inf (as logsumexp). Five passes over the scores, where
-    logsumexp and :func:`_weights` took eleven (NOTES 105)."""
+    exp(s - m)), m itself where m is -inf (nothing kept) or +inf (as logsumexp). 0.66 ms a chunk at the D64 harness
+    shape, where logsumexp and :func:`_weights` took 1.51 (NOTES 105)."""
     m = s.amax(dim=-1, keepdim=True)
     p = torch.softmax(s, dim=-1).masked_fill_(torch.isneginf(m), 0.0)
     lse = torch.where(torch.isinf(m), m, m - p.amax(dim=-1, keepdim=True).log())
