@@ -305,6 +305,7 @@ def test_forward_lowers_index_distances_from_float_vectors(name, monkeypatch):
     bit-identical (one add / subtract of exact values); the backward keeps the int form. Same output as the int
     form, bit for bit, and the reference's."""
     import flexlite.api as api
+    from flexlite.runtime import launch
     mod, lowered = FLOAT_INDEX_MODS[name]
     source = flexlite.kernel_source(mod, device=DEVICE)
     ws_source = flexlite.kernel_source(mod, device="cuda", kernel="forward_ws")  # (its CUDA source: no GPU needed)
@@ -318,9 +319,15 @@ def test_forward_lowers_index_distances_from_float_vectors(name, monkeypatch):
     q, k, v = rand_qkv(1, 2, 2, 100, 70, 16, seed=4)  # more than 64 queries: the forward kernel
     out = flex_attention(q, k, v, score_mod=mod)
     assert_close(out, attention_reference(q, k, v, score_mod=mod)[0], *TOLERANCES[torch.float32])
+    # the bit-for-bit comparison with the bias kept whole: whether a bias splits into a query side and a key side
+    # depends on the positions' bound, which float_index sets too ((kv - q) + 5 may wrap past 2**24 positions)
+    monkeypatch.setattr(launch, "SEPARATE_SCORE_BIAS", False)
+    drop_plans(monkeypatch)
+    floats = flex_attention(q, k, v, score_mod=mod)
+    assert_close(floats, out, *TOLERANCES[torch.float32])
     monkeypatch.setattr(api, "_float_index", lambda *args: False)
     drop_plans(monkeypatch)  # (the float form's plan: kept for calls that would take it)
-    assert torch.equal(out, flex_attention(q, k, v, score_mod=mod))
+    assert torch.equal(floats, flex_attention(q, k, v, score_mod=mod))
 
 
 def test_float_index_only_while_positions_are_exact_in_float32(monkeypatch):
@@ -578,6 +585,8 @@ SEPARABLE_MODS = {
     "factor_on_the_sum": (lambda s, b, h, q, kv: (s + _q_bias[q]) * 0.5, False, False),
     "where_on_both_sides": (lambda s, b, h, q, kv: s + torch.where(q >= kv, 0.0, -1.0), False, False),
     "floor_division": (lambda s, b, h, q, kv: s + (kv - q) // 2, False, False),
+    # int32 arithmetic that wraps before its float: no sum of two sides
+    "int_distance_that_wraps": (lambda s, b, h, q, kv: s + ((q - kv) * 100000000).float() * 1e-9, False, False),
     "identity": (lambda s, b, h, q, kv: s, False, False),
 }
 
@@ -614,6 +623,30 @@ def test_which_score_mods_are_the_score_plus_a_separable_bias(name):
     assert ("row_bias" in ws.source) == separable and ("offs_kb" in ws.source) == separable
     assert "row_bias" not in generate("decode.py.jinja", mod, None, interpret=False, separate=True).source
     assert "row_bias" not in generate_backward(mod, None, interpret=False).source
+
+
+@pytest.mark.parametrize("mod", [lambda s, b, h, q, kv: s + (2 * (kv - q)).float() * 0.1,
+                                 lambda s, b, h, q, kv: s + (q + kv).float() * 0.01 - kv * 0.5],
+                         ids=["twice_a_distance", "sum_of_indices"])
+def test_int_index_arithmetic_is_separated_only_where_it_cannot_wrap(mod):
+    """A bias's int32 arithmetic is linear only where it cannot wrap: 2 * (kv_idx - q_idx) and q_idx + kv_idx stay in
+    int32 for positions below 2**24 (the forwards' float_index, lengths up to 2**24), not for any int32 position."""
+    from flexlite.codegen.lower import lower_mod
+
+    for float_index in (True, False):
+        low = lower_mod(trace_mod(mod, "score_mod"), "score_mod", "sm_", float_index=float_index, separate=True)
+        assert low.separable == float_index and low.affine_keys == float_index
+
+
+def test_int_index_arithmetic_that_wraps_keeps_the_references_values():
+    """(q_idx - kv_idx) * 10**8 wraps in int32, as torch computes it: the forward must not take the bias apart into a
+    query side and a key side (their floats' sum is not the wrapped value's float). The reference's out and LSE."""
+    mod = SEPARABLE_MODS["int_distance_that_wraps"][0]
+    q, k, v = rand_qkv(1, 2, 2, 128, 128, 16, seed=22)
+    out, lse = flex_attention(q, k, v, score_mod=mod, return_lse=True)
+    ref, ref_lse = attention_reference(q, k, v, score_mod=mod)
+    assert_close(out, ref, *TOLERANCES[torch.float32])
+    assert_close(lse, ref_lse, *TOLERANCES[torch.float32], name="lse")
 
 
 @pytest.mark.parametrize("Lq, Lkv", [(100, 70), (63, 200)], ids=["more-queries-than-keys", "ragged"])

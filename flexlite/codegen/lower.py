@@ -978,28 +978,71 @@ def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _linear(v, tile_constant: set, leaf: Callable) -> bool:
+def _linear(v, tile_constant: set, leaf: Callable, index_max: int) -> bool:
     """Whether ``v`` is built from leaves (``leaf(v)``: True, False, or None for neither) by adds, subtracts,
     negations, conversions to float (exact for int index arithmetic below 2**24, and linear) and multiplies or
     divisions by finite numbers or values in ``tile_constant`` (those of b and h alone): the linear forms
-    :func:`_separable_bias` and :func:`_affine_in_keys` look for."""
+    :func:`_separable_bias` and :func:`_affine_in_keys` look for. Int arithmetic that combines leaves is int32, as
+    torch and the kernels compute it: it is linear only where it cannot wrap, with q_idx and kv_idx up to
+    ``index_max`` (:func:`_int_range`; ``(q_idx - kv_idx) * 10**8`` wraps, and its float is no sum of two sides)."""
     found = leaf(v)
     if found is not None:
         return found
     if not isinstance(v, fx.Node) or v.kwargs:
         return False
+    if _is_int(v) and _int_range(v, index_max) is None:
+        return False
     key = op_key(v)
     if key in _SUM_OPS:
-        return all(_linear(a, tile_constant, leaf) for a in v.args)
+        return all(_linear(a, tile_constant, leaf, index_max) for a in v.args)
     if key == "to":
         return v.meta.get("dtype") in (torch.float32, torch.float64) and len(v.args) >= 1 and \
-            _linear(v.args[0], tile_constant, leaf)
+            _linear(v.args[0], tile_constant, leaf, index_max)
     if key in _SCALE_OPS and len(v.args) == 2:
         a, b = v.args
         if _number(b) or b in tile_constant:
-            return _linear(a, tile_constant, leaf)
-        return key == "mul" and (_number(a) or a in tile_constant) and _linear(b, tile_constant, leaf)
+            return _linear(a, tile_constant, leaf, index_max)
+        return key == "mul" and (_number(a) or a in tile_constant) and _linear(b, tile_constant, leaf, index_max)
     return False
+
+
+_INT32 = (-2 ** 31, 2 ** 31 - 1)
+
+
+def _is_int(v) -> bool:
+    dtype = v.meta.get("dtype") if isinstance(v, fx.Node) else None
+    return dtype is not None and not dtype.is_floating_point and dtype != torch.bool
+
+
+def _int_range(v, index_max: int) -> Optional[tuple]:
+    """(lowest, highest) an int value of a mod can take, where that stays inside int32; None where it can leave it
+    (wrap) or is not known. q_idx and kv_idx are 0 to ``index_max``, b and h any non-negative int32, numbers
+    themselves; adds, subtracts, negations and multiplies by numbers combine those ranges. Any other int value (an
+    int32 a mod computes some other way, or one whose own arithmetic wraps, as torch's does) is somewhere in int32."""
+    if isinstance(v, bool) or not isinstance(v, (int, fx.Node)):
+        return None
+    if isinstance(v, int):
+        low, high = v, v
+    elif v.op == "placeholder":
+        low, high = 0, (index_max if v.target in ("q_idx", "kv_idx") else _INT32[1])
+    else:
+        key = op_key(v)
+        parts = [_int_range(a, index_max) or _INT32 for a in v.args] if not v.kwargs else None
+        if parts is None or key not in _SUM_OPS + ("mul",) or len(parts) != len(v.args):
+            return _INT32
+        if key == "pos" and len(parts) == 1:
+            low, high = parts[0]
+        elif key == "neg" and len(parts) == 1:
+            low, high = -parts[0][1], -parts[0][0]
+        elif key in ("add", "sub") and len(parts) == 2:
+            (a0, a1), (b0, b1) = parts
+            low, high = (a0 + b0, a1 + b1) if key == "add" else (a0 - b1, a1 - b0)
+        elif key == "mul" and len(parts) == 2:
+            products = [x * y for x in parts[0] for y in parts[1]]
+            low, high = min(products), max(products)
+        else:
+            return _INT32
+    return (low, high) if _INT32[0] <= low and high <= _INT32[1] else None
 
 
 def _separable_bias(low: "_Lowerer") -> bool:
@@ -1021,7 +1064,7 @@ def _separable_bias(low: "_Lowerer") -> bool:
     def separable(v) -> bool:
         return _linear(v, low.bh_only[0], lambda u: (
             True if _number(u) or (u in row_side and u not in row_loads) or (u in key_side and u not in key_loads)
-            else False if u in scored else None))
+            else False if u in scored else None), _index_max(low))
 
     def score_plus_bias(v) -> bool:
         # v is the score plus separable terms, the score (read by nothing else) taken with a plus sign
@@ -1057,7 +1100,12 @@ def _affine_in_keys(low: "_Lowerer") -> bool:
         if any(i in reads_keys for i in node.all_input_nodes):
             reads_keys.add(node)
     return _linear(out, low.bh_only[0], lambda v: True if not isinstance(v, fx.Node) or v not in reads_keys or v is kv
-                   else None)
+                   else None, _index_max(low))
+
+
+def _index_max(low: "_Lowerer") -> int:
+    """The largest q_idx / kv_idx the kernel is generated for: below 2**24 with ``float_index``, else int32's."""
+    return FLOAT32_EXACT_INT if low.float_index else _INT32[1]
 
 
 def lower_mod(traced: TracedMod, fn_name: str, prefix: str, float_index: bool = False,
