@@ -1104,8 +1104,10 @@ def _affine_in_keys(low: "_Lowerer") -> bool:
 
 
 def _index_max(low: "_Lowerer") -> int:
-    """The largest q_idx / kv_idx the kernel is generated for: below 2**24 with ``float_index``, else int32's."""
-    return FLOAT32_EXACT_INT if low.float_index else _INT32[1]
+    """The largest q_idx / kv_idx the kernel evaluates the mod at: with ``float_index`` (lengths up to 2**24) 2**24
+    and a tile past it (an affine key side is evaluated at keys past the sequence, :func:`_affine_in_keys`), else
+    int32's."""
+    return FLOAT32_EXACT_INT + 1024 if low.float_index else _INT32[1]
 
 
 def lower_mod(traced: TracedMod, fn_name: str, prefix: str, float_index: bool = False,
