@@ -12,7 +12,7 @@ from flexlite import UntraceableModError, attention_reference, create_block_mask
 from flexlite import block_mask as bm_module
 from flexlite.codegen.lower import lower_mod
 from flexlite.codegen.trace import trace_mod
-from helpers import DEVICE, TOLERANCES, assert_close, assert_grad_close, rand_qkv
+from helpers import DEVICE, TOLERANCES, assert_close, assert_grad_close, assert_grads_like_reference, rand_qkv
 
 B, H, L, D = 1, 1, 40, 16
 
@@ -435,6 +435,35 @@ def test_random_numbers_in_a_mod_are_refused(mod):
         create_block_mask(lambda b, h, q_idx, kv_idx: torch.rand(()) < 0.5, None, None, L, L, device=DEVICE)
     half = flex_attention(q, k, v, score_mod=lambda s, b, h, q_idx, kv_idx: s * torch.tensor(0.5))
     assert_close(half, attention_reference(q * 0.5, k, v)[0], *TOLERANCES[torch.float32])
+
+
+@pytest.mark.parametrize("mod, mask", [
+    (lambda s, b, h, q_idx, kv_idx: s + torch.as_tensor(q_idx - kv_idx, dtype=torch.float32) * 0.1,
+     lambda b, h, q_idx, kv_idx: torch.as_tensor(q_idx) >= kv_idx),
+    (lambda s, b, h, q_idx, kv_idx: torch.as_tensor(s) * 0.5 + torch.as_tensor(h).float(),
+     lambda b, h, q_idx, kv_idx: torch.as_tensor(data=q_idx - kv_idx) < 40)], ids=["distance", "score_and_head"])
+def test_torch_as_tensor_of_a_traced_value_is_that_value(mod, mask):
+    """torch.as_tensor(x) of a mod's value is x (in the dtype asked), as torch's flex_attention takes it (before: a
+    TypeError from torch.fx's proxy), in a score_mod and a mask_mod; out, LSE and the gradients the reference's."""
+    q, k, v = (t.requires_grad_() for t in rand_qkv(B, H, H, L, L, D))
+    bm = create_block_mask(mask, None, None, L, L, device=DEVICE, BLOCK_SIZE=16)
+    out, lse = flex_attention(q, k, v, score_mod=mod, block_mask=bm, return_lse=True)
+    ref, ref_lse = attention_reference(q, k, v, score_mod=mod, block_mask=bm)
+    assert_close(out, ref, *TOLERANCES[torch.float32])
+    assert_close(lse, ref_lse, *TOLERANCES[torch.float32], name="lse")
+    assert_grads_like_reference(out, ref, (q, k, v))
+
+
+@pytest.mark.parametrize("mod", [lambda s, b, h, q_idx, kv_idx: s + torch.tensor(kv_idx, dtype=torch.float32),
+                                 lambda s, b, h, q_idx, kv_idx: s + torch.as_tensor([q_idx, kv_idx]).sum(),
+                                 lambda s, b, h, q_idx, kv_idx: s + torch.tensor((h, 1)).float().mean()],
+                         ids=["tensor_of_a_value", "as_tensor_of_a_list", "tensor_of_a_tuple"])
+def test_a_tensor_built_from_traced_values_is_refused_with_what_to_write(mod):
+    """torch.tensor of a traced value (a copy, which torch's vmap cannot make of its values either), or either of a
+    list of them: an UntraceableModError that names the call and what to write instead."""
+    with pytest.raises(UntraceableModError, match=r"calls torch\.(tensor|as_tensor) on its traced values: use the "
+                                                  r"value itself"):
+        flex_attention(*rand_qkv(B, H, H, L, L, D), score_mod=mod)
 
 
 @pytest.mark.parametrize("mod", [lambda s, b, h, q_idx, kv_idx: s * np.float32(0.5),

@@ -608,18 +608,36 @@ _RANDOM_OPS = frozenset(getattr(owner, name) for owner, names in (
 class _RandomRefused(torch.overrides.TorchFunctionMode):
     """While a mod is traced: its random numbers refused. A draw made while tracing (``torch.rand(())``, whose
     arguments are no traced values) would become a constant of the trace, one draw broadcast to every position; torch's
-    flex_attention refuses random ops under its vmap too."""
+    flex_attention refuses random ops under its vmap too. ``torch.as_tensor`` of a traced value is that value (in the
+    dtype asked), as in torch; ``torch.tensor`` of one (a copy, which torch's vmap cannot make of its values either)
+    is refused with what to write instead."""
 
     def __init__(self, kind: str, name: str):
         super().__init__()
         self.kind, self.name = kind, name
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if func in _RANDOM_OPS:
             raise UntraceableModError(f"{self.kind} {self.name!r} calls {getattr(func, '__name__', func)}: random "
                                       f"numbers inside a mod are not supported (a trace would keep one draw for every "
                                       f"position); draw them outside it into a tensor the mod reads")
-        return func(*args, **(kwargs or {}))
+        if func in (torch.as_tensor, torch.tensor) and _holds_traced(args[:1] + ((kwargs["data"],) if "data" in kwargs
+                                                                                 else ())):
+            data = args[0] if args else kwargs["data"]
+            if func is torch.tensor or not isinstance(data, fx.Proxy):
+                raise UntraceableModError(
+                    f"{self.kind} {self.name!r} calls torch.{func.__name__} on its traced values: use the value "
+                    f"itself (x.to(dtype) for another dtype, torch.as_tensor(x) as torch does), and torch.where / "
+                    f"arithmetic rather than a tensor built of several values")
+            dtype = args[1] if len(args) > 1 else kwargs.get("dtype")
+            return data if dtype is None else data.to(dtype)
+        return func(*args, **kwargs)
+
+
+def _holds_traced(values) -> bool:
+    """Whether ``values`` (nested lists / tuples) hold a traced value."""
+    return any(isinstance(v, fx.Proxy) or (isinstance(v, (list, tuple)) and _holds_traced(v)) for v in values)
 
 
 # the dtypes a mod's arguments have in the kernels (and the traces' examples, _example_inputs)
