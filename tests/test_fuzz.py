@@ -47,7 +47,7 @@ def mask_mods(draw, Lq, Lkv, depth=0):
 
 @st.composite
 def score_mods(draw, H, Lq, Lkv, dtype):
-    kind = draw(st.sampled_from(["none", "alibi", "softcap", "bias_table", "bias_3d", "scale_where"]))
+    kind = draw(st.sampled_from(["none", "alibi", "softcap", "bias_table", "bias_3d", "scale_where", "int_distance"]))
     # learnable captures only with fp32 inputs: with fp16/bf16 inputs a capture's gradient sums many
     # dS terms whose FA-style error (Delta from the rounded output, as in torch and FlashAttention) can
     # cancel badly (an ALiBi slope: 4 % off in fp16 while each term is right); tests/test_backward.py
@@ -68,6 +68,10 @@ def score_mods(draw, H, Lq, Lkv, dtype):
     if kind == "bias_3d":
         bias = torch.randn(H, Lq, Lkv, generator=g).to(DEVICE).requires_grad_(learnable)
         return (lambda s, b, h, q, kv: s * 0.7 + bias[h, q, kv]), [bias] if learnable else []
+    if kind == "int_distance":  # int32 index arithmetic, wrapping with the largest factor (NOTES 106)
+        factor, offset = draw(st.sampled_from([1, -3, 7, 10**8])), draw(st.integers(-40, 40))
+        scale = 1e-9 if factor == 10**8 else 0.01
+        return (lambda s, b, h, q, kv: s + ((q - kv) * factor + offset).float() * scale), []
     return (lambda s, b, h, q, kv: torch.where(q > kv, s * 0.5, s - 0.25)), []
 
 
