@@ -3,6 +3,7 @@ of every dtype pairing and sign, ``.device`` / ``.dtype`` / ``.shape`` reads fee
 (torch's own noop_mask), and Python int constants beyond int32."""
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -464,6 +465,24 @@ def test_a_tensor_built_from_traced_values_is_refused_with_what_to_write(mod):
     with pytest.raises(UntraceableModError, match=r"calls torch\.(tensor|as_tensor) on its traced values: use the "
                                                   r"value itself"):
         flex_attention(*rand_qkv(B, H, H, L, L, D), score_mod=mod)
+
+
+def test_a_mod_that_checks_for_tensors_is_warned_about_its_proxies():
+    """Traced, a mod's values are torch.fx proxies: isinstance(x, torch.Tensor) is False there, where torch's vmapped
+    tensors say True, so a branch on it is traced down its other side. A mod whose code reads isinstance and Tensor
+    gets a UserWarning that says so (once: its trace is kept); other mods none."""
+    def checks(score, b, h, q_idx, kv_idx):
+        return score * 2 if isinstance(score, torch.Tensor) else score
+
+    def plain(score, b, h, q_idx, kv_idx):
+        return score * 2
+
+    with pytest.warns(UserWarning, match=r"isinstance\(x, torch\.Tensor\) is False there"):
+        trace_mod(checks, "score_mod")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trace_mod(plain, "score_mod")
+        trace_mod(checks, "score_mod")  # (kept: not traced, nor warned, again)
 
 
 @pytest.mark.parametrize("mod", [lambda s, b, h, q_idx, kv_idx: s * np.float32(0.5),

@@ -24,6 +24,7 @@ import operator
 import re
 import threading
 import types
+import warnings
 import weakref
 from typing import Callable, Optional
 
@@ -595,7 +596,19 @@ def _trace(fn: Callable, kind: str) -> TracedMod:
         raise UntraceableModError(
             f"{kind} {name!r} failed on 0-d example inputs (indices are 0-d int32 tensors, the score a 0-d "
             f"float32 tensor): {type(e).__name__}: {e}") from e
+    _warn_of_type_checks(fn, kind, name)
     return TracedMod(kind=kind, name=name, graph_module=gm, captured=captured)
+
+
+def _warn_of_type_checks(fn: Callable, kind: str, name: str) -> None:
+    """A UserWarning where the mod's own code reads both ``isinstance`` and ``Tensor``: traced, its values are
+    torch.fx proxies, for which ``isinstance(x, torch.Tensor)`` is False (torch's vmapped tensors say True), so a
+    branch on it was traced down its other side."""
+    code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__call__", None), "__code__", None)
+    if code is not None and {"isinstance", "Tensor"} <= set(code.co_names):
+        warnings.warn(f"{kind} {name!r} calls isinstance on torch.Tensor: while it is traced its values are torch.fx "
+                      f"proxies and isinstance(x, torch.Tensor) is False there (torch's flex_attention says True); "
+                      f"branch on x.dtype instead", UserWarning, stacklevel=2)
 
 
 _RANDOM_OPS = frozenset(getattr(owner, name) for owner, names in (
