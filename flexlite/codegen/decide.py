@@ -31,15 +31,12 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from .lower import LoweredMod, lower_mod, op_key
+from .lower import (INDEX_INTS, MAX_FORM_FACTOR, MAX_FORM_NUMBER, LoweredMod, combined_forms, index_form,
+                    lower_mod, op_key)
 from .trace import TracedMod
 
 # the most terms taken apart (2 ** MAX_TERMS - 1 variants of the mask)
 MAX_TERMS = 3
-_INTS = (torch.int32, torch.int64)
-# the largest numbers and factors the bounds take: with indices below 2 ** 24 the bounds, as the mask's own values,
-# stay far from int32's wrap-around, where an interval would no longer contain the values it bounds
-_MAX_NUMBER, _MAX_FACTOR = 2 ** 24, 64
 # compare -> (decided true, decided false) of its operands' difference d = a - b in [lo, hi]
 _DECIDE = {"ge": ("{lo} >= 0", "{hi} < 0"), "gt": ("{lo} > 0", "{hi} <= 0"),
            "le": ("{hi} <= 0", "{lo} > 0"), "lt": ("{hi} < 0", "{lo} >= 0"),
@@ -105,8 +102,8 @@ class _Intervals:
         if isinstance(v, bool):
             return None
         if isinstance(v, int):
-            return (repr(v), repr(v)) if abs(v) <= _MAX_NUMBER else None
-        if not isinstance(v, fx.Node) or v.meta.get("dtype") not in _INTS or v.kwargs:
+            return (repr(v), repr(v)) if abs(v) <= MAX_FORM_NUMBER else None
+        if not isinstance(v, fx.Node) or v.meta.get("dtype") not in INDEX_INTS or v.kwargs:
             return None
         if v in self.bounds:
             return self.bounds[v]
@@ -141,7 +138,7 @@ class _Intervals:
         if key == "mul" and len(v.args) == 2:
             for k, other in ((0, 1), (1, 0)):
                 c = v.args[k]
-                if isinstance(c, int) and not isinstance(c, bool) and abs(c) <= _MAX_FACTOR:
+                if isinstance(c, int) and not isinstance(c, bool) and abs(c) <= MAX_FORM_FACTOR:
                     lo, hi = args[other]
                     return (f"{c} * {lo}", f"{c} * {hi}") if c >= 0 else (f"{c} * {hi}", f"{c} * {lo}")
         return None
@@ -153,46 +150,6 @@ _MIRROR = {"ge": "le", "gt": "lt", "le": "ge", "lt": "gt", "eq": "eq", "ne": "ne
 # holds the side's values wherever it holds the indices')
 _MAX_SIDE = 2 ** 30
 _INDEX_BOUND = 2 ** 24
-
-
-def _linear(v) -> Optional[dict]:
-    """An int value of the mask as ``{name: factor}`` (q_idx, kv_idx, b, h; 1 for the number), where it is built from
-    those and int numbers by adds, subtracts, negations and multiplies by numbers (the bounds of _Intervals); else
-    None."""
-    if isinstance(v, bool):
-        return None
-    if isinstance(v, int):
-        return {1: v} if abs(v) <= _MAX_NUMBER else None
-    if not isinstance(v, fx.Node) or v.meta.get("dtype") not in _INTS or v.kwargs:
-        return None
-    if v.op == "placeholder":
-        return {v.target: 1}
-    key = op_key(v)
-    if key == "mul" and len(v.args) == 2:
-        for k in (0, 1):
-            c, other = v.args[k], v.args[1 - k]
-            if isinstance(c, int) and not isinstance(c, bool) and abs(c) <= _MAX_FACTOR:
-                form = _linear(other)
-                return None if form is None else {name: c * f for name, f in form.items() if c * f}
-        return None
-    args = [_linear(a) for a in v.args]
-    if any(a is None for a in args):
-        return None
-    if key in ("add", "sub") and len(args) == 2:
-        return _combined(args[0], args[1], 1 if key == "add" else -1)
-    if key == "neg" and len(args) == 1:
-        return _combined({}, args[0], -1)
-    if key == "pos" and len(args) == 1:
-        return args[0]
-    return None
-
-
-def _combined(a: dict, b: dict, sign: int) -> dict:
-    """The linear form a + sign * b."""
-    out = dict(a)
-    for name, f in b.items():
-        out[name] = out.get(name, 0) + sign * f
-    return {name: f for name, f in out.items() if f}
 
 
 def _bound(form: dict) -> int:
@@ -234,18 +191,18 @@ class _Builder:
 def _separated(build: _Builder, key: str, a, b) -> Optional[fx.Node]:
     """``a key b`` as a query side against a key side (``q_idx - w <= kv_idx``), or None where it is one already, or
     is not linear in the indices, or a side could leave int32."""
-    la, lb = _linear(a), _linear(b)
+    la, lb = index_form(a), index_form(b)
     if la is None or lb is None:
         return None
     sides = [{n for n in form if n in ("q_idx", "kv_idx")} for form in (la, lb)]
     if len(sides[0]) < 2 and len(sides[1]) < 2 and sides[0] != sides[1]:
         return None  # (each side one of the indices, or none: nothing to gain)
-    d = _combined(la, lb, -1)
+    d = combined_forms(la, lb, -1)
     k = d.pop("kv_idx", 0)
     if not k or not d.get("q_idx"):
         return None
     # a - b = R + k * kv_idx: (a key b) == (R key -k * kv_idx), or with k > 0, (-R key' k * kv_idx)
-    row = d if k < 0 else _combined({}, d, -1)
+    row = d if k < 0 else combined_forms({}, d, -1)
     if k > 0:
         key = _MIRROR[key]
     col = {"kv_idx": abs(k)}
@@ -332,15 +289,15 @@ def _facts(dropped: list, join: str) -> list:
     facts = []
     for term in dropped:
         key = op_key(term)
-        forms = [_linear(a) for a in term.args]
+        forms = [index_form(a) for a in term.args]
         if key in _SIGN and None not in forms:
-            facts.append((_combined(forms[0], forms[1], -1), _SIGN[key][0 if join == "and" else 1]))
+            facts.append((combined_forms(forms[0], forms[1], -1), _SIGN[key][0 if join == "and" else 1]))
     return facts
 
 
 def _sign(form: dict, facts: list) -> int:
     """1 where the facts say the linear form is >= 0 on the tile, -1 where <= 0, else 0."""
-    negated = _combined({}, form, -1)
+    negated = combined_forms({}, form, -1)
     for d, rel in facts:
         for sign, same in ((1, d == form), (-1, d == negated)):
             if same and rel in (">=", ">", "=="):
@@ -360,7 +317,7 @@ def _rewritten(build: _Builder, env: dict, term, facts: list):
     changed = False
     for k, a in enumerate(term.args):
         if isinstance(a, fx.Node) and op_key(a) == "abs" and len(a.args) == 1 and not a.kwargs \
-                and a.meta.get("dtype") in _INTS and (form := _linear(a.args[0])) is not None:
+                and a.meta.get("dtype") in INDEX_INTS and (form := index_form(a.args[0])) is not None:
             sign = _sign(form, facts)
             if sign:
                 x = env[a.args[0]]

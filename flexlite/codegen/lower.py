@@ -984,13 +984,13 @@ def _linear(v, tile_constant: set, leaf: Callable, index_max: int) -> bool:
     divisions by finite numbers or values in ``tile_constant`` (those of b and h alone): the linear forms
     :func:`_separable_bias` and :func:`_affine_in_keys` look for. Int arithmetic that combines leaves is int32, as
     torch and the kernels compute it: it is linear only where it cannot wrap, with q_idx and kv_idx up to
-    ``index_max`` (:func:`_int_range`; ``(q_idx - kv_idx) * 10**8`` wraps, and its float is no sum of two sides)."""
+    ``index_max`` (:func:`_wraps`; ``(q_idx - kv_idx) * 10**8`` wraps, and its float is no sum of two sides)."""
     found = leaf(v)
     if found is not None:
         return found
     if not isinstance(v, fx.Node) or v.kwargs:
         return False
-    if _is_int(v) and _int_range(v, index_max) is None:
+    if _is_int(v) and _wraps(v, index_max):
         return False
     key = op_key(v)
     if key in _SUM_OPS:
@@ -1007,6 +1007,10 @@ def _linear(v, tile_constant: set, leaf: Callable, index_max: int) -> bool:
 
 
 _INT32 = (-2 ** 31, 2 ** 31 - 1)
+INDEX_INTS = (torch.int32, torch.int64)
+# the largest numbers and factors index_form takes: with indices below 2 ** 24 its forms' values (codegen.decide's
+# bounds, as the mask's own values) stay far from int32's wrap-around, where an interval would no longer contain them
+MAX_FORM_NUMBER, MAX_FORM_FACTOR = 2 ** 24, 64
 
 
 def _is_int(v) -> bool:
@@ -1014,35 +1018,59 @@ def _is_int(v) -> bool:
     return dtype is not None and not dtype.is_floating_point and dtype != torch.bool
 
 
-def _int_range(v, index_max: int) -> Optional[tuple]:
-    """(lowest, highest) an int value of a mod can take, where that stays inside int32; None where it can leave it
-    (wrap) or is not known. q_idx and kv_idx are 0 to ``index_max``, b and h any non-negative int32, numbers
-    themselves; adds, subtracts, negations and multiplies by numbers combine those ranges. Any other int value (an
-    int32 a mod computes some other way, or one whose own arithmetic wraps, as torch's does) is somewhere in int32."""
-    if isinstance(v, bool) or not isinstance(v, (int, fx.Node)):
+def _wraps(v, index_max: int) -> bool:
+    """Whether an int value of a mod may leave int32 (wrap, as torch's int32 arithmetic does): unless it is a linear
+    form of the indices (:func:`index_form`) whose range, with q_idx and kv_idx from 0 to ``index_max`` and b and h
+    any non-negative int32, stays inside it."""
+    form = index_form(v)
+    if form is None:
+        return True
+    low = high = form.get(1, 0)
+    for name, factor in form.items():
+        if name != 1:
+            reach = factor * (index_max if name in ("q_idx", "kv_idx") else _INT32[1])
+            low, high = low + min(0, reach), high + max(0, reach)
+    return not (_INT32[0] <= low and high <= _INT32[1])
+
+
+def index_form(v) -> Optional[dict]:
+    """An int value of a mod as ``{name: factor}`` (q_idx, kv_idx, b, h; 1 for the number), where it is built from
+    those and int numbers by adds, subtracts, negations and multiplies by numbers (codegen.decide's bounds, and
+    whether a separable bias's int arithmetic can wrap: :func:`_wraps`); else None."""
+    if isinstance(v, bool):
         return None
     if isinstance(v, int):
-        low, high = v, v
-    elif v.op == "placeholder":
-        low, high = 0, (index_max if v.target in ("q_idx", "kv_idx") else _INT32[1])
-    else:
-        key = op_key(v)
-        parts = [_int_range(a, index_max) or _INT32 for a in v.args] if not v.kwargs else None
-        if parts is None or key not in _SUM_OPS + ("mul",) or len(parts) != len(v.args):
-            return _INT32
-        if key == "pos" and len(parts) == 1:
-            low, high = parts[0]
-        elif key == "neg" and len(parts) == 1:
-            low, high = -parts[0][1], -parts[0][0]
-        elif key in ("add", "sub") and len(parts) == 2:
-            (a0, a1), (b0, b1) = parts
-            low, high = (a0 + b0, a1 + b1) if key == "add" else (a0 - b1, a1 - b0)
-        elif key == "mul" and len(parts) == 2:
-            products = [x * y for x in parts[0] for y in parts[1]]
-            low, high = min(products), max(products)
-        else:
-            return _INT32
-    return (low, high) if _INT32[0] <= low and high <= _INT32[1] else None
+        return {1: v} if abs(v) <= MAX_FORM_NUMBER else None
+    if not isinstance(v, fx.Node) or v.meta.get("dtype") not in INDEX_INTS or v.kwargs:
+        return None
+    if v.op == "placeholder":
+        return {v.target: 1}
+    key = op_key(v)
+    if key == "mul" and len(v.args) == 2:
+        for k in (0, 1):
+            c, other = v.args[k], v.args[1 - k]
+            if isinstance(c, int) and not isinstance(c, bool) and abs(c) <= MAX_FORM_FACTOR:
+                form = index_form(other)
+                return None if form is None else {name: c * f for name, f in form.items() if c * f}
+        return None
+    args = [index_form(a) for a in v.args]
+    if any(a is None for a in args):
+        return None
+    if key in ("add", "sub") and len(args) == 2:
+        return combined_forms(args[0], args[1], 1 if key == "add" else -1)
+    if key == "neg" and len(args) == 1:
+        return combined_forms({}, args[0], -1)
+    if key == "pos" and len(args) == 1:
+        return args[0]
+    return None
+
+
+def combined_forms(a: dict, b: dict, sign: int) -> dict:
+    """The linear form a + sign * b."""
+    out = dict(a)
+    for name, f in b.items():
+        out[name] = out.get(name, 0) + sign * f
+    return {name: f for name, f in out.items() if f}
 
 
 def _separable_bias(low: "_Lowerer") -> bool:
