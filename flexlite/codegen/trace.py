@@ -568,7 +568,7 @@ def _trace(fn: Callable, kind: str) -> TracedMod:
     wrapper = _fixed_signature(fn, arg_names)
     try:
         tracer = _ModTracer()
-        with _RandomRefused(kind, name):
+        with _TracingTorchFunctions(kind, name):
             graph = tracer.trace(wrapper)  # sets tracer.root
         gm = fx.GraphModule(tracer.root, graph)
     except UntraceableModError:
@@ -618,8 +618,8 @@ _RANDOM_OPS = frozenset(getattr(owner, name) for owner, names in (
                     "cauchy_", "log_normal_"))) for name in names if hasattr(owner, name))
 
 
-class _RandomRefused(torch.overrides.TorchFunctionMode):
-    """While a mod is traced: its random numbers refused. A draw made while tracing (``torch.rand(())``, whose
+class _TracingTorchFunctions(torch.overrides.TorchFunctionMode):
+    """torch's functions while a mod is traced. Its random numbers refused. A draw made while tracing (``torch.rand(())``, whose
     arguments are no traced values) would become a constant of the trace, one draw broadcast to every position; torch's
     flex_attention refuses random ops under its vmap too. ``torch.as_tensor`` of a traced value is that value (in the
     dtype asked), as in torch; ``torch.tensor`` of one (a copy, which torch's vmap cannot make of its values either)
