@@ -44,7 +44,7 @@ AFTER = (
     ("        ws_wait_turn(turn, WG, r0 + j, TURNS)  # ping-pong: this warpgroup's turn to issue\n", 8, "issue",
      "i0 + j"),
     ("        s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # P V(j-1) may still run\n", 8, "s", "i0 + j"),
-    ("                                            MASKED, HAS_SCORE_MOD, EVEN_N{{ exp2_one_in }})\n", 8, "sm", "i0 + j"),
+    ("                                        MASKED, HAS_SCORE_MOD, EVEN_N{{ exp2_one_in }})\n", 8, "sm", "i0 + j"),
     ("        o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))\n"
      "        mbarrier.arrive(kv_empty.index(sp), count=1)  # this warpgroup is done with tile j-1\n", 8, "pv",
      "i0 + j"),
@@ -55,7 +55,7 @@ AFTER = (
      "        r_next = r + n_tiles + 1\n", 12, "out", "i_last"),
 )
 BEFORE = (("    mbarrier.wait(q_bar.index(qb), phase=(jj // Q_BUFFERS) & 1)\n", 4, "item", "i"),
-          ("        # partial tiles lead + 1 .. n_part - 1 (with TAIL", 8, "first", "i"),
+          ("        # partial tiles lead + 1 .. n_part - 1, then full tiles", 8, "first", "i"),
           ("            # OUT in the last slot's K buffer", 12, "last", "i_last"),
           ("            mbarrier.arrive(kv_empty.index(last), count=1)\n"
            "            # (the last item of a head", 12, "last", "i_last"))

@@ -372,9 +372,7 @@ def test_warp_specialized_forward_compiles_for_sm90(case):
         assert all(as_written[i]["instructions"] > loops[i]["instructions"] + 100 for i in partial), (as_written, loops)
         wide_partial = [loop["instructions"] for loop in wide if loop["MUFU"] >= 60 and loop["ISETP"] >= 128]
         assert len(wide_partial) == 3, wide
-        # (at most: the wide partial loops branch around the mask on a walk's last tiles that keep a warpgroup's rows,
-        # TAIL, which ptxas compiled 23 instructions shorter than the whole mask's loop at L 256)
-        assert all(n <= whole[partial[0]]["instructions"] + 12 for n in wide_partial), (wide, whole)
+        assert all(abs(n - whole[partial[0]]["instructions"]) <= 12 for n in wide_partial), (wide, whole)
     if "affine" in case:
         # launch.AFFINE_KEY_BIAS, WS_FWD_AFFINE_BIAS_HEAD_DIMS: ALiBi's key side, affine in kv_idx, as a vector of the
         # tile's columns computed once per item and held in registers, plus one scalar per tile in the row max: no

@@ -102,7 +102,6 @@ def render(template: str, score_mod: LoweredMod, mask_mod: LoweredMod, *, interp
         mask_decide=mask_decide is not None,
         mask_decide_codes=sorted(mask_decide.variants) if mask_decide is not None else [],
         mask_decide_empty=mask_decide.empty if mask_decide is not None else None,
-        mask_decide_full=mask_decide.full if mask_decide is not None else None,
         score_mod_name=score_mod_name,
         mask_mod_name=mask_mod_name,
         score_args=_param_list(hoisted + score_mod.params),

@@ -332,11 +332,7 @@ WS_FWD_WIDE_TILES = {64: dict(BLOCK_M=192, STAGES=3, CONSUMER_REGS=160, Q_BUFFER
 # and prefix-LM (H200: prefix-LM's D64 forward 1.5 % faster, causal even; NOTES 88). Where the wide kernel spills more
 # than WS_FWD_WIDE_MAX_LOCAL with the skip (offline: sliding window's, not offered wide items anyway), the launch takes
 # two warpgroups, as for any wide kernel that spills so: trying the wide kernel without the skip would compile it in
-# the call for ALiBi's, which spills either way. With it, and without a score_mod, a warpgroup also runs the walk's
-# last partial tiles (at most two) that keep all of its rows as full tiles, no mask (the template's TAIL: in causal's
-# items the diagonal's first key block, for the item's last one or two warpgroups; offline, L 2048: causal's kernel
-# spills nothing where it spilled 16 bytes, its loops as long as before; softcap's full-tile loop took 6 more
-# instructions with it, so score_mods go without)
+# the call for ALiBi's, which spills either way
 WS_FWD_SKIP_EMPTY_LEAD = True
 # where the warp-specialized forward's consumer warpgroups take turns issuing their matmuls (ping-pong, FA3's: one
 # warpgroup's softmax under the others' matmuls): at these head dims always, at WS_FWD_TURNS_PLAIN_HEAD_DIMS without a
