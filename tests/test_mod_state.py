@@ -705,6 +705,43 @@ def test_a_plain_functions_trace_is_found_by_its_probes(monkeypatch, traces):
     assert len(walks) == 2
 
 
+def test_attributes_set_on_a_mod_are_probed(monkeypatch, traces):
+    """Attributes set on a plain function (flexlite's ALiBi and head biases set ``flexlite_heads``) are probes too,
+    by identity: the trace is found without the fingerprint walked; an attribute changed, added or removed fails them,
+    and the fingerprint decides (a mod reading its own attribute is traced again, with the new value)."""
+    from flexlite.mods import generate_alibi_bias
+
+    monkeypatch.setattr(trace_module, "CHECK_PROBES", False)
+    walks = []
+    real = trace_module._fingerprint_and_truncated
+    monkeypatch.setattr(trace_module, "_fingerprint_and_truncated", lambda fn: walks.append(fn) or real(fn))
+    alibi = generate_alibi_bias(H, device=DEVICE)
+    assert alibi.__dict__ == {"flexlite_heads": H}
+    first = trace_module.trace_mod(alibi, "score_mod")
+    walks.clear()
+    assert trace_module.trace_mod(alibi, "score_mod") is first and walks == []
+    for change in (lambda: setattr(alibi, "note", "x"), lambda: setattr(alibi, "note", "y"),
+                   lambda: delattr(alibi, "note")):
+        change()
+        walks.clear()
+        trace_module.trace_mod(alibi, "score_mod")
+        assert walks, alibi.__dict__  # (the probes failed: the fingerprint was walked)
+        walks.clear()
+        trace_module.trace_mod(alibi, "score_mod")
+        assert walks == [], alibi.__dict__  # (and the probes taken again for the new attributes)
+
+    def own(s, b, h, qi, ki):
+        return s * own.w
+    own.w = 2.0
+    q, k, v = rand_qkv(B, H, H, L, L, D)
+    for w in (2.0, 3.0):
+        own.w = w
+        traces.clear()
+        assert_close(flex_attention(q, k, v, score_mod=own), attention_reference(q, k, v, score_mod=own)[0],
+                     *TOLERANCES[torch.float32])
+        assert len(traces) == 1, traces  # (traced at its first call, and again once w changed)
+
+
 def test_probes_that_hold_where_the_fingerprint_changed_are_an_error_when_checked(monkeypatch):
     """With CHECK_PROBES (the suite's default) a probe hit is also fingerprinted: probes that miss what the
     fingerprint reads show in the test that changes it."""

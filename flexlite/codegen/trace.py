@@ -278,28 +278,32 @@ def _fingerprint(obj, seen: set, depth: int = 0) -> tuple:
 # probes: identity checks that stand for a plain function's fingerprint while they hold (trace_mod's hot path: a
 # fingerprint walk costs ~10 us a mod a call, NOTES 102). Each is (kind, ...): the code object, a closure cell's
 # contents, a namespace's entry (a global, a module's attribute; _ABSENT where there is none), the defaults tuple,
-# a tensor's dtype and rank, an empty __dict__
+# a tensor's dtype and rank, the function's __dict__ (its items, by identity: attributes set on a mod, as flexlite's
+# own ALiBi and head biases set ``flexlite_heads``)
 _ABSENT = object()
-_CODE, _CELL, _ENTRY, _DEFAULTS, _TENSOR, _NO_DICT = range(6)
+_CODE, _CELL, _ENTRY, _DEFAULTS, _TENSOR, _DICT = range(6)
 _MAX_PROBE_DEPTH = 4
 _SCALARS = (int, float, bool, str, type(None))
 
 
 def _probes(fn) -> Optional[tuple]:
     """The probes of ``fn`` (:func:`_probes_hold`), or None where its fingerprint must be walked: anything but a plain
-    function whose closure, globals (a module's attributes by name), defaults and helpers hold Python scalars,
-    tensors, objects fingerprinted by identity alone, tuples of those or such functions, nothing set on it."""
+    function whose closure, globals (a module's attributes by name), defaults, helpers and attributes set on it hold
+    Python scalars, tensors, objects fingerprinted by identity alone, tuples of those or such functions."""
     probes: list = []
     return tuple(probes) if _probe_function(fn, probes, 0) else None
 
 
 def _probe_function(fn, probes: list, depth: int) -> bool:
-    if (not isinstance(fn, types.FunctionType) or depth > _MAX_PROBE_DEPTH or fn.__dict__
+    if (not isinstance(fn, types.FunctionType) or depth > _MAX_PROBE_DEPTH
             or getattr(fn, "flexlite_entry_point", False)):
         return False
     this = fn if depth else None  # (the mod itself as None: the trace cache's weak key is not held by its probes)
     probes.append((_CODE, this, fn.__code__))
-    probes.append((_NO_DICT, this))
+    attributes = tuple(fn.__dict__.items())
+    probes.append((_DICT, this, attributes))
+    if not all(_probe_value(value, probes, depth) for _, value in attributes):
+        return False
     for cell in fn.__closure__ or ():
         try:
             value = cell.cell_contents
@@ -370,8 +374,11 @@ def _probes_hold(probes: tuple, fn) -> bool:
         elif kind == _CODE:
             if (fn if probe[1] is None else probe[1]).__code__ is not probe[2]:
                 return False
-        elif kind == _NO_DICT:
-            if (fn if probe[1] is None else probe[1]).__dict__:
+        elif kind == _DICT:
+            attributes = (fn if probe[1] is None else probe[1]).__dict__
+            if len(attributes) != len(probe[2]) or any(
+                    name != was or value is not value_was
+                    for (name, value), (was, value_was) in zip(attributes.items(), probe[2])):
                 return False
         elif (fn if probe[1] is None else probe[1]).__defaults__ is not probe[2]:  # _DEFAULTS
             return False
