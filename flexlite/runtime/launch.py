@@ -687,6 +687,12 @@ WS_FWD_LLVM_OPT_LEVELS = {64: "O0", 128: "O0"}
 # the first consumer as the default partition; since NOTES 85 (the producer there) the O0 build spills nothing either,
 # and O3 against O0 has not been timed again
 WS_FWD_DENSE_LLVM_OPT_LEVELS = {128: "O0"}
+# the same for the dense walk without a score_mod: at D64 O0 too, 2.6 % faster than O3 on the H200 (B16 H16 S8192, two
+# A/Bs: full 8.58 against 8.81 ms; the wide kernel spills nothing at either level, its tile loop 425 SASS instructions
+# against 424). With a score_mod the levels above: softcap's dense walk was 2.6 % faster at O0 as well, but a
+# relative-position bias 16 % slower (its wide kernel spills 24 bytes at O0, taken, against 244 at O3, which sent it
+# to two warpgroups; NOTES 108)
+WS_FWD_DENSE_PLAIN_LLVM_OPT_LEVELS = {64: "O0", 128: "O0"}
 # the same for the warp-specialized dK / dV kernel: at D128 O0 also ends O3's spills in its tile loops (H200: the
 # backward 0.4-2.3 % faster, document's 13 %); at D64 its full-tile loops grow by ~45 instructions at O0 (2-3.4 %
 # slower but for document and softcap; NOTES 65)
