@@ -633,9 +633,7 @@ def _generate(score_mod, block_mask, device: torch.device, template: str = "fwd.
                     compact_bias_dims=_launch.WS_FWD_COMPACT_BIAS_HEAD_DIMS,
                     affine_bias_dims=_launch.WS_FWD_AFFINE_BIAS_HEAD_DIMS, **_mask_forms(),
                     bounded=_launch.WS_FWD_BOUNDED_SOFTMAX and dtype == torch.bfloat16 and not max_scores,
-                    llvm_opt_levels=(_launch.WS_FWD_LLVM_OPT_LEVELS if block_mask is not None
-                                     else _launch.WS_FWD_DENSE_PLAIN_LLVM_OPT_LEVELS if score_mod is None
-                                     else _launch.WS_FWD_DENSE_LLVM_OPT_LEVELS),
+                    llvm_opt_levels=_launch.WS_FWD_LLVM_OPT_LEVELS,
                     poly_exp2=_launch.WS_FWD_POLY_EXP2,
                     bounded_poly_exp2=_launch.WS_FWD_POLY_EXP2_BOUNDED)  # (generate keeps each for its templates)
 

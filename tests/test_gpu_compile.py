@@ -316,12 +316,9 @@ def test_warp_specialized_forward_compiles_for_sm90(case):
         for i in tiles:
             assert loops[i]["MUFU"] == sfu[i]["MUFU"] - 8 and loops[i]["STL"] == 0, (loops[i], sfu[i])
             assert 50 <= loops[i]["instructions"] - sfu[i]["instructions"] <= 80, (loops[i], sfu[i])
-    # launch.WS_FWD_LLVM_OPT_LEVELS (O0): no vector of compare results for the NVPTX backend to unpack bit by bit (the
-    # dense walk with a score_mod at D64 compiles at Triton's O3, WS_FWD_DENSE_LLVM_OPT_LEVELS: there ragged keys'
-    # compares may be)
-    score_mod, mask, D = FORWARD_WS[case][:3]
-    if mask != "none" or D in (launch.WS_FWD_DENSE_LLVM_OPT_LEVELS if score_mod is not None
-                               else launch.WS_FWD_DENSE_PLAIN_LLVM_OPT_LEVELS):
+    # launch.WS_FWD_LLVM_OPT_LEVELS (O0): no vector of compare results for the NVPTX backend to unpack bit by bit
+    D = FORWARD_WS[case][2]
+    if D in launch.WS_FWD_LLVM_OPT_LEVELS:
         assert facts["llir_i1_vectors"] == 0
     if "LLVM" in case:
         # at Triton's O3 the SLP vectorizer packs the partial tiles' mask compares into <64 x i1> vectors, unpacked

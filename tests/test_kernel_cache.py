@@ -260,28 +260,20 @@ def test_the_llvm_level_settings_must_map_head_dims(monkeypatch, setting):
         kernel_source(None, blocks, device="cuda", kernel=kernel)
 
 
-def test_the_dense_walks_forward_names_its_own_llvm_levels(monkeypatch):
-    """launch.WS_FWD_DENSE_LLVM_OPT_LEVELS: the warp-specialized forward without a block mask (no partial tiles, whose
-    mask compares made O3 slow: NOTES 65) compiles at D64 at Triton's own level, where its wide items spill nothing
-    (NOTES 84), but without a score_mod at WS_FWD_DENSE_PLAIN_LLVM_OPT_LEVELS' (O0, NOTES 108); a block mask's
-    forward keeps WS_FWD_LLVM_OPT_LEVELS; each source names its own."""
+def test_the_forwards_source_names_its_llvm_levels(monkeypatch):
+    """launch.WS_FWD_LLVM_OPT_LEVELS: the warp-specialized forward, with a block mask or without (the dense walk, at
+    O3 at D64 until NOTES 108), with a score_mod or without, compiles at these levels per head dim, which its source
+    names (so that Triton's caches keep builds at other levels apart)."""
     from flexlite import create_block_mask, kernel_source
     from flexlite.runtime import launch
 
     blocks = create_block_mask(lambda b, h, q, k: q >= k, None, None, 256, 256, device="cpu")
-    assert launch.WS_FWD_DENSE_LLVM_OPT_LEVELS == {128: "O0"} and launch.WS_FWD_LLVM_OPT_LEVELS[64] == "O0"
-    assert launch.WS_FWD_DENSE_PLAIN_LLVM_OPT_LEVELS == {64: "O0", 128: "O0"}
-    dense = kernel_source(lambda s, b, h, q, k: s * 0.5, None, device="cuda", kernel="forward_ws")
-    assert "\nLLVM_OPT_LEVELS = {128: 'O0'}\n" in dense
-    plain = kernel_source(None, None, device="cuda", kernel="forward_ws")
-    assert "\nLLVM_OPT_LEVELS = {64: 'O0', 128: 'O0'}\n" in plain
-    assert f"\nLLVM_OPT_LEVELS = {launch.WS_FWD_LLVM_OPT_LEVELS!r}\n" in kernel_source(None, blocks, device="cuda",
-                                                                                       kernel="forward_ws")
-    monkeypatch.setattr(launch, "WS_FWD_DENSE_LLVM_OPT_LEVELS", {64: "O1"})
-    assert "\nLLVM_OPT_LEVELS = {64: 'O1'}\n" in kernel_source(lambda s, b, h, q, k: s * 0.5, None, device="cuda",
-                                                                kernel="forward_ws")
-    monkeypatch.setattr(launch, "WS_FWD_DENSE_PLAIN_LLVM_OPT_LEVELS", {64: "O2"})
-    assert "\nLLVM_OPT_LEVELS = {64: 'O2'}\n" in kernel_source(None, None, device="cuda", kernel="forward_ws")
+    assert launch.WS_FWD_LLVM_OPT_LEVELS == {64: "O0", 128: "O0"}
+    sources = lambda: [kernel_source(mod, mask, device="cuda", kernel="forward_ws")  # noqa: E731
+                       for mod in (None, lambda s, b, h, q, k: s * 0.5) for mask in (None, blocks)]
+    assert all("\nLLVM_OPT_LEVELS = {64: 'O0', 128: 'O0'}\n" in source for source in sources())
+    monkeypatch.setattr(launch, "WS_FWD_LLVM_OPT_LEVELS", {64: "O1"})
+    assert all("\nLLVM_OPT_LEVELS = {64: 'O1'}\n" in source for source in sources())
 
 
 def _prewarm_off():

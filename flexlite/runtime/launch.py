@@ -351,6 +351,10 @@ WS_FWD_TURNS_PLAIN_HEAD_DIMS = frozenset({64})
 # the document mask 1,544 stay in two warpgroups (ALiBi's 168 bytes in its full-tile loop were 12 % slower than two
 # warpgroups on an H100, NOTES 85)
 WS_FWD_WIDE_MAX_LOCAL = 48
+# the same for the dense walk's wide items: none (H200, D64 at LLVM O0: a relative-position bias's wide kernel, 24
+# bytes of spills in its tile loops, was 16 % slower than O3's two warpgroups, O0's two warpgroups 1.3 % faster;
+# without a score_mod and with softcap the wide kernel spills nothing; NOTES 108)
+WS_FWD_DENSE_WIDE_MAX_LOCAL = 0
 # a block mask's wide items are taken where their tiles, weighed by rows and a partial tile as
 # WS_FWD_PARTIAL_TILE_COST full ones (D64: a partial tile's loop is 1.4-2.1x a full one's instructions), come to at
 # most WS_FWD_WIDE_MAX_WORK times the mask's own items' (api._wide_work): banded masks' wider items walk more keys,
@@ -495,7 +499,8 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
     None), as :func:`launch_forward`. ``wide``: where the items may take :data:`WS_FWD_WIDE_TILES` (three consumer
     warpgroups) at this head dim: True for the dense walk, for a block mask its four lists for q blocks of those
     tiles' rows (block_mask.item_lists); they are taken where that kernel spills at most
-    :data:`WS_FWD_WIDE_MAX_LOCAL` bytes a thread (its compile checked once), else the lists given, in items of
+    :data:`WS_FWD_WIDE_MAX_LOCAL` bytes a thread (the dense walk :data:`WS_FWD_DENSE_WIDE_MAX_LOCAL`; its compile
+    checked once), else the lists given, in items of
     :data:`WS_BLOCK_M` rows. Inside :func:`compile_only` both kernels compile."""
     B, Hq, Lq, D = q.shape
     Hkv, Lkv = k.shape[1], k.shape[2]
@@ -542,6 +547,7 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
         choices.insert(0, ({**tiles, **wide_tiles}, lists, sparse_block) if wide is True else
                        ({**tiles, **wide_tiles}, tuple(wide), (wide_tiles["BLOCK_M"], sparse_block[1])))
     scalars = scalars_to(mod_args, q.device)
+    max_local = WS_FWD_DENSE_WIDE_MAX_LOCAL if dense else WS_FWD_WIDE_MAX_LOCAL
     for n, (tiles_n, lists_n, sparse) in enumerate(choices):
         blocks, block_strides, has_full = _block_args(*lists_n)
         block_m = tiles_n["BLOCK_M"]
@@ -555,11 +561,11 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
             PERSISTENT=persistent, STORE_MAX=max_scores, SKIP_LEAD=False,
             TURNS=ws_fwd_turns(D, has_score_mod), num_warps=4), **tiles_n})
         last = n == len(choices) - 1
-        if not (last or compiling_only()) and (launch.local or 0) > WS_FWD_WIDE_MAX_LOCAL:
+        if not (last or compiling_only()) and (launch.local or 0) > max_local:
             continue  # (the wide kernel known not to fit: no arguments built for it)
         args = kernel_args(descs, blocks, block_strides, work, n_qblocks, scalars)
         with llvm_opt_level(module.LLVM_OPT_LEVELS.get(D)):  # the level its source names (llvm_level.llvm_opt_level)
-            if compiling or last or launch.local_bytes((programs,), args) <= WS_FWD_WIDE_MAX_LOCAL:
+            if compiling or last or launch.local_bytes((programs,), args) <= max_local:
                 launch((programs,), args)
                 if not compiling:
                     if plan_key is not None:
@@ -679,20 +685,10 @@ WS_FWD_BOUNDED_SOFTMAX = True
 # own, O3): at O3 LLVM's SLP vectorizer packs a partial tile's mask compares into a <64 x i1> vector that the NVPTX
 # backend unpacks with ~200 shifts and logic ops per warp and tile (llvm_level.llvm_opt_level); at O0 the tile loops are
 # what ptxas makes of the kernel alone (H200: the document mask's forward 9.8 % faster at D128, 5.9 % at D64, the
-# other harness masks even or up to 4.7 % faster; NOTES 65)
+# other harness masks even or up to 4.7 % faster; NOTES 65). The dense walk's too (no mask compares there): it was at
+# O3 at D64 from NOTES 84 (then its O0 build spilled) to NOTES 108, where O0 measured 2.6 % faster without a
+# score_mod, 4 % with softcap, 1-3 % with ALiBi or a relative-position bias in two warpgroups (H200, B16 H16 S8192)
 WS_FWD_LLVM_OPT_LEVELS = {64: "O0", 128: "O0"}
-# the same for the dense walk's kernels (no block mask: no mask compares but those of the keys past KV_LEN): at D64
-# Triton's own O3, where the wide items' kernel (WS_FWD_WIDE_TILES) spilled nothing at 160 registers (80 bytes a
-# thread at O0) and ran 10.4 % faster than two warpgroups (7.4 % at O0; H100, B16 H16 S8192, NOTES 84). Measured with
-# the first consumer as the default partition; since NOTES 85 (the producer there) the O0 build spills nothing either,
-# and O3 against O0 has not been timed again
-WS_FWD_DENSE_LLVM_OPT_LEVELS = {128: "O0"}
-# the same for the dense walk without a score_mod: at D64 O0 too, 2.6 % faster than O3 on the H200 (B16 H16 S8192, two
-# A/Bs: full 8.58 against 8.81 ms; the wide kernel spills nothing at either level, its tile loop 425 SASS instructions
-# against 424). With a score_mod the levels above: softcap's dense walk was 2.6 % faster at O0 as well, but a
-# relative-position bias 16 % slower (its wide kernel spills 24 bytes at O0, taken, against 244 at O3, which sent it
-# to two warpgroups; NOTES 108)
-WS_FWD_DENSE_PLAIN_LLVM_OPT_LEVELS = {64: "O0", 128: "O0"}
 # the same for the warp-specialized dK / dV kernel: at D128 O0 also ends O3's spills in its tile loops (H200: the
 # backward 0.4-2.3 % faster, document's 13 %); at D64 its full-tile loops grow by ~45 instructions at O0 (2-3.4 %
 # slower but for document and softcap; NOTES 65)
