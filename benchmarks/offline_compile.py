@@ -169,7 +169,7 @@ def compile_forward_ws(score_mod, block_mask, D: int, L: int = 1024, Lkv: Option
     q = torch.randn(1, heads[0], L, D, dtype=dtype)
     k, v = [torch.randn(1, heads[1], Lkv, D, dtype=dtype) for _ in range(2)]
     kernel = _generate(score_mod, block_mask, torch.device("cuda"), "fwd_ws.py.jinja",
-                       _float_index("fwd_ws.py.jinja", L, Lkv), dtype=dtype, max_scores=max_scores)
+                       _float_index("fwd_ws.py.jinja", L, Lkv), dtype=dtype, max_scores=max_scores, lengths=(L, Lkv))
     module = load_module(kernel.source, interpret=False)
     num, idx, full_num, full_idx, sparse = _block_tensors(block_mask, L, Lkv, torch.device("cpu"))
     saved = launch.WS_FWD_PERSISTENT, launch.CompiledLaunch.local_bytes

@@ -619,11 +619,12 @@ def _mask_forms() -> dict:
 
 def _generate(score_mod, block_mask, device: torch.device, template: str = "fwd.py.jinja",
               float_index: bool = False, dtype: Optional[torch.dtype] = None,
-              max_scores: bool = False, traced: tuple = (None, None)) -> GeneratedKernel:
+              max_scores: bool = False, traced: tuple = (None, None), lengths: tuple = (0, 0)) -> GeneratedKernel:
     """``dtype`` (the inputs') and ``max_scores``: the warp-specialized forward runs a bounded score_mod against its
     bound (launch.WS_FWD_BOUNDED_SOFTMAX) for bfloat16 inputs without max_scores only (fp16's P would lose the small
     weights; max_scores need the running row max). ``traced``: the mods' traces where this call has them
-    (:func:`_validate`), used in place of the mods."""
+    (:func:`_validate`), used in place of the mods. ``lengths``: (Lq, Lkv), which pick the dense walk's LLVM levels
+    (launch.dense_lengths_even)."""
     mask_mod = block_mask.mask_mod if block_mask is not None else None
     score_mod, mask_mod = traced[0] or score_mod, traced[1] or mask_mod
     return generate(template, score_mod, mask_mod, interpret=device.type != "cuda", float_index=float_index,
@@ -633,7 +634,9 @@ def _generate(score_mod, block_mask, device: torch.device, template: str = "fwd.
                     compact_bias_dims=_launch.WS_FWD_COMPACT_BIAS_HEAD_DIMS,
                     affine_bias_dims=_launch.WS_FWD_AFFINE_BIAS_HEAD_DIMS, **_mask_forms(),
                     bounded=_launch.WS_FWD_BOUNDED_SOFTMAX and dtype == torch.bfloat16 and not max_scores,
-                    llvm_opt_levels=_launch.WS_FWD_LLVM_OPT_LEVELS,
+                    llvm_opt_levels=(_launch.WS_FWD_LLVM_OPT_LEVELS if block_mask is not None
+                                     or _launch.dense_lengths_even(*lengths)
+                                     else _launch.WS_FWD_DENSE_RAGGED_LLVM_OPT_LEVELS),
                     poly_exp2=_launch.WS_FWD_POLY_EXP2,
                     bounded_poly_exp2=_launch.WS_FWD_POLY_EXP2_BOUNDED)  # (generate keeps each for its templates)
 
@@ -684,7 +687,7 @@ def kernel_source(score_mod: Optional[Callable] = None, block_mask=None, *, devi
                                  **_mask_forms()).source
     lengths = block_mask.seq_lengths if block_mask is not None else (0, 0)
     return _generate(score_mod, block_mask, device, _PASSES[kernel], _float_index(_PASSES[kernel], *lengths),
-                     dtype=dtype).source
+                     dtype=dtype, lengths=lengths).source
 
 
 def kernel_path(score_mod: Optional[Callable] = None, block_mask=None, *, device=None,
@@ -809,7 +812,7 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options, ma
     rows = 0 if ws else _decode_rows(query, key, num, sparse, options)
     template = "fwd_ws.py.jinja" if ws else "decode.py.jinja" if rows else "fwd.py.jinja"
     kernel = _generate(score_mod, block_mask, query.device, template, _float_index(template, Lq, Lkv),
-                       dtype=query.dtype, max_scores=max_scores, traced=traced)
+                       dtype=query.dtype, max_scores=max_scores, traced=traced, lengths=(Lq, Lkv))
     if ws and kernel.source in _WS_UNCOMPILABLE and not options.get("WARP_SPECIALIZE"):
         return _forward(query, key, value, score_mod, block_mask, scale, {**options, "WARP_SPECIALIZE": False},
                         max_scores, traced)
@@ -818,7 +821,7 @@ def _forward(query, key, value, score_mod, block_mask, scale, kernel_options, ma
 
     def bits_sources(bits, template=template):
         return (_generate(score_mod, bits, query.device, template, _float_index(template, Lq, Lkv), dtype=query.dtype,
-                          max_scores=max_scores, traced=(traced[0], None)).source,)
+                          max_scores=max_scores, traced=(traced[0], None), lengths=(Lq, Lkv)).source,)
 
     def other_bits(bits):  # where the walk picks the forward, a later mask_mod's may pick the other (NOTES 77)
         if _warp_specialize_fixed(query, key, value, num, sparse, options) is not None:

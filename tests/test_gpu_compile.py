@@ -316,9 +316,12 @@ def test_warp_specialized_forward_compiles_for_sm90(case):
         for i in tiles:
             assert loops[i]["MUFU"] == sfu[i]["MUFU"] - 8 and loops[i]["STL"] == 0, (loops[i], sfu[i])
             assert 50 <= loops[i]["instructions"] - sfu[i]["instructions"] <= 80, (loops[i], sfu[i])
-    # launch.WS_FWD_LLVM_OPT_LEVELS (O0): no vector of compare results for the NVPTX backend to unpack bit by bit
-    D = FORWARD_WS[case][2]
-    if D in launch.WS_FWD_LLVM_OPT_LEVELS:
+    # launch.WS_FWD_LLVM_OPT_LEVELS (O0): no vector of compare results for the NVPTX backend to unpack bit by bit (the
+    # dense walk at lengths not multiples of 128 compiles at Triton's O3 at D64, WS_FWD_DENSE_RAGGED_LLVM_OPT_LEVELS:
+    # there ragged keys' compares may be)
+    mask, D, Lq, Lkv = FORWARD_WS[case][1:5]
+    if D in (launch.WS_FWD_LLVM_OPT_LEVELS if mask != "none" or launch.dense_lengths_even(Lq, Lkv)
+             else launch.WS_FWD_DENSE_RAGGED_LLVM_OPT_LEVELS):
         assert facts["llir_i1_vectors"] == 0
     if "LLVM" in case:
         # at Triton's O3 the SLP vectorizer packs the partial tiles' mask compares into <64 x i1> vectors, unpacked

@@ -263,17 +263,28 @@ def test_the_llvm_level_settings_must_map_head_dims(monkeypatch, setting):
 def test_the_forwards_source_names_its_llvm_levels(monkeypatch):
     """launch.WS_FWD_LLVM_OPT_LEVELS: the warp-specialized forward, with a block mask or without (the dense walk, at
     O3 at D64 until NOTES 108), with a score_mod or without, compiles at these levels per head dim, which its source
-    names (so that Triton's caches keep builds at other levels apart)."""
+    names (so that Triton's caches keep builds at other levels apart); the dense walk at lengths not multiples of 128
+    at launch.WS_FWD_DENSE_RAGGED_LLVM_OPT_LEVELS' (O3 at D64, as before)."""
     from flexlite import create_block_mask, kernel_source
+    from flexlite.api import _generate
     from flexlite.runtime import launch
 
     blocks = create_block_mask(lambda b, h, q, k: q >= k, None, None, 256, 256, device="cpu")
     assert launch.WS_FWD_LLVM_OPT_LEVELS == {64: "O0", 128: "O0"}
-    sources = lambda: [kernel_source(mod, mask, device="cuda", kernel="forward_ws")  # noqa: E731
-                       for mod in (None, lambda s, b, h, q, k: s * 0.5) for mask in (None, blocks)]
-    assert all("\nLLVM_OPT_LEVELS = {64: 'O0', 128: 'O0'}\n" in source for source in sources())
+    assert launch.WS_FWD_DENSE_RAGGED_LLVM_OPT_LEVELS == {128: "O0"}
+    mods = (None, lambda s, b, h, q, k: s * 0.5)
+
+    def sources():
+        return [kernel_source(mod, mask, device="cuda", kernel="forward_ws") for mod in mods for mask in (None, blocks)]
+
+    def dense(lengths):
+        return [_generate(mod, None, torch.device("cuda"), "fwd_ws.py.jinja", lengths=lengths).source for mod in mods]
+    assert all("\nLLVM_OPT_LEVELS = {64: 'O0', 128: 'O0'}\n" in source for source in sources() + dense((512, 256)))
+    assert all("\nLLVM_OPT_LEVELS = {128: 'O0'}\n" in source for source in dense((512, 200)) + dense((200, 256)))
     monkeypatch.setattr(launch, "WS_FWD_LLVM_OPT_LEVELS", {64: "O1"})
+    monkeypatch.setattr(launch, "WS_FWD_DENSE_RAGGED_LLVM_OPT_LEVELS", {64: "O2"})
     assert all("\nLLVM_OPT_LEVELS = {64: 'O1'}\n" in source for source in sources())
+    assert all("\nLLVM_OPT_LEVELS = {64: 'O2'}\n" in source for source in dense((200, 200)))
 
 
 def _prewarm_off():

@@ -351,10 +351,18 @@ WS_FWD_TURNS_PLAIN_HEAD_DIMS = frozenset({64})
 # the document mask 1,544 stay in two warpgroups (ALiBi's 168 bytes in its full-tile loop were 12 % slower than two
 # warpgroups on an H100, NOTES 85)
 WS_FWD_WIDE_MAX_LOCAL = 48
-# the same for the dense walk's wide items: none (H200, D64 at LLVM O0: a relative-position bias's wide kernel, 24
-# bytes of spills in its tile loops, was 16 % slower than O3's two warpgroups, O0's two warpgroups 1.3 % faster;
-# without a score_mod and with softcap the wide kernel spills nothing; NOTES 108)
+# the same for the dense walk's wide items at lengths multiples of 128 (dense_lengths_even): none (H200, D64 at LLVM
+# O0: a relative-position bias's wide kernel, 24 bytes of spills in its tile loops, was 16 % slower than O3's two
+# warpgroups, O0's two warpgroups 1.3 % faster; without a score_mod and with softcap the wide kernel spills nothing;
+# NOTES 108); at other lengths WS_FWD_WIDE_MAX_LOCAL, as before (softcap's O3 kernel spills 16-36 bytes there)
 WS_FWD_DENSE_WIDE_MAX_LOCAL = 0
+
+
+def dense_lengths_even(Lq: int, Lkv: int) -> bool:
+    """Whether the dense walk's forward takes :data:`WS_FWD_LLVM_OPT_LEVELS` and :data:`WS_FWD_DENSE_WIDE_MAX_LOCAL`
+    (lengths multiples of 128, where they were measured) rather than :data:`WS_FWD_DENSE_RAGGED_LLVM_OPT_LEVELS` and
+    :data:`WS_FWD_WIDE_MAX_LOCAL`."""
+    return Lq % 128 == 0 and Lkv % 128 == 0
 # a block mask's wide items are taken where their tiles, weighed by rows and a partial tile as
 # WS_FWD_PARTIAL_TILE_COST full ones (D64: a partial tile's loop is 1.4-2.1x a full one's instructions), come to at
 # most WS_FWD_WIDE_MAX_WORK times the mask's own items' (api._wide_work): banded masks' wider items walk more keys,
@@ -499,8 +507,8 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
     None), as :func:`launch_forward`. ``wide``: where the items may take :data:`WS_FWD_WIDE_TILES` (three consumer
     warpgroups) at this head dim: True for the dense walk, for a block mask its four lists for q blocks of those
     tiles' rows (block_mask.item_lists); they are taken where that kernel spills at most
-    :data:`WS_FWD_WIDE_MAX_LOCAL` bytes a thread (the dense walk :data:`WS_FWD_DENSE_WIDE_MAX_LOCAL`; its compile
-    checked once), else the lists given, in items of
+    :data:`WS_FWD_WIDE_MAX_LOCAL` bytes a thread (the dense walk :data:`WS_FWD_DENSE_WIDE_MAX_LOCAL` where
+    :func:`dense_lengths_even`; its compile checked once), else the lists given, in items of
     :data:`WS_BLOCK_M` rows. Inside :func:`compile_only` both kernels compile."""
     B, Hq, Lq, D = q.shape
     Hkv, Lkv = k.shape[1], k.shape[2]
@@ -547,7 +555,7 @@ def launch_forward_ws(module, mod_args: list, q, k, v, kv_num_blocks, kv_indices
         choices.insert(0, ({**tiles, **wide_tiles}, lists, sparse_block) if wide is True else
                        ({**tiles, **wide_tiles}, tuple(wide), (wide_tiles["BLOCK_M"], sparse_block[1])))
     scalars = scalars_to(mod_args, q.device)
-    max_local = WS_FWD_DENSE_WIDE_MAX_LOCAL if dense else WS_FWD_WIDE_MAX_LOCAL
+    max_local = WS_FWD_DENSE_WIDE_MAX_LOCAL if dense and dense_lengths_even(Lq, Lkv) else WS_FWD_WIDE_MAX_LOCAL
     for n, (tiles_n, lists_n, sparse) in enumerate(choices):
         blocks, block_strides, has_full = _block_args(*lists_n)
         block_m = tiles_n["BLOCK_M"]
@@ -685,10 +693,14 @@ WS_FWD_BOUNDED_SOFTMAX = True
 # own, O3): at O3 LLVM's SLP vectorizer packs a partial tile's mask compares into a <64 x i1> vector that the NVPTX
 # backend unpacks with ~200 shifts and logic ops per warp and tile (llvm_level.llvm_opt_level); at O0 the tile loops are
 # what ptxas makes of the kernel alone (H200: the document mask's forward 9.8 % faster at D128, 5.9 % at D64, the
-# other harness masks even or up to 4.7 % faster; NOTES 65). The dense walk's too (no mask compares there): it was at
-# O3 at D64 from NOTES 84 (then its O0 build spilled) to NOTES 108, where O0 measured 2.6 % faster without a
-# score_mod, 4 % with softcap, 1-3 % with ALiBi or a relative-position bias in two warpgroups (H200, B16 H16 S8192)
+# other harness masks even or up to 4.7 % faster; NOTES 65). The dense walk's too where its lengths are multiples of
+# 128 (no mask compares there): it was at O3 at D64 from NOTES 84 (then its O0 build spilled) to NOTES 108, where O0
+# measured 2.6 % faster without a score_mod, 4 % with softcap, 1-3 % with ALiBi or a relative-position bias in two
+# warpgroups (H200, B16 H16 S8192)
 WS_FWD_LLVM_OPT_LEVELS = {64: "O0", 128: "O0"}
+# the dense walk's at other lengths: at D64 Triton's O3 as before NOTES 108 (there O0's wide kernel spills 12-24 bytes
+# in its tile loops, offline, and O3's none without a score_mod; not timed at O0)
+WS_FWD_DENSE_RAGGED_LLVM_OPT_LEVELS = {128: "O0"}
 # the same for the warp-specialized dK / dV kernel: at D128 O0 also ends O3's spills in its tile loops (H200: the
 # backward 0.4-2.3 % faster, document's 13 %); at D64 its full-tile loops grow by ~45 instructions at O0 (2-3.4 %
 # slower but for document and softcap; NOTES 65)
