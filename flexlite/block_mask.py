@@ -318,9 +318,18 @@ def tensors_key(tensors) -> tuple:
     """(id, version) of each tensor (None for None): a key that changes where one is replaced or changed in place.
     An inference tensor (made under torch.inference_mode) keeps no version counter: its entry is new on every call,
     so what is kept for it is redone every call (create_block_mask makes its tensors outside inference mode)."""
-    return tuple(None if t is None else (id(t), next(_UNTRACKED) if not isinstance(t, Tensor) or t.is_inference()
-                                         else t._version)
-                 for t in tensors)  # (something other than a tensor: new every call too, for its checks to name it)
+    key = []
+    for t in tensors:  # (a loop, not is_inference() per tensor: this runs several times a call, NOTES 108)
+        if t is None:
+            key.append(None)
+        elif isinstance(t, Tensor):
+            try:
+                key.append((id(t), t._version))
+            except RuntimeError:  # (an inference tensor has no version counter)
+                key.append((id(t), next(_UNTRACKED)))
+        else:  # (something other than a tensor: new every call too, for its checks to name it)
+            key.append((id(t), next(_UNTRACKED)))
+    return tuple(key)
 
 
 def kept_on(owner, name: str, key: tuple, make: Callable):
