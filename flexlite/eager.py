@@ -168,8 +168,9 @@ def native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
 def scores(q: torch.Tensor, k: torch.Tensor, groups: int, scale: float, score_mod: Optional[Callable],
             q0: int, k0: int) -> tuple:
     """(the scaled scores q @ k^T [B, H, R, K] as they enter score_mod, what score_mod makes of them), in q's
-    compute dtype (float32 for half-precision q: :func:`_matmul`). Under grad mode score_mod gets a copy of the scores, so that one changing them in place (``score *= 2``)
-    leaves autograd the scores its derivative is taken at."""
+    compute dtype (float32 for half-precision q: :func:`_matmul`). Under grad mode score_mod gets a copy of the
+    scores, so that one changing them in place (``score *= 2``) leaves autograd the scores its derivative is taken
+    at."""
     B, H, R, _ = q.shape
     raw = _by_kv_head(q, k.transpose(-1, -2), groups) * scale
     if score_mod is None:

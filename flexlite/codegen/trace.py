@@ -626,11 +626,11 @@ _RANDOM_OPS = frozenset(getattr(owner, name) for owner, names in (
 
 
 class _TracingTorchFunctions(torch.overrides.TorchFunctionMode):
-    """torch's functions while a mod is traced. Its random numbers refused. A draw made while tracing (``torch.rand(())``, whose
-    arguments are no traced values) would become a constant of the trace, one draw broadcast to every position; torch's
-    flex_attention refuses random ops under its vmap too. ``torch.as_tensor`` of a traced value is that value (in the
-    dtype asked), as in torch; ``torch.tensor`` of one (a copy, which torch's vmap cannot make of its values either)
-    is refused with what to write instead."""
+    """torch's functions while a mod is traced. Its random numbers refused. A draw made while tracing
+    (``torch.rand(())``, whose arguments are no traced values) would become a constant of the trace, one draw broadcast
+    to every position; torch's flex_attention refuses random ops under its vmap too. ``torch.as_tensor`` of a traced
+    value is that value (in the dtype asked), as in torch; ``torch.tensor`` of one (a copy, which torch's vmap cannot
+    make of its values either) is refused with what to write instead."""
 
     def __init__(self, kind: str, name: str):
         super().__init__()
